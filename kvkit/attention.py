@@ -1,0 +1,50 @@
+"""The attention function kvkit registers with transformers, and the masked slot attention it uses."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+
+def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' own sdpa attention (bit-identical to an unpatched ``sdpa`` model)."""
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out
+
+
+def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None):
+    """Attention over held slots with a mask built from the slots' own positions.
+
+    query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]`` (H divides Hq); pos ``[B, Hp, n]`` int
+    (Hp = 1 or H; -1 = padding); qpos ``[T]`` absolute positions of the queries; extra_mask
+    ``[B, Hp|1, T, n]`` bool or None. A slot is read when ``0 <= pos <= qpos`` (causal) and extra_mask.
+    Returns ``[B, T, Hq, D]``.
+    """
+    B, Hq, T, D = query.shape
+    H, n = keys.shape[1], keys.shape[2]
+    G = Hq // H
+    allowed = (pos[:, :, None, :] <= qpos.view(1, 1, T, 1)) & (pos[:, :, None, :] >= 0)  # [B, Hp, T, n]
+    if extra_mask is not None:
+        allowed = allowed & extra_mask
+    allowed = allowed.expand(B, H, T, n).unsqueeze(2).expand(B, H, G, T, n).reshape(B, H, G * T, n)
+    q = query.reshape(B, H, G * T, D)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scaling)
+    out = out.view(B, H, G, T, D).reshape(B, Hq, T, D)
+    if T > 1:  # a query with nothing visible (padding inside a chunk) gives NaN in sdpa
+        out = torch.nan_to_num(out, nan=0.0)
+    return out.transpose(1, 2)
+
+
+def kvkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered under ``"kvkit"``: routes the layer's attention to its policy store.
+
+    Without a kvkit cache (``use_cache=False``, or a user-passed transformers cache) this is plain
+    sdpa attention.
+    """
+    store = getattr(module, "_kvkit_store", None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if store is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return store.attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs), None

@@ -1,0 +1,152 @@
+"""``patch``/``unpatch``: install a policy on a loaded transformers model through the official seams.
+
+* registers :func:`kvkit.attention.kvkit_attention` under ``"kvkit"`` with ``AttentionInterface`` and
+  transformers' sdpa mask builder under the same name with ``AttentionMaskInterface`` (without it
+  padding masks would silently arrive as ``None``), then ``model.set_attn_implementation("kvkit")``;
+* a forward pre-hook on the base model swaps in a ``KVCache`` when ``generate()``/the caller gives
+  none or an empty transformers cache;
+* a forward pre-hook on each attention module hands the attention function its layer store.
+
+No forward is replaced and no modeling file is copied; ``unpatch`` removes the hooks and restores the
+previous attention implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvkit.attention import kvkit_attention
+from kvkit.cache import KVCache
+from kvkit.policies.base import Policy
+from kvkit.registry import get_policy
+
+ATTN_NAME = "kvkit"
+
+
+@dataclass
+class PatchState:
+    policy: Policy
+    old_impl: object
+    handles: list = field(default_factory=list)
+    attn_modules: list = field(default_factory=list)
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_NAME, kvkit_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def _attention_modules(model) -> list:
+    mods = []
+    for _, m in model.named_modules():
+        if hasattr(m, "layer_idx") and (hasattr(m, "k_proj") or hasattr(m, "qkv_proj")) and hasattr(m, "scaling"):
+            mods.append(m)
+    return mods
+
+
+def check_model(model, policy: Policy) -> None:
+    """Raise a clear ValueError when kvkit cannot run ``policy`` on ``model``."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"kvkit.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
+    arch = ", ".join(getattr(config, "architectures", None) or [type(model).__name__])
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"kvkit supports decoder-only causal LMs; {arch} ({config.model_type}) is an encoder-decoder model"
+        )
+    tc = config.get_text_config(decoder=True)
+    if getattr(tc, "kv_lora_rank", None):
+        raise ValueError(f"kvkit does not support multi-head latent attention (MLA) models such as {arch}")
+    mods = _attention_modules(model)
+    if not mods:
+        raise ValueError(
+            f"kvkit found no attention modules with q/k/v projections and a layer index in {arch}; "
+            "this architecture is not supported"
+        )
+    if policy.needs_rope and not any(n.endswith("rotary_emb") for n, _ in model.named_modules()):
+        raise ValueError(
+            f"kvkit policies need rotary position embeddings (RoPE); {arch} ({tc.model_type}) has none "
+            "(absolute/learned positions are not supported)"
+        )
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{arch} does not support custom attention functions (transformers' AttentionInterface); "
+            "kvkit cannot patch it"
+        )
+    policy.validate(tc)
+
+
+def _model_pre_hook(module, args, kwargs):
+    """Swap an absent or empty transformers cache for a ``KVCache`` of the patched policy."""
+    model = module._kvkit_owner
+    pkv = kwargs.get("past_key_values")
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", True)
+    if use_cache is False:
+        return None
+    if pkv is None or (type(pkv) is DynamicCache and pkv.get_seq_length() == 0):
+        kwargs["past_key_values"] = KVCache(model)
+        return args, kwargs
+    return None
+
+
+def _attn_pre_hook(module, args, kwargs):
+    pkv = kwargs.get("past_key_values")
+    module._kvkit_store = pkv.layers[module.layer_idx] if isinstance(pkv, KVCache) else None
+    return None
+
+
+def patch(model, policy="full", **options):
+    """Install a kvkit policy on ``model`` (in place) and return the model.
+
+    ``kvkit.patch(model, "streaming", budget=512)``; afterwards ``model.generate`` and
+    ``model(..., use_cache=True)`` use a ``kvkit.KVCache`` without extra arguments. Patching an
+    already-patched model replaces the previous policy.
+    """
+    pol = get_policy(policy, **options)
+    check_model(model, pol)
+    if getattr(model, "_kvkit_state", None) is not None:
+        unpatch(model)
+    _register()
+    state = PatchState(policy=pol, old_impl=model.config._attn_implementation)
+    model.set_attn_implementation(ATTN_NAME)
+    base = model.base_model
+    base._kvkit_owner = model
+    state.handles.append(base.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
+    for m in _attention_modules(model):
+        m._kvkit_store = None
+        state.handles.append(m.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))
+        state.attn_modules.append(m)
+    model._kvkit_state = state
+    return model
+
+
+def unpatch(model):
+    """Remove kvkit from ``model``: hooks, attributes and the previous attention implementation."""
+    state = getattr(model, "_kvkit_state", None)
+    if state is None:
+        return model
+    for h in state.handles:
+        h.remove()
+    for m in state.attn_modules:
+        if hasattr(m, "_kvkit_store"):
+            del m._kvkit_store
+    base = model.base_model
+    if hasattr(base, "_kvkit_owner"):
+        del base._kvkit_owner
+    model.set_attn_implementation(state.old_impl)
+    del model._kvkit_state
+    return model
+
+
+def patched_policy(model) -> Policy | None:
+    state = getattr(model, "_kvkit_state", None)
+    return None if state is None else state.policy
+
+
+__all__ = ["patch", "unpatch", "patched_policy", "check_model", "Cache"]

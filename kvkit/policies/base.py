@@ -1,0 +1,56 @@
+"""The policy contract: a frozen dataclass of hyper-parameters that builds one store per layer.
+
+A policy answers three questions (DESIGN.md): what to store (``new_layer`` returns its store), what
+to read at decode (the store's ``decode``/``visible``), and which kernel reads it. Adding a method is
+one file in this package: a ``@register("name")`` dataclass plus its store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from kvkit.cache import LayerInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Base of every kvkit policy (subclasses are frozen dataclasses registered by name)."""
+
+    name: ClassVar[str] = "base"
+    #: one line for ``kvkit policies`` and the README table
+    description: ClassVar[str] = ""
+    #: what the policy saves: "nothing", "memory", "reads" or "memory+reads"
+    saves: ClassVar[str] = "nothing"
+    #: needs rotary position embeddings in the model
+    needs_rope: ClassVar[bool] = True
+
+    def new_layer(self, info: LayerInfo):
+        """Return the store for one full-attention layer."""
+        raise NotImplementedError
+
+    def validate(self, config) -> None:
+        """Raise ValueError when the policy cannot run on this model config."""
+
+    def options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __str__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{self.name}({opts})"
+
+
+def check_positive_int(policy: str, name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{policy}: {name} must be a positive integer, got {value!r}")
+
+
+def check_fraction(policy: str, name: str, value, low_open=True, high_closed=True) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > 0 if low_open else value >= 0) and (value <= 1 if high_closed else value < 1)
+    if not ok:
+        lo = "(0" if low_open else "[0"
+        hi = "1]" if high_closed else "1)"
+        raise ValueError(f"{policy}: {name} must be in {lo}, {hi}, got {value!r}")

@@ -1,0 +1,21 @@
+"""``full``: no compression. The reference every other policy is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvkit.cache import FullStore, LayerInfo
+from kvkit.policies.base import Policy
+from kvkit.registry import register
+
+
+@register("full")
+@dataclass(frozen=True)
+class Full(Policy):
+    """Keep every token; attention is transformers' own sdpa (bit-identical to the unpatched model)."""
+
+    description = "no compression; identical outputs to the unpatched model (baseline)"
+    saves = "nothing"
+
+    def new_layer(self, info: LayerInfo):
+        return FullStore(info)

@@ -1,0 +1,85 @@
+"""``streaming``: StreamingLLM (Xiao et al., arXiv:2309.17453) -- attention sinks + a recent window.
+
+Each layer keeps the first ``sink`` tokens of every sequence plus the most recent
+``budget - sink`` tokens; the middle is evicted for real. A query at position p reads exactly the
+sinks and the window of positions ``(p - window, p]``, whatever the eviction timing: evicted tokens
+are removed in bulk once ``tail`` extra tokens have accumulated, so a layer holds at most
+``budget + tail`` tokens, and ``crop`` (speculative rollback) stays exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvkit.cache import LayerInfo, SlotStore
+from kvkit.policies.base import Policy, check_positive_int
+from kvkit.registry import register
+
+
+@register("streaming")
+@dataclass(frozen=True)
+class Streaming(Policy):
+    """StreamingLLM sinks + recent window.
+
+    Parameters
+    ----------
+    budget : int
+        Tokens kept per layer (sinks + window); 1024 as in the paper's default cache.
+    sink : int
+        Attention-sink tokens kept from the start of each sequence (4 in the paper).
+    tail : int
+        Uncompressed tokens allowed above the budget before a bulk eviction (kvkit, not the paper).
+    """
+
+    budget: int = 1024  # StreamingLLM default cache size
+    sink: int = 4  # StreamingLLM: 4 initial tokens
+    tail: int = 32
+
+    description = "StreamingLLM: sink tokens + recent window, middle evicted (2309.17453)"
+    saves = "memory+reads"
+
+    def __post_init__(self):
+        check_positive_int("streaming", "budget", self.budget)
+        check_positive_int("streaming", "tail", self.tail)
+        if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
+            raise ValueError(f"streaming: sink must be an integer >= 0, got {self.sink!r}")
+        if self.sink >= self.budget:
+            raise ValueError(
+                f"streaming: sink ({self.sink}) must be smaller than budget ({self.budget}) so the recent "
+                "window keeps at least one token"
+            )
+
+    def new_layer(self, info: LayerInfo):
+        return StreamingStore(info, self.budget, self.sink, self.tail)
+
+
+class StreamingStore(SlotStore):
+    """Sinks + recent window; all KV heads hold the same positions."""
+
+    def __init__(self, info: LayerInfo, budget: int, sink: int, tail: int, num_heads: int | None = None):
+        super().__init__(info, num_heads)
+        self.budget, self.sink, self.tail = budget, sink, tail
+        self.window = budget - sink
+
+    def _is_sink(self) -> torch.Tensor:
+        # [B, Hp, n]: the first `sink` real (non-padding) tokens of each row
+        first = self.first_pos.view(-1, 1, 1)
+        return (self.pos >= first) & (self.pos < first + self.sink)
+
+    def should_compress(self) -> bool:
+        return self.keys.shape[-2] >= self.budget + self.tail
+
+    def compress(self) -> None:
+        # Score: sinks first, then recency; padding never kept (evict_by_score).
+        score = self.pos.float() + self._is_sink().float() * (self.seen + 1)
+        self.evict_by_score(score, self.budget)
+
+    def on_prefill(self, query, module) -> None:
+        if self.keys.shape[-2] > self.budget:
+            self.compress()
+
+    def visible(self, qpos: torch.Tensor) -> torch.Tensor:
+        recent = self.pos[:, :, None, :] > (qpos.view(1, 1, -1, 1) - self.window)
+        return recent | self._is_sink()[:, :, None, :]

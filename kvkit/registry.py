@@ -1,0 +1,80 @@
+"""Policy registry: ``@register("name")`` on a policy dataclass, lookup by name with clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvkit.policies.base import Policy
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(name: str):
+    """Class decorator: register a policy dataclass under ``name`` (registration order is listing order)."""
+
+    def deco(cls):
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"policy name {name!r} is already registered by {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _ensure_loaded() -> None:
+    # Importing the package registers every built-in policy.
+    import kvkit.policies  # noqa: F401
+
+
+def available_policies() -> list[str]:
+    """Names of all registered policies, in registry order."""
+    _ensure_loaded()
+    return list(_REGISTRY)
+
+
+def policy_class(name: str) -> type[Policy]:
+    _ensure_loaded()
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown kvkit policy {name!r}; known policies: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def policy_options(name: str) -> dict[str, object]:
+    """Option names of a policy with their defaults."""
+    cls = policy_class(name)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+        else:
+            out[f.name] = None
+    return out
+
+
+def get_policy(name, **options) -> Policy:
+    """Build a policy by name. Unknown option names raise ValueError listing the valid ones.
+
+    ``name`` may also be an already-built policy instance (then ``options`` must be empty).
+    """
+    from kvkit.policies.base import Policy
+
+    if isinstance(name, Policy):
+        if options:
+            raise ValueError("pass options either to the policy object or to get_policy, not both")
+        return name
+    cls = policy_class(name)
+    valid = policy_options(name)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for policy {name!r}; "
+            f"valid options: {', '.join(f'{k}={v!r}' for k, v in valid.items()) or '(none)'}"
+        )
+    return cls(**options)
