@@ -36,6 +36,8 @@ class LayerInfo:
     sliding_window: int | None = None
     config: Any = None  # the decoder's text config
     rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+    #: one dict shared by all layers of a KVCache (cross-layer state, e.g. TidalDecode's selection)
+    shared: dict = field(default_factory=dict, repr=False)
 
     @property
     def groups(self) -> int:
@@ -355,6 +357,9 @@ class KVCache(Cache):
         self.policy = get_policy(policy, **options)
         rope = make_rope_fn(model) if hasattr(model, "named_modules") else None
         self.infos = layer_infos(model, rope)
+        self.shared: dict = {}
+        for info in self.infos:
+            info.shared = self.shared
         layers = []
         for info in self.infos:
             if info.layer_type in ("sliding_attention", "chunked_attention") and info.sliding_window:

@@ -1,0 +1,70 @@
+"""Helpers for tests and examples: tiny random models, left-padded batches, greedy reference decoding."""
+
+from __future__ import annotations
+
+import torch
+
+TINY_ARCHS = ("llama", "qwen2", "mistral")
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """A tiny random config of a supported architecture (GQA 4 query / 2 KV heads, head_dim 16)."""
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        common["sliding_window"] = 24
+    if arch in ("qwen2", "qwen3"):
+        common["use_sliding_window"] = False
+    common.update(overrides)
+    return AutoConfig.for_model(arch, **common)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random causal LM in fp32 with sdpa attention, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval()
+
+
+def left_padded_batch(lengths, vocab: int = 128, pad_id: int = 0, seed: int = 0):
+    """Random prompts of the given lengths, left padded: returns (input_ids, attention_mask, prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
+    T = max(lengths)
+    ids = torch.full((len(lengths), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(lengths), T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :] = p
+        mask[i, T - len(p) :] = 1
+    return ids, mask, prompts
+
+
+@torch.no_grad()
+def greedy(model, ids, steps: int, attention_mask=None, cache=None):
+    """Plain greedy decoding with an explicit loop: returns (tokens [B, steps], logits list, cache)."""
+    out = model(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    cache = out.past_key_values
+    logits = [out.logits[:, -1]]
+    toks = []
+    mask = attention_mask
+    for _ in range(steps):
+        nxt = logits[-1].argmax(-1, keepdim=True)
+        toks.append(nxt)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.cat(toks, dim=1), logits, cache
