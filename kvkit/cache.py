@@ -8,8 +8,9 @@ generic position-indexed mask of transformers (after eviction column j no longer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import (

@@ -61,16 +61,16 @@ def check_model(model, policy: Policy) -> None:
     tc = config.get_text_config(decoder=True)
     if getattr(tc, "kv_lora_rank", None):
         raise ValueError(f"kvkit does not support multi-head latent attention (MLA) models such as {arch}")
+    if policy.needs_rope and not any(n.endswith("rotary_emb") for n, _ in model.named_modules()):
+        raise ValueError(
+            f"kvkit policies need rotary position embeddings (RoPE); {arch} ({tc.model_type}) has none "
+            "(absolute/learned positions are not supported)"
+        )
     mods = _attention_modules(model)
     if not mods:
         raise ValueError(
             f"kvkit found no attention modules with q/k/v projections and a layer index in {arch}; "
             "this architecture is not supported"
-        )
-    if policy.needs_rope and not any(n.endswith("rotary_emb") for n, _ in model.named_modules()):
-        raise ValueError(
-            f"kvkit policies need rotary position embeddings (RoPE); {arch} ({tc.model_type}) has none "
-            "(absolute/learned positions are not supported)"
         )
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(

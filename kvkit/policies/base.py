@@ -37,7 +37,7 @@ class Policy:
 
     def __str__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
-        return f"{self.name}({opts})"
+        return f"{self.name}({opts})" if opts else self.name
 
 
 def check_positive_int(policy: str, name: str, value, allow_none: bool = False) -> None:

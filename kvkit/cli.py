@@ -1,0 +1,141 @@
+"""The ``kvkit`` console script.
+
+``kvkit`` alone runs the built-in demo (full cache vs a compressed policy on the bundled model);
+``kvkit run``, ``kvkit policies``; evaluation, benchmark, calibration and speculative commands are
+added by their packages (``kvkit eval``, ``kvkit bench``, ``kvkit calibrate``, ``kvkit speculate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+DEMO_POLICIES = ("streaming",)
+DEMO_OPTIONS = {"streaming": {"budget": 256}}
+
+
+def parse_options(pairs: list[str] | None, json_opts: str | None = None) -> dict:
+    """``["budget=256", "sink=4"]`` -> ``{"budget": 256, "sink": 4}`` (values parsed as JSON when possible)."""
+    out = dict(json.loads(json_opts)) if json_opts else {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise SystemExit(f"kvkit: option {pair!r} must look like key=value")
+        k, v = pair.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def cmd_policies(args) -> int:
+    from kvkit.registry import _REGISTRY, available_policies, policy_options
+
+    for name in available_policies():
+        cls = _REGISTRY[name]
+        opts = ", ".join(f"{k}={v!r}" for k, v in policy_options(name).items()) or "(no options)"
+        print(f"{name:<10} saves {cls.saves:<13} {cls.description}")
+        print(f"{'':<10} defaults: {opts}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from kvkit.demo import chat_ids, needle_prompt, run_policy
+    from kvkit.models import load
+
+    torch.manual_seed(0)
+    policies = [p for item in (args.policy or list(DEMO_POLICIES)) for p in item.split(",") if p]
+    options = parse_options(args.opt, args.options)
+    if args.budget is not None:
+        options["budget"] = args.budget
+    print(f"loading model {args.model!r} ...", flush=True)
+    model, tok = load(args.model, device=args.device)
+    expected = None
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
+        if args.question:
+            text = f"{text}\n\n{args.question}"
+        ids = chat_ids(tok, text)
+    else:
+        ids, expected = needle_prompt(tok, context_tokens=args.context_tokens, depth=args.depth, seed=args.seed)
+        print(f"demo: needle question over {ids.shape[1]} tokens of essays (needle at depth {args.depth:.0%})")
+    runs = []
+    for name in ["full", *[p for p in policies if p != "full"]]:
+        opts = {} if name == "full" else (options or DEMO_OPTIONS.get(name, {}))
+        res = run_policy(model, tok, ids, name, max_new_tokens=args.max_new_tokens, **opts)
+        runs.append(res)
+    full = runs[0]
+    print()
+    print(f"{'policy':<44} {'KV bytes':>11} {'vs full':>8} {'prefill':>8} {'decode':>10}  answer")
+    for r in runs:
+        ratio = full.kv_bytes / max(r.kv_bytes, 1)
+        ok = "" if expected is None else ("  [correct]" if expected in r.answer else f"  [expected {expected}]")
+        off = f" (+{fmt_bytes(r.kv_offloaded)} offloaded)" if r.kv_offloaded else ""
+        print(
+            f"{r.policy[:44]:<44} {fmt_bytes(r.kv_bytes):>11} {ratio:>7.1f}x {r.prefill_s:>7.2f}s "
+            f"{r.decode_tok_s:>6.1f} tok/s  {r.answer!r}{ok}{off}"
+        )
+    return 0
+
+
+# sub-command providers: module -> function add_commands(subparsers)
+EXTENSIONS = ("kvkit.evals.cli", "kvkit.speculative.cli", "kvkit.calibrate.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvkit", description="KV-cache compression for Hugging Face transformers")
+    sub = p.add_subparsers(dest="command")
+    r = sub.add_parser("run", help="answer a long prompt with a policy and compare KV bytes / speed with full")
+    r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    r.add_argument("--policy", action="append", help="policy name(s), comma separated (full is always run)")
+    r.add_argument("--budget", type=int, default=None, help="sets the policy's `budget` option")
+    r.add_argument("--opt", action="append", metavar="KEY=VALUE", help="policy option, repeatable")
+    r.add_argument("--options", default=None, help="policy options as JSON")
+    r.add_argument("--prompt-file", default=None, help="text file with the prompt (default: built-in needle demo)")
+    r.add_argument("--question", default=None, help="question appended after the prompt file")
+    r.add_argument("--context-tokens", type=int, default=3000, help="demo haystack size in tokens")
+    r.add_argument("--depth", type=float, default=0.5, help="demo needle depth in [0, 1]")
+    r.add_argument("--max-new-tokens", type=int, default=16)
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=cmd_run)
+    pol = sub.add_parser("policies", help="list the registered policies with their defaults")
+    pol.set_defaults(func=cmd_policies)
+    for mod in EXTENSIONS:
+        try:
+            m = importlib.import_module(mod)
+        except ImportError as e:
+            if e.name and mod.startswith(e.name):
+                continue  # that part of kvkit is not built yet
+            raise
+        m.add_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # the built-in demo
+        args = parser.parse_args(["run", *(argv or [])])
+    try:
+        return args.func(args) or 0
+    except ValueError as e:  # bad input: clear message, no traceback
+        print(f"kvkit: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

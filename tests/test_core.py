@@ -1,0 +1,234 @@
+"""Foundation: patch/unpatch, KVCache, the `full` and `streaming` policies on tiny random models."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvkit
+from kvkit.testing import TINY_ARCHS, greedy, left_padded_batch, tiny_model
+
+
+@pytest.fixture(params=TINY_ARCHS)
+def arch(request):
+    return request.param
+
+
+@torch.no_grad()
+def _logits_and_tokens(model, ids, mask=None, steps=32):
+    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
+    return toks, torch.stack(logits, 1), cache
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_full_matches_unpatched(arch, batch):
+    model = tiny_model(arch)
+    if batch == 1:
+        ids, mask = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1)), None
+    else:
+        ids, mask, _ = left_padded_batch([40, 31, 17])
+    ref_toks, ref_logits, ref_cache = _logits_and_tokens(model, ids, mask)
+    assert isinstance(ref_cache, DynamicCache)
+    kvkit.patch(model, "full")
+    toks, logits, cache = _logits_and_tokens(model, ids, mask)
+    assert isinstance(cache, kvkit.KVCache)
+    assert cache.get_seq_length() == ids.shape[1] + 32
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(toks, ref_toks)
+    # generate() also picks up the KVCache without any argument
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, kvkit.KVCache)
+    assert torch.equal(out.sequences[:, ids.shape[1] :], ref_toks[:, :8])
+    kvkit.unpatch(model)
+    assert model.config._attn_implementation == "sdpa"
+    toks2, logits2, cache2 = _logits_and_tokens(model, ids, mask)
+    assert isinstance(cache2, DynamicCache)
+    assert torch.equal(logits2, ref_logits) and torch.equal(toks2, ref_toks)
+
+
+def test_explicit_kvcache_and_nbytes():
+    model = tiny_model("llama")
+    kvkit.patch(model, "full")
+    ids = torch.randint(1, 128, (2, 20))
+    cache = kvkit.KVCache(model)
+    out = model(ids, past_key_values=cache, use_cache=True)
+    assert out.past_key_values is cache
+    cfg = model.config
+    per_layer = 2 * 2 * cfg.num_key_value_heads * 20 * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert cache.nbytes(per_layer=True) == [per_layer] * cfg.num_hidden_layers
+    assert cache.nbytes() == per_layer * cfg.num_hidden_layers
+    # an explicit cache for another policy than the patched one
+    c2 = kvkit.KVCache(model, "streaming", budget=8, sink=2, tail=4)
+    model(ids, past_key_values=c2, use_cache=True)
+    assert c2.num_slots() == [8] * cfg.num_hidden_layers
+    assert c2.get_seq_length() == 20
+
+
+def test_use_cache_false_and_plain_forward_match():
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 128, (1, 25))
+    ref = model(ids, use_cache=False).logits
+    kvkit.patch(model, "streaming", budget=8, sink=2)
+    out = model(ids, use_cache=False)
+    assert out.past_key_values is None
+    torch.testing.assert_close(out.logits, ref)
+    # prefill attention is exact for every policy: same logits over the prompt
+    out = model(ids, use_cache=True)
+    torch.testing.assert_close(out.logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def _streaming_formula(model, n_slots, batch=1):
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    return batch * n_slots * (2 * cfg.num_key_value_heads * d * 4 + 4)  # fp32 K+V, int32 position
+
+
+@pytest.mark.parametrize("arch_", ["llama", "qwen2"])
+def test_streaming_memory_bounded(arch_):
+    model = tiny_model(arch_)
+    budget, sink, tail = 16, 4, 8
+    kvkit.patch(model, "streaming", budget=budget, sink=sink, tail=tail)
+    ids = torch.randint(1, 128, (2, 50))
+    toks, _, cache = greedy(model, ids, 40)
+    L = model.config.num_hidden_layers
+    for n in cache.num_slots():
+        assert n <= budget + tail
+    assert cache.nbytes(per_layer=True) == [_streaming_formula(model, n, 2) for n in cache.num_slots()]
+    full = kvkit.KVCache(model, "full")
+    model(torch.cat([ids, toks], 1), past_key_values=full, use_cache=True)
+    assert cache.nbytes() * 3 < full.nbytes()
+    assert cache.get_seq_length() == 90 and len(cache.nbytes(per_layer=True)) == L
+
+
+def test_streaming_reads_exactly_sinks_and_window():
+    """Decode under streaming == an explicit sink+window mask over the full KV."""
+    model = tiny_model("llama")
+    budget, sink = 12, 3
+    ids = torch.randint(1, 128, (1, 30))
+    kvkit.patch(model, "streaming", budget=budget, sink=sink, tail=5)
+    toks, logits, cache = greedy(model, ids, 12)
+    kvkit.unpatch(model)
+    # reference: full model, decode step t at position p sees positions < sink or > p - window
+    seq = torch.cat([ids, toks], 1)
+    window = budget - sink
+    dc = DynamicCache()
+    out = model(ids, past_key_values=dc, use_cache=True)
+    ref_logits = [out.logits[:, -1]]
+    for t in range(12):
+        p = 30 + t  # position of the decoded token
+        keep = torch.arange(p + 1)
+        m = ((keep < sink) | (keep > p - window)).view(1, 1, 1, p + 1)
+        out = model(seq[:, p : p + 1], past_key_values=dc, attention_mask=m.float().log(), use_cache=True)
+        ref_logits.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(logits, 1), torch.stack(ref_logits, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_streaming_crop_is_exact():
+    model = tiny_model("llama")
+    kvkit.patch(model, "streaming", budget=10, sink=2, tail=4)
+    ids = torch.randint(1, 128, (1, 24))
+    ref_toks, _, _ = greedy(model, ids, 20)
+    # decode 8 tokens, then feed 5 wrong tokens in one multi-token forward, crop them, continue
+    toks, logits, cache = greedy(model, ids, 8)
+    wrong = torch.randint(1, 128, (1, 5))
+    model(wrong, past_key_values=cache, use_cache=True)
+    cache.crop(-5)
+    assert cache.get_seq_length() == 24 + 8
+    cont = [toks]
+    nxt = logits[-1].argmax(-1, keepdim=True)
+    for _ in range(12):
+        cont.append(nxt)
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    assert torch.equal(torch.cat(cont, 1), ref_toks)
+    # one-token steps followed by a crop (HF assisted decoding with a patched assistant)
+    for _ in range(3):
+        out = model(torch.randint(1, 128, (1, 1)), past_key_values=cache, use_cache=True)
+    cache.crop(-3)
+    assert cache.get_seq_length() == 24 + 20
+
+
+def test_streaming_crop_beyond_tail_raises():
+    model = tiny_model("llama")
+    kvkit.patch(model, "streaming", budget=8, sink=2, tail=2)
+    toks, _, cache = greedy(model, torch.randint(1, 128, (1, 20)), 6)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(-6)
+
+
+def test_streaming_budget_covering_context_equals_full():
+    model = tiny_model("mistral", sliding_window=None)
+    ids, mask, _ = left_padded_batch([30, 22])
+    ref_toks, ref_logits, _ = _logits_and_tokens(model, ids, mask, steps=16)
+    kvkit.patch(model, "streaming", budget=512, sink=4)
+    toks, logits, _ = _logits_and_tokens(model, ids, mask, steps=16)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(toks, ref_toks)
+
+
+def test_streaming_batch_left_padding_equals_single():
+    model = tiny_model("llama")
+    kvkit.patch(model, "streaming", budget=12, sink=2, tail=4)
+    ids, mask, prompts = left_padded_batch([40, 26, 33])
+    toks, logits, cache = greedy(model, ids, 20, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        t1, l1, _ = greedy(model, p[None], 20)
+        assert torch.equal(toks[i], t1[0]), f"row {i}"
+        torch.testing.assert_close(torch.stack(logits, 1)[i], torch.stack(l1, 1)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_beam_search_reorders():
+    model = tiny_model("llama")
+    kvkit.patch(model, "streaming", budget=12, sink=2, tail=4)
+    ids = torch.randint(1, 128, (1, 30))
+    out = model.generate(ids, max_new_tokens=10, num_beams=3, do_sample=False)
+    assert out.shape == (1, 40)
+    kvkit.patch(model, "full")
+    kvkit.unpatch(model)
+    ref = model.generate(ids, max_new_tokens=10, num_beams=3, do_sample=False)
+    kvkit.patch(model, "full")
+    assert torch.equal(model.generate(ids, max_new_tokens=10, num_beams=3, do_sample=False), ref)
+
+
+def test_registry_and_bad_input():
+    assert kvkit.available_policies()[:2] == ["full", "streaming"]
+    with pytest.raises(ValueError, match="known policies: full, streaming"):
+        kvkit.get_policy("nope")
+    with pytest.raises(ValueError, match="valid options: budget=1024, sink=4, tail=32"):
+        kvkit.get_policy("streaming", window=3)
+    for bad in (dict(budget=0), dict(budget=-5), dict(budget=8, sink=8), dict(budget=8, sink=9), dict(sink=-1)):
+        with pytest.raises(ValueError, match="streaming"):
+            kvkit.get_policy("streaming", **bad)
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown kvkit policy"):
+        kvkit.patch(model, "duoo")
+    assert model.config._attn_implementation == "sdpa"  # a failed patch leaves the model alone
+
+
+def test_patch_twice_repatches_cleanly():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 30))
+    ref = model(ids).logits
+    kvkit.patch(model, "streaming", budget=8, sink=2)
+    kvkit.patch(model, "streaming", budget=16, sink=4)
+    kvkit.patch(model, "full")
+    assert str(kvkit.patched_policy(model)) == "full"
+    n_hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    assert n_hooks == 1 + model.config.num_hidden_layers
+    torch.testing.assert_close(model(ids).logits, ref)
+    kvkit.unpatch(model)
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
+    assert not any(hasattr(m, "_kvkit_store") for m in model.modules())
+    assert torch.equal(model(ids).logits, ref)
+
+
+def test_unsupported_models_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64))
+    with pytest.raises(ValueError, match="rotary position embeddings.*GPT2LMHeadModel|GPT2LMHeadModel.*rotary"):
+        kvkit.patch(gpt2, "streaming")
+    t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=64, d_kv=16))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        kvkit.patch(t5, "full")
+    with pytest.raises(ValueError, match="PreTrainedModel"):
+        kvkit.patch(torch.nn.Linear(2, 2), "full")
