@@ -92,7 +92,7 @@ def cmd_run(args) -> int:
 
 
 # sub-command providers: module -> function add_commands(subparsers)
-EXTENSIONS = ("kvkit.evals.cli", "kvkit.speculative.cli", "kvkit.calibrate.cli")
+EXTENSIONS = ("kvkit.doctor", "kvkit.evals.cli", "kvkit.speculative.cli", "kvkit.calibrate.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

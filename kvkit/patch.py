@@ -61,6 +61,11 @@ def check_model(model, policy: Policy) -> None:
     tc = config.get_text_config(decoder=True)
     if getattr(tc, "kv_lora_rank", None):
         raise ValueError(f"kvkit does not support multi-head latent attention (MLA) models such as {arch}")
+    if getattr(tc, "attn_logit_softcapping", None):
+        raise ValueError(
+            f"{arch} ({tc.model_type}) uses attention logit soft-capping, which kvkit's attention kernels "
+            "do not implement (transformers has no sdpa path for it either)"
+        )
     if policy.needs_rope and not any(n.endswith("rotary_emb") for n, _ in model.named_modules()):
         raise ValueError(
             f"kvkit policies need rotary position embeddings (RoPE); {arch} ({tc.model_type}) has none "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
+#: every architecture of the support matrix (``kvkit doctor --matrix``)
+MATRIX_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 def tiny_config(arch: str = "llama", **overrides):
@@ -25,6 +27,12 @@ def tiny_config(arch: str = "llama", **overrides):
         common["sliding_window"] = 24
     if arch in ("qwen2", "qwen3"):
         common["use_sliding_window"] = False
+    if arch == "phi3":
+        common["pad_token_id"] = 0
+    if arch in ("gemma2", "gemma3_text"):
+        # hybrid: local sliding-window layers around a global layer
+        common.update(head_dim=16, sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        common["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention"]
     common.update(overrides)
     return AutoConfig.for_model(arch, **common)
 
@@ -35,7 +43,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     cfg = tiny_config(arch, **overrides)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    attn = "eager" if arch == "gemma2" else "sdpa"  # transformers has no sdpa path for Gemma 2's soft-capping
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
     return model.eval()
 
 
