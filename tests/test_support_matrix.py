@@ -30,5 +30,6 @@ def test_readme_matrix_is_generated():
 
 
 def test_matrix_markdown_marks_failures():
-    md = matrix_markdown([("llama", "full", "ok", "1.0x"), ("llama", "x", "FAIL", "boom"), ("t5", "x", "refused", "no")])
+    rows = [("llama", "full", "ok", "1.0x"), ("llama", "x", "FAIL", "boom"), ("t5", "full", "ok", "1.0x"), ("t5", "x", "refused", "no")]
+    md = matrix_markdown(rows)
     assert "FAIL: boom" in md and "refused [1]" in md and "[1] no" in md
