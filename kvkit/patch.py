@@ -13,8 +13,11 @@ previous attention implementation.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 
+import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -85,9 +88,25 @@ def check_model(model, policy: Policy) -> None:
     policy.validate(tc)
 
 
-def _model_pre_hook(module, args, kwargs):
-    """Swap an absent or empty transformers cache for a ``KVCache`` of the patched policy."""
-    model = module._kvkit_owner
+def _check_inputs(args, kwargs) -> None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+        if ids.shape[-1] == 0:
+            raise ValueError("empty prompt: input_ids has no tokens (give at least one token, e.g. the BOS token)")
+    emb = kwargs.get("inputs_embeds")
+    if isinstance(emb, torch.Tensor):
+        if emb.shape[1] == 0:
+            raise ValueError("empty prompt: inputs_embeds has no positions")
+        if not bool(torch.isfinite(emb).all()):
+            raise ValueError("inputs_embeds contains NaN or inf values")
+
+
+def _model_pre_hook(model_ref, module, args, kwargs):
+    """Check the inputs; swap an absent or empty transformers cache for a ``KVCache``."""
+    model = model_ref()
+    _check_inputs(args, kwargs)
     pkv = kwargs.get("past_key_values")
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
@@ -120,9 +139,8 @@ def patch(model, policy="full", **options):
     _register()
     state = PatchState(policy=pol, old_impl=model.config._attn_implementation)
     model.set_attn_implementation(ATTN_NAME)
-    base = model.base_model
-    base._kvkit_owner = model
-    state.handles.append(base.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
+    hook = functools.partial(_model_pre_hook, weakref.ref(model))
+    state.handles.append(model.base_model.register_forward_pre_hook(hook, with_kwargs=True))
     for m in _attention_modules(model):
         m._kvkit_store = None
         state.handles.append(m.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))
@@ -141,9 +159,6 @@ def unpatch(model):
     for m in state.attn_modules:
         if hasattr(m, "_kvkit_store"):
             del m._kvkit_store
-    base = model.base_model
-    if hasattr(base, "_kvkit_owner"):
-        del base._kvkit_owner
     model.set_attn_implementation(state.old_impl)
     del model._kvkit_state
     return model
