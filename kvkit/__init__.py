@@ -9,7 +9,8 @@ decoding for Hugging Face transformers, installed with one line::
 
 from kvkit.cache import KVCache
 from kvkit.patch import patch, patched_policy, unpatch
+from kvkit.prefill import prefill
 from kvkit.registry import available_policies, get_policy, policy_options
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched_policy", "KVCache", "available_policies", "get_policy", "policy_options"]
+__all__ = ["patch", "unpatch", "patched_policy", "prefill", "KVCache", "available_policies", "get_policy", "policy_options"]
