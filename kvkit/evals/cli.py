@@ -1,0 +1,344 @@
+"""``kvkit eval ruler|niah|longbench|compare`` and ``kvkit bench`` (added to the ``kvkit`` console script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+PROMPT_FIELDS = ("id", "task", "prompt", "outputs", "tokens_to_generate", "metric")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def parse_opts(pairs: list[str] | None, json_opts: str | None) -> dict:
+    """``--policy-options '{"budget": 512}'`` plus ``--opt budget=512,sink=4`` (repeatable)."""
+    out = {}
+    if json_opts:
+        try:
+            out.update(json.loads(json_opts))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--policy-options is not valid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(out, dict):
+            raise ValueError("--policy-options must be a JSON object")
+    for item in pairs or []:
+        for pair in item.split(","):
+            if not pair.strip():
+                continue
+            if "=" not in pair:
+                raise ValueError(f"--opt {pair!r} must look like key=value")
+            k, v = pair.split("=", 1)
+            try:
+                out[k.strip()] = json.loads(v)
+            except json.JSONDecodeError:
+                out[k.strip()] = v
+    return out
+
+
+def _ints(spec: str, what: str) -> list[int]:
+    try:
+        xs = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {spec!r}") from None
+    if not xs or any(x <= 0 for x in xs):
+        raise ValueError(f"{what} must be positive integers, got {spec!r}")
+    return xs
+
+
+def _command() -> str:
+    prog = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return "kvkit " + shlex.join(sys.argv[1:]) if prog in ("kvkit", "cli.py") else ""
+
+
+def _policy(args) -> tuple[str, dict]:
+    from kvkit.evals.common import resolve_policy_options
+
+    opts = parse_opts(getattr(args, "opt", None), getattr(args, "policy_options", None))
+    return args.policy, resolve_policy_options(args.policy, opts, getattr(args, "budget", None))
+
+
+def _out(args, bench: str, label: str) -> Path:
+    return Path(args.out) if args.out else Path("results") / bench / label
+
+
+def _load(args):
+    from kvkit.evals.common import load_model
+
+    print(f"loading model {args.model!r} on {args.device} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    return load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+def _read_prompts(path) -> list[dict]:
+    from kvkit.evals.common import read_jsonl
+
+    rows = read_jsonl(path, required=PROMPT_FIELDS)
+    if not rows:
+        raise ValueError(f"{path}: no prompts in the file")
+    return rows
+
+
+def _dump(path, samples: list[dict]) -> None:
+    from kvkit.evals.common import atomic_write_jsonl
+
+    atomic_write_jsonl(path, samples)
+    print(f"wrote {len(samples)} prompts to {path}")
+
+
+def _check_prompt_lengths(model, tokenizer, samples, what) -> None:
+    from kvkit.evals.common import check_length, count_tokens
+
+    longest = max(samples, key=lambda s: s.get("target_length") or 0)
+    if longest.get("target_length"):
+        check_length(model, longest["target_length"], what)
+    s = samples[0]
+    if "prompt_tokens" in s and count_tokens(tokenizer, s["prompt"]) != s["prompt_tokens"]:
+        print(f"warning: prompt {s['id']} has {count_tokens(tokenizer, s['prompt'])} tokens with this tokenizer, "
+              f"{s['prompt_tokens']} when it was made (another tokenizer?)", file=sys.stderr)
+
+
+def _config(args, bench: str, policy: str, options: dict, **extra) -> dict:
+    import kvkit
+
+    return dict(benchmark=bench, model=args.model, policy=policy, options=options, seed=args.seed,
+                device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__, command=_command(), **extra)
+
+
+def _summary(config: dict, rows: list[dict], scores: dict) -> dict:
+    n = len(rows)
+    return dict(config, **scores, samples_scored=n,
+                mean_prompt_tokens=round(sum(r["prompt_tokens"] for r in rows) / n, 1) if n else None,
+                mean_kv_bytes=round(sum(r["kv_bytes"] for r in rows) / n) if n else None,
+                mean_seconds=round(sum(r["seconds"] for r in rows) / n, 3) if n else None)
+
+
+# -------------------------------------------------------------------------------------------- ruler
+
+
+def cmd_ruler(args) -> int:
+    from kvkit.evals import ruler
+    from kvkit.evals.common import RunDir, check_length, run_label, run_samples, task_scores
+    from kvkit.evals.report import write_summary
+
+    policy, options = _policy(args)
+    if args.prompts:
+        samples = _read_prompts(args.prompts)
+        names = ruler.parse_tasks(args.tasks) if args.tasks != "all" else list(dict.fromkeys(s["task"] for s in samples))
+        samples = [s for s in samples if s["task"] in names and (args.samples is None or s["index"] < args.samples)]
+        if not samples:
+            raise ValueError(f"{args.prompts}: no prompts for tasks {', '.join(names)}")
+        length = max(s.get("target_length", 0) for s in samples)
+        model, tok = _load(args)
+        _check_prompt_lengths(model, tok, samples, "prompt length")
+    else:
+        names = ruler.parse_tasks(args.tasks)
+        length = args.length
+        model, tok = _load(args)
+        check_length(model, length)
+        samples = ruler.generate_samples(tok, names, length, args.samples or 10, seed=args.seed, chat=not args.no_chat)
+        if args.dump_prompts:
+            _dump(args.dump_prompts, samples)
+            return 0
+    run = RunDir(_out(args, "ruler", run_label(args.model, policy, options, length)),
+                 _config(args, "ruler", policy, options, length=length, tasks=names, chat=not args.no_chat,
+                         prompts=str(args.prompts) if args.prompts else None),
+                 resume=args.resume)
+    rows = run_samples(model, tok, samples, run, policy, options,
+                       lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER {policy}")
+    scores = task_scores(rows, names)
+    summary = _summary(run.config, rows, scores)
+    table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
+    table.append(["average", scores["average"], len(rows)])
+    write_summary(run.path, summary, ["task", "score", "samples"], table,
+                  title=f"RULER {length} - {args.model} - {policy} {options or ''}".strip())
+    print((run.path / "summary.md").read_text())
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- niah
+
+
+def cmd_niah(args) -> int:
+    from kvkit.evals import niah
+    from kvkit.evals.common import RunDir, check_length, run_label, run_samples
+    from kvkit.evals.metrics import string_match_all
+    from kvkit.evals.report import write_heatmap, write_summary
+
+    policy, options = _policy(args)
+    if args.prompts:
+        samples = _read_prompts(args.prompts)
+        lengths = sorted({s["target_length"] for s in samples})
+        depths = sorted({s["depth"] for s in samples})
+        model, tok = _load(args)
+        _check_prompt_lengths(model, tok, samples, "prompt length")
+    else:
+        lengths = _ints(args.lengths, "--lengths")
+        depths = niah.depth_grid(args.depths)
+        model, tok = _load(args)
+        check_length(model, max(lengths), "--lengths")
+        samples = niah.generate_samples(tok, lengths, depths, args.samples, seed=args.seed, task=args.task,
+                                        chat=not args.no_chat)
+        if args.dump_prompts:
+            _dump(args.dump_prompts, samples)
+            return 0
+    run = RunDir(_out(args, "niah", run_label(args.model, policy, options, f"{max(lengths)}")),
+                 _config(args, "niah", policy, options, length=max(lengths), lengths=lengths, depths=depths,
+                         task=args.task, chat=not args.no_chat), resume=args.resume)
+    rows = run_samples(model, tok, samples, run, policy, options,
+                       lambda s, p: string_match_all(p, s["outputs"]), desc=f"NIAH {policy}")
+    grid = niah.grid_scores(rows, lengths, depths)
+    cells = [v for line in grid for v in line if v is not None]
+    per_len = {str(L): round(sum(r["score"] for r in rows if r["target_length"] == L) * 100 /
+                             max(1, sum(r["target_length"] == L for r in rows)), 2) for L in lengths}
+    summary = _summary(run.config, rows, dict(scores=per_len, average=round(sum(cells) / len(cells), 2) if cells
+                                                else None, grid=grid))
+    header = ["depth", *[str(L) for L in lengths]]
+    table = [[f"{d:g}%", *line] for d, line in zip(depths, grid)]
+    write_summary(run.path, summary, header, table, title=f"NIAH - {args.model} - {policy} {options or ''}".strip())
+    write_heatmap(run.path / "heatmap.png", grid, lengths, depths,
+                  title=f"NIAH {args.model} {policy} {options or ''}".strip())
+    print((run.path / "summary.md").read_text())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- longbench
+
+
+def cmd_longbench(args) -> int:
+    from kvkit.evals import longbench
+    from kvkit.evals.common import RunDir, model_context, run_label, run_samples, task_scores
+    from kvkit.evals.report import write_summary
+
+    policy, options = _policy(args)
+    names = longbench.parse_tasks(args.tasks)
+    longbench.check_data_dir(args.data_dir, names)  # before the (slow) model load
+    model, tok = _load(args)
+    length = args.length or model_context(model) or 4096
+    from kvkit.evals.common import check_length
+
+    check_length(model, length)
+    samples = longbench.make_samples(tok, args.data_dir, names, length, limit=args.samples, chat=not args.no_chat)
+    run = RunDir(_out(args, "longbench", run_label(args.model, policy, options, length)),
+                 _config(args, "longbench", policy, options, length=length, tasks=names, chat=not args.no_chat,
+                         data_dir=str(args.data_dir)), resume=args.resume)
+    rows = run_samples(model, tok, samples, run, policy, options, longbench.score, desc=f"LongBench {policy}")
+    scores = task_scores(rows, names)
+    summary = _summary(run.config, rows, scores)
+    table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
+    table.append(["average", scores["average"], len(rows)])
+    write_summary(run.path, summary, ["task", "score", "samples"], table,
+                  title=f"LongBench {length} - {args.model} - {policy} {options or ''}".strip())
+    print((run.path / "summary.md").read_text())
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from kvkit.evals.report import compare
+
+    print(compare(args.dirs, Path(args.out) if args.out else None))
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- bench
+
+
+def cmd_bench(args) -> int:
+    from kvkit.cli import fmt_bytes
+    from kvkit.evals import bench
+    from kvkit.evals.common import atomic_write_json, atomic_write_jsonl, run_label
+    from kvkit.evals.report import write_summary
+
+    policy, options = _policy(args)
+    lengths = _ints(args.lengths, "--lengths")
+    if args.decode_tokens < 1:
+        raise ValueError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
+    model, tok = _load(args)
+    rows = bench.with_ratios(bench.run(model, tok, policy, options, lengths, args.decode_tokens))
+    out = _out(args, "bench", run_label(args.model, policy, options, max(lengths)))
+    cfg = _config(args, "bench", policy, options, lengths=lengths, decode_tokens=args.decode_tokens)
+    atomic_write_json(out / "config.json", cfg)
+    atomic_write_jsonl(out / "samples.jsonl", rows)
+    header = ["policy", "length", "prefill s", "decode tok/s", "peak prefill", "peak decode", "KV after prefill",
+              "KV after decode", "KV vs full", "prefill vs full", "decode vs full"]
+    table = [[r["policy"] + (f" {r['options']}" if r["options"] else ""), r["length"], r["prefill_s"],
+              r["decode_tok_s"], fmt_bytes(r["peak_prefill_bytes"]), fmt_bytes(r["peak_decode_bytes"]),
+              fmt_bytes(r["kv_bytes_prefill"]), fmt_bytes(r["kv_bytes_decode"]), r.get("kv_bytes_decode_vs_full"),
+              r.get("prefill_s_vs_full"), r.get("decode_tok_s_vs_full")] for r in rows]
+    write_summary(out, dict(cfg, rows=rows, device_name=_device_name(args.device)), header, table,
+                  title=f"kvkit bench - {args.model} - {policy} {options or ''} - {_device_name(args.device)}")
+    print((out / "summary.md").read_text())
+    return 0
+
+
+def _device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+# ------------------------------------------------------------------------------------------- parser
+
+
+def _common(p, with_out=True):
+    p.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    p.add_argument("--policy", default="full", help="a kvkit policy (see `kvkit policies`)")
+    p.add_argument("--budget", type=int, default=None, help="sets the policy's `budget` option")
+    p.add_argument("--opt", action="append", metavar="KEY=VALUE[,KEY=VALUE]", help="policy option (repeatable)")
+    p.add_argument("--policy-options", default=None, metavar="JSON", help="policy options as a JSON object")
+    p.add_argument("--seed", type=int, default=42, help="seed of the generated samples (RULER's default 42)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    if with_out:
+        p.add_argument("--out", default=None, help="output folder (default results/<bench>/<model>-<policy>-<len>)")
+        p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+        p.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+
+
+def add_commands(sub) -> None:
+    ev = sub.add_parser("eval", help="long-context evaluations: ruler, niah, longbench, compare")
+    esub = ev.add_subparsers(dest="eval_command", required=True)
+
+    r = esub.add_parser("ruler", help="RULER's 13 synthetic tasks at one context length")
+    _common(r)
+    r.add_argument("--length", type=int, default=4096, help="prompt + generation tokens (model tokenizer)")
+    r.add_argument("--tasks", default="all", help="all | comma-separated task names")
+    r.add_argument("--samples", type=int, default=None, help="samples per task (default 10)")
+    r.add_argument("--dump-prompts", default=None, metavar="FILE", help="write the prompts as jsonl and stop")
+    r.add_argument("--prompts", default=None, metavar="FILE", help="run the prompts of a --dump-prompts file")
+    r.set_defaults(func=cmd_ruler)
+
+    n = esub.add_parser("niah", help="needle in a haystack: depth x length grid and heatmap")
+    _common(n)
+    n.add_argument("--lengths", default="1024,2048,4096,8192", help="comma-separated context lengths")
+    n.add_argument("--depths", type=int, default=11, help="number of depths from 0%% to 100%%")
+    n.add_argument("--samples", type=int, default=1, help="samples per cell")
+    n.add_argument("--task", default="niah_single_2", help="the RULER needle task used for each cell")
+    n.add_argument("--dump-prompts", default=None, metavar="FILE", help="write the prompts as jsonl and stop")
+    n.add_argument("--prompts", default=None, metavar="FILE", help="run the prompts of a --dump-prompts file")
+    n.set_defaults(func=cmd_niah)
+
+    lb = esub.add_parser("longbench", help="LongBench's 21 tasks from the official jsonl files")
+    _common(lb)
+    lb.add_argument("--data-dir", default=None, help="folder with the official <task>.jsonl files")
+    lb.add_argument("--tasks", default="all", help="all | comma-separated task names")
+    lb.add_argument("--samples", type=int, default=None, help="first N samples per task (default all)")
+    lb.add_argument("--length", type=int, default=None, help="prompt + generation budget (default: model context)")
+    lb.set_defaults(func=cmd_longbench)
+
+    c = esub.add_parser("compare", help="join eval summaries into one policy x budget table with retention")
+    c.add_argument("dirs", nargs="+", help="eval output folders (or summary.json files)")
+    c.add_argument("--out", default=None, help="also write compare.md / compare.csv here")
+    c.set_defaults(func=cmd_compare)
+
+    b = sub.add_parser("bench", help="prefill time, decode tok/s, peak memory, KV bytes: policy vs full")
+    _common(b, with_out=False)
+    b.add_argument("--lengths", default="2048,4096,8192", help="comma-separated prompt lengths")
+    b.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after the prefill")
+    b.add_argument("--out", default=None, help="output folder (default results/bench/<model>-<policy>-<len>)")
+    b.set_defaults(func=cmd_bench)

@@ -1,0 +1,301 @@
+"""Shared plumbing for the evals: atomic output files, jsonl reading, prompts, generation, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# --------------------------------------------------------------------------------------------- I/O
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory + ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def atomic_write_jsonl(path, rows) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
+    """Read a jsonl file; a bad line raises ValueError naming the file and the line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: file not found")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
+            missing = [k for k in required if k not in row]
+            if missing:
+                raise ValueError(f"{path}, line {lineno}: missing field(s) {', '.join(missing)}")
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt(tokenizer, user: str, answer_prefix: str = "", chat: bool = True) -> str:
+    """The full prompt text: the chat template around ``user`` (when the model has one), then the
+    answer prefix after the generation prompt, as RULER does. Tokenize it with ``add_special_tokens=False``."""
+    if chat and has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+        return text + answer_prefix.lstrip(" ")
+    bos = getattr(tokenizer, "bos_token", None) or ""
+    return bos + user + answer_prefix
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode(tokenizer, text: str):
+    import torch
+
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------------- generation
+
+
+def model_context(model) -> int | None:
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def check_length(model, length: int, what: str = "--length") -> None:
+    ctx = model_context(model)
+    if ctx is not None and length > ctx:
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        raise ValueError(f"{what} {length} is above the model's context of {ctx} tokens ({name})")
+
+
+@dataclass
+class Generation:
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+    kv_bytes: int
+    kv_offloaded: int
+
+
+def generate(model, tokenizer, prompt: str, max_new_tokens: int) -> Generation:
+    """Greedy ``model.generate`` on one prompt with an explicit ``kvkit.KVCache`` (when patched)."""
+    import torch
+
+    import kvkit
+
+    ids = encode(tokenizer, prompt).to(model.device)
+    kwargs = {}
+    cache = None
+    if kvkit.patched_policy(model) is not None:
+        cache = kvkit.KVCache(model)
+        kwargs["past_key_values"] = cache
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+            **kwargs,
+        )
+    dt = time.perf_counter() - t0
+    new = out[0, ids.shape[1]:]
+    return Generation(
+        text=tokenizer.decode(new, skip_special_tokens=True),
+        prompt_tokens=int(ids.shape[1]),
+        new_tokens=int(new.shape[0]),
+        seconds=dt,
+        kv_bytes=int(cache.nbytes()) if cache is not None else 0,
+        kv_offloaded=int(cache.offloaded_nbytes()) if cache is not None else 0,
+    )
+
+
+# ------------------------------------------------------------------------------------- run folders
+
+
+@dataclass
+class RunDir:
+    """An ``--out`` folder: ``config.json`` first, then ``samples.jsonl`` rewritten atomically after
+    every sample, so a crash leaves only whole files and ``--resume`` skips finished samples."""
+
+    path: Path
+    config: dict
+    resume: bool = False
+    rows: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.path = Path(self.path)
+        cfg_path = self.path / "config.json"
+        samples = self.path / "samples.jsonl"
+        if self.resume and cfg_path.exists():
+            old = json.loads(cfg_path.read_text())
+            diff = {k: (old.get(k), v) for k, v in self.config.items() if k not in _FREE_KEYS and old.get(k) != v}
+            if diff:
+                shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+                raise ValueError(f"--resume: {self.path} was made with a different configuration ({shown})")
+            if samples.exists():
+                self.rows = read_jsonl(samples, required=("id",))
+        elif not self.resume and samples.exists():
+            raise ValueError(f"{self.path} already holds results; pass --resume to continue it or choose another --out")
+        atomic_write_json(cfg_path, self.config)
+
+    def done(self) -> set:
+        return {r["id"] for r in self.rows}
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        atomic_write_jsonl(self.path / "samples.jsonl", self.rows)
+
+
+_FREE_KEYS = {"device", "dtype", "samples", "command", "tasks", "kvkit_version", "resume"}
+
+
+def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
+    """``kvkit.models.load`` with a dtype given by name."""
+    import torch
+
+    from kvkit.models import load
+
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown --dtype {dtype!r}; use float32, bfloat16 or float16")
+    return load(name, dtype=dt, device=device)
+
+
+def resolve_policy_options(policy: str, options: dict | None = None, budget: int | None = None) -> dict:
+    """Policy options from ``--opt``/``--policy-options`` plus ``--budget`` (which sets the policy's
+    ``budget`` option; a policy without one is an error listing its options)."""
+    from kvkit.registry import policy_options
+
+    valid = policy_options(policy)  # unknown policy: ValueError listing the known ones
+    opts = dict(options or {})
+    if budget is not None:
+        if "budget" not in valid:
+            listed = ", ".join(f"{k}={v!r}" for k, v in valid.items()) or "(none)"
+            raise ValueError(f"--budget: policy {policy!r} has no option named 'budget'; its options: {listed}")
+        opts["budget"] = budget
+    unknown = sorted(set(opts) - set(valid))
+    if unknown:
+        listed = ", ".join(f"{k}={v!r}" for k, v in valid.items()) or "(none)"
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for policy {policy!r}; valid options: {listed}")
+    return opts
+
+
+def run_label(model: str, policy: str, options: dict, length) -> str:
+    parts = [Path(str(model)).name or str(model), policy]
+    parts += [f"{k}{v}" for k, v in sorted(options.items())]
+    parts.append(f"{length}")
+    return "-".join(str(p).replace("/", "_") for p in parts)
+
+
+def progress(iterable=None, total=None, desc=None):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, disable=os.environ.get("KVKIT_NO_PROGRESS") == "1")
+
+
+# ------------------------------------------------------------------------------------------ runner
+
+
+def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str, options: dict, score_fn,
+                desc: str = "eval") -> list[dict]:
+    """Generate and score every sample not yet in ``run`` (``samples[i]`` has ``id``, ``prompt``,
+    ``outputs``, ``tokens_to_generate``); returns all rows in sample order."""
+    import kvkit
+
+    done = run.done()
+    todo = [s for s in samples if s["id"] not in done]
+    kvkit.patch(model, policy, **options)
+    try:
+        bar = progress(total=len(samples), desc=desc)
+        bar.update(len(samples) - len(todo))
+        for s in todo:
+            g = generate(model, tokenizer, s["prompt"], s["tokens_to_generate"])
+            row = {k: s[k] for k in ("id", "task", "index") if k in s}
+            row.update(
+                prediction=g.text,
+                reference=s["outputs"],
+                score=float(score_fn(s, g.text)),
+                prompt_tokens=g.prompt_tokens,
+                new_tokens=g.new_tokens,
+                seconds=round(g.seconds, 4),
+                kv_bytes=g.kv_bytes,
+                kv_offloaded=g.kv_offloaded,
+            )
+            for k in ("length", "depth", "target_length"):
+                if k in s:
+                    row[k] = s[k]
+            run.add(row)
+            bar.update(1)
+        bar.close()
+    finally:
+        kvkit.unpatch(model)
+    order = {s["id"]: i for i, s in enumerate(samples)}
+    return sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def task_scores(rows: list[dict], tasks: list[str]) -> dict:
+    """Mean score x 100 per task (2 decimals) and their average."""
+    per = {}
+    for t in tasks:
+        xs = [r["score"] for r in rows if r.get("task") == t]
+        if xs:
+            per[t] = round(100 * sum(xs) / len(xs), 2)
+    avg = round(sum(per.values()) / len(per), 2) if per else None
+    return {"scores": per, "average": avg}
