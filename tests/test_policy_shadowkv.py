@@ -1,0 +1,190 @@
+"""shadowkv: low-rank pre-RoPE keys, landmarks, outliers, offloaded values (tiny random models)."""
+
+import pytest
+import torch
+
+import kvkit
+from kvkit.policies.shadowkv import ShadowKVStore, apply_rope, inverse_rope
+from kvkit.testing import greedy, left_padded_batch, tiny_model
+
+SMALL = dict(min_prompt=32, chunk_size=8)  # tiny prompts get compressed
+WIDTH = 2 * 16  # tiny models: 2 KV heads x head_dim 16
+
+
+def _ids(n, seed=1, batch=1):
+    return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _run(model, ids, steps=12, mask=None):
+    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
+    return toks, torch.stack(logits, 1), cache
+
+
+def _stores(cache):
+    return [layer for layer in cache.layers if isinstance(layer, ShadowKVStore)]
+
+
+def test_inverse_rope_is_exact():
+    model = tiny_model("llama")
+    cache = kvkit.KVCache(model, "shadowkv")
+    rope = cache.infos[0].rope
+    cos, sin = rope(torch.arange(300)[None])
+    x = torch.randn(1, 300, 16, dtype=torch.float64)
+    for scale in (1.0, 1.3):  # attention scaling of YaRN/longrope multiplies cos and sin
+        c, s = cos.double() * scale, sin.double() * scale
+        torch.testing.assert_close(inverse_rope(apply_rope(x, c, s), c, s), x)
+    # matches transformers' own rotation
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q = torch.randn(1, 2, 300, 16)
+    _, k = apply_rotary_pos_emb(q, q, cos, sin)
+    torch.testing.assert_close(inverse_rope(k, cos[:, None], sin[:, None]), q, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_short_prompt_is_full(arch):
+    model = tiny_model(arch)
+    ids = _ids(40)
+    ref_toks, ref_logits, _ = _run(model, ids)
+    kvkit.patch(model, "shadowkv")  # min_prompt 4096: a 40-token prompt is not compressed
+    toks, logits, cache = _run(model, ids)
+    assert not any(s.compressed for s in _stores(cache))
+    assert torch.equal(toks, ref_toks)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert cache.offloaded_nbytes() == 0
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_degenerate_equals_full(arch):
+    """Full rank and a budget covering every chunk: exactly full attention (up to fp32 SVD error)."""
+    model = tiny_model(arch)
+    ids = _ids(83)  # 10 chunks + 3: 6 compressed chunks, local window 32 + 3
+    ref_toks, ref_logits, _ = _run(model, ids, steps=16)
+    kvkit.patch(model, "shadowkv", rank=WIDTH, budget=256, outliers=2, **SMALL)
+    toks, logits, cache = _run(model, ids, steps=16)
+    stores = _stores(cache)
+    assert stores and all(s.compressed for s in stores)
+    assert stores[0].lm_ids.shape[-1] == 4 and stores[0].out_k.shape[-2] == 16
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(toks, ref_toks)
+    kvkit.unpatch(model)
+
+
+def test_lossy_setting_differs_but_stays_close():
+    model = tiny_model("llama")
+    ids = _ids(83)
+    _, ref_logits, _ = _run(model, ids, steps=4)
+    kvkit.patch(model, "shadowkv", rank=4, budget=8, outliers=1, **SMALL)
+    _, logits, _ = _run(model, ids, steps=4)
+    assert not torch.allclose(logits, ref_logits, atol=1e-4)  # really compressed
+    assert torch.isfinite(logits).all()
+
+
+def test_nbytes_formula():
+    model = tiny_model("llama")
+    B, S, H, D, r, c = 2, 83, 2, 16, 5, 8
+    kvkit.patch(model, "shadowkv", budget=16, outliers=1, **SMALL)  # rank None -> round(160/1024*32) = 5
+    cache = kvkit.KVCache(model)
+    with torch.no_grad():
+        model(_ids(S, batch=B), past_key_values=cache, use_cache=True)
+    C = S // c - 4  # 6 chunks, 1 outlier per head, 5 landmarks per head
+    n_out, Cl, N, Tt = 1, C - 1, C * c, S - C * c
+    f = 4  # fp32 tiny model; int32 metadata
+    per_layer = (
+        B * N * r * f  # U
+        + B * H * r * D * f  # S*V^T
+        + B * H * Cl * D * f  # landmarks
+        + B * H * Cl * 4  # landmark chunk ids
+        + B * 4  # chunks per row
+        + 2 * B * H * n_out * c * D * f  # outlier K and V
+        + B * H * n_out * c * 4  # outlier positions
+        + B * 4  # RoPE offset per row
+        + 2 * B * H * Tt * D * f  # local window K and V
+        + B * Tt * 4  # local positions
+        + B * 4  # first_pos
+    )
+    layers = model.config.num_hidden_layers
+    assert cache.nbytes(per_layer=True) == [per_layer] * layers
+    assert cache.offloaded_nbytes() == layers * B * H * N * D * f
+    store = cache.layers[0]
+    assert store.U.shape == (B, N, r) and store.SV.shape == (B, H, r, D)
+    # generated tokens stay exact: each adds K + V + its position
+    with torch.no_grad():
+        model(_ids(3, seed=5, batch=B), past_key_values=cache, use_cache=True)
+        model(_ids(1, seed=6, batch=B), past_key_values=cache, use_cache=True)
+    assert cache.nbytes() == layers * (per_layer + 4 * (2 * B * H * D * f + B * 4))
+
+
+def test_crop_and_multitoken_exact():
+    model = tiny_model("qwen2")
+    kvkit.patch(model, "shadowkv", budget=16, outliers=1, **SMALL)
+    ids = _ids(83, batch=2)
+    toks, logits, cache = _run(model, ids, steps=6)
+    seen = cache.get_seq_length()
+    cache.crop(seen - 3)  # drop the last 3 generated tokens
+    assert cache.get_seq_length() == seen - 3
+    with torch.no_grad():
+        # re-feeding toks[3:6] in one forward (speculative verification) gives the logits of the single steps
+        out = model(toks[:, 3:6], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(out.logits, logits[:, 4:7], rtol=1e-5, atol=1e-5)
+    cache.crop(seen - 3)
+    with torch.no_grad():
+        for i in range(3, 6):
+            out = model(toks[:, i : i + 1], past_key_values=cache, use_cache=True)
+            torch.testing.assert_close(out.logits[:, -1], logits[:, i + 1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(50)  # below the compressed prompt
+
+
+def test_batch_left_padding_matches_single():
+    model = tiny_model("llama")
+    kvkit.patch(model, "shadowkv", budget=16, outliers=1, **SMALL)
+    lengths = [83, 70, 61]  # 6, 4 and 3 chunks: rows with invalid chunks
+    ids, mask, prompts = left_padded_batch(lengths)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    assert all(s.compressed for s in _stores(out.past_key_values))
+    logits = torch.stack(out.logits, 1)
+    for i, p in enumerate(prompts):
+        one = model.generate(p[None], max_new_tokens=8, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        torch.testing.assert_close(logits[i], torch.stack(one.logits, 1)[0], rtol=1e-4, atol=1e-4)
+        assert torch.equal(out.sequences[i, ids.shape[1]:], one.sequences[0, len(p):])
+
+
+def test_chunked_prefill_compresses_at_first_decode_step():
+    model = tiny_model("llama")
+    kvkit.patch(model, "shadowkv", rank=WIDTH, budget=256, outliers=2, **SMALL)
+    ids = _ids(83)
+    _, ref_logits, _ = _run(model, ids, steps=4)
+    cache, last = kvkit.prefill(model, ids, chunk_size=24)
+    assert not any(s.compressed for s in _stores(cache))
+    torch.testing.assert_close(last, ref_logits[:, 0], rtol=1e-4, atol=1e-4)
+    nxt = last.argmax(-1, keepdim=True)
+    with torch.no_grad():
+        out = model(nxt, past_key_values=cache, use_cache=True)
+    assert all(s.compressed for s in _stores(cache))
+    torch.testing.assert_close(out.logits[:, -1], ref_logits[:, 1], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_options():
+    model = tiny_model("llama")
+    for opts, msg in [
+        (dict(rank=0), "rank"),
+        (dict(rank=-3), "rank"),
+        (dict(budget=0), "budget"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(budget=4, chunk_size=8), "budget"),
+        (dict(outliers=-1), "outliers"),
+        (dict(min_prompt=1.5), "min_prompt"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            kvkit.patch(model, "shadowkv", **opts)
+    with pytest.raises(ValueError, match="larger than the key width"):
+        kvkit.patch(model, "shadowkv", rank=WIDTH + 1)
+    with pytest.raises(ValueError, match="larger than the key width"):
+        kvkit.KVCache(model, "shadowkv", rank=WIDTH + 1)
+    kvkit.patch(model, "shadowkv", rank=WIDTH)  # full rank is fine
+    kvkit.unpatch(model)
