@@ -99,11 +99,20 @@ def _check_prompt_lengths(model, tokenizer, samples, what) -> None:
               f"{s['prompt_tokens']} when it was made (another tokenizer?)", file=sys.stderr)
 
 
+def _cap(args, samples: list[dict]) -> list[dict]:
+    """``--max-new-tokens``: cap every sample's generation length (quick checks; not the official setting)."""
+    if getattr(args, "max_new_tokens", None):
+        for s in samples:
+            s["tokens_to_generate"] = min(s["tokens_to_generate"], args.max_new_tokens)
+    return samples
+
+
 def _config(args, bench: str, policy: str, options: dict, **extra) -> dict:
     import kvkit
 
     return dict(benchmark=bench, model=args.model, policy=policy, options=options, seed=args.seed,
-                device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__, command=_command(), **extra)
+                device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__, command=_command(),
+                max_new_tokens=getattr(args, "max_new_tokens", None), **extra)
 
 
 def _summary(config: dict, rows: list[dict], scores: dict) -> dict:
@@ -145,7 +154,7 @@ def cmd_ruler(args) -> int:
                  _config(args, "ruler", policy, options, length=length, tasks=names, chat=not args.no_chat,
                          prompts=str(args.prompts) if args.prompts else None),
                  resume=args.resume)
-    rows = run_samples(model, tok, samples, run, policy, options,
+    rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
                        lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER {policy}")
     scores = task_scores(rows, names)
     summary = _summary(run.config, rows, scores)
@@ -186,7 +195,7 @@ def cmd_niah(args) -> int:
     run = RunDir(_out(args, "niah", run_label(args.model, policy, options, f"{max(lengths)}")),
                  _config(args, "niah", policy, options, length=max(lengths), lengths=lengths, depths=depths,
                          task=args.task, chat=not args.no_chat), resume=args.resume)
-    rows = run_samples(model, tok, samples, run, policy, options,
+    rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
                        lambda s, p: string_match_all(p, s["outputs"]), desc=f"NIAH {policy}")
     grid = niah.grid_scores(rows, lengths, depths)
     cells = [v for line in grid for v in line if v is not None]
@@ -223,7 +232,7 @@ def cmd_longbench(args) -> int:
     run = RunDir(_out(args, "longbench", run_label(args.model, policy, options, length)),
                  _config(args, "longbench", policy, options, length=length, tasks=names, chat=not args.no_chat,
                          data_dir=str(args.data_dir)), resume=args.resume)
-    rows = run_samples(model, tok, samples, run, policy, options, longbench.score, desc=f"LongBench {policy}")
+    rows = run_samples(model, tok, _cap(args, samples), run, policy, options, longbench.score, desc=f"LongBench {policy}")
     scores = task_scores(rows, names)
     summary = _summary(run.config, rows, scores)
     table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
@@ -298,6 +307,8 @@ def _common(p, with_out=True):
         p.add_argument("--out", default=None, help="output folder (default results/<bench>/<model>-<policy>-<len>)")
         p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
         p.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+        p.add_argument("--max-new-tokens", type=int, default=None,
+                       help="cap the generation length of every sample (quick checks only)")
 
 
 def add_commands(sub) -> None:

@@ -89,8 +89,15 @@ def build_prompt(tokenizer, user: str, answer_prefix: str = "", chat: bool = Tru
             [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
         )
         return text + answer_prefix.lstrip(" ")
-    bos = getattr(tokenizer, "bos_token", None) or ""
-    return bos + user + answer_prefix
+    return _default_prefix(tokenizer) + user + answer_prefix
+
+
+def _default_prefix(tokenizer) -> str:
+    """The special tokens the tokenizer itself puts in front of a plain text (e.g. Llama's BOS), as text."""
+    ids = tokenizer("a")["input_ids"]
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    n = len(ids) - len(bare)
+    return tokenizer.decode(ids[:n]) if n > 0 and ids[n:] == bare else ""
 
 
 def count_tokens(tokenizer, text: str) -> int:

@@ -214,10 +214,17 @@ def _units(unit_fn, words: int) -> list[str]:
 
 
 def _insert_at_depths(units: list[str], needles: list[str], depths: list[int]) -> list[str]:
-    """Insert each needle before unit ``int(len(units) * depth / 100)``; depths sorted ascending."""
+    """Insert each needle at the unit boundary nearest to ``depth`` percent of the haystack's characters
+    (depths sorted ascending), so the stated depth is the needle's real position in the text."""
+    total = sum(len(u) + 1 for u in units) or 1
+    bounds, acc = [0], 0
+    for u in units:
+        acc += len(u) + 1
+        bounds.append(acc)  # bounds[i]: characters before unit i
     out, prev = [], 0
     for needle, d in zip(needles, depths):
-        pos = int(len(units) * d / 100)
+        want = total * d / 100
+        pos = min(range(prev, len(units) + 1), key=lambda i: abs(bounds[i] - want))
         out.extend(units[prev:pos])
         out.append(needle)
         prev = pos

@@ -1,0 +1,217 @@
+"""End-to-end `kvkit eval` / `kvkit bench` on a tiny random model with the default model's tokenizer:
+output files, resume, crash safety, compare, LongBench fixtures, and clear errors on bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvkit.cli import main
+from kvkit.evals import common, longbench
+from kvkit.evals.report import compare
+
+FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved with the real SmolLM2 tokenizer (2048-token context)."""
+    from kvkit.models import load_tokenizer
+    from kvkit.testing import tiny_model
+
+    tok = load_tokenizer("default")
+    d = tmp_path_factory.mktemp("tiny")
+    model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def run(*argv):
+    return main([str(a) for a in argv])
+
+
+def _files(d: Path) -> set:
+    return {p.name for p in d.iterdir()}
+
+
+def test_ruler_end_to_end_writes_all_files(tiny_dir, tmp_path):
+    out = tmp_path / "ruler"
+    assert run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_1,vt",
+               "--samples", 2, "--out", out) == 0
+    assert _files(out) == {"config.json", "samples.jsonl", "summary.json", "summary.md", "summary.csv"}
+    rows = common.read_jsonl(out / "samples.jsonl")
+    assert [r["id"] for r in rows] == ["niah_single_1/0", "niah_single_1/1", "vt/0", "vt/1"]
+    for r in rows:
+        assert {"prediction", "reference", "score", "prompt_tokens", "kv_bytes"} <= set(r)
+        assert 0.98 * 1024 <= r["prompt_tokens"] + (128 if r["task"] == "niah_single_1" else 30) <= 1024
+        assert r["kv_bytes"] > 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["benchmark"] == "ruler" and s["policy"] == "full" and s["length"] == 1024
+    assert set(s["scores"]) == {"niah_single_1", "vt"} and s["samples_scored"] == 4
+    assert "| niah_single_1 |" in (out / "summary.md").read_text()
+    assert (out / "summary.csv").read_text().startswith("task,score,samples\n")
+
+
+def test_dump_prompts_then_run_from_file(tiny_dir, tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    assert run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_2",
+               "--samples", 1, "--dump-prompts", f) == 0
+    rows = common.read_jsonl(f)
+    assert len(rows) == 1 and rows[0]["task"] == "niah_single_2" and rows[0]["target_length"] == 1024
+    f2 = tmp_path / "again.jsonl"
+    run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_2", "--samples", 1,
+        "--dump-prompts", f2)
+    assert f.read_text() == f2.read_text()  # deterministic
+    out = tmp_path / "from-file"
+    assert run("eval", "ruler", "--model", tiny_dir, "--prompts", f, "--policy", "streaming", "--budget", 256,
+               "--out", out, "--max-new-tokens", 4) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["options"] == {"budget": 256} and s["length"] == 1024 and list(s["scores"]) == ["niah_single_2"]
+
+
+def test_crash_leaves_whole_files_and_resume_finishes(tiny_dir, tmp_path, monkeypatch):
+    out = tmp_path / "crash"
+    real = common.generate
+    calls = []
+    crash = [True]
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if crash[0] and len(calls) == 2:
+            raise RuntimeError("simulated crash")
+        return real(*a, **k)
+
+    monkeypatch.setattr(common, "generate", flaky)
+    args = ("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_1", "--samples", 3,
+            "--out", out, "--max-new-tokens", 4)
+    with pytest.raises(RuntimeError, match="simulated"):
+        run(*args)
+    assert _files(out) == {"config.json", "samples.jsonl"}  # no temp files, no summary
+    assert len(common.read_jsonl(out / "samples.jsonl")) == 1
+    assert run(*args) == 2  # refuses to overwrite without --resume
+    calls.clear()
+    crash[0] = False
+    assert run(*args, "--resume") == 0
+    assert len(calls) == 2  # only the two missing samples ran
+    assert [r["id"] for r in common.read_jsonl(out / "samples.jsonl")] == [f"niah_single_1/{i}" for i in range(3)]
+    assert "summary.json" in _files(out)
+
+
+def test_resume_with_other_config_is_refused(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "r"
+    common.atomic_write_json(out / "config.json", {"benchmark": "ruler", "policy": "streaming"})
+    assert run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "vt", "--samples", 1,
+               "--out", out, "--resume") == 2
+    assert "different configuration" in capsys.readouterr().err
+
+
+def test_bad_inputs_give_clear_errors(tiny_dir, tmp_path, capsys):
+    assert run("eval", "ruler", "--model", tiny_dir, "--tasks", "niah_single_1,bogus", "--length", 1024) == 2
+    err = capsys.readouterr().err
+    assert "'bogus'" in err and "known tasks" in err
+    assert run("eval", "ruler", "--model", tiny_dir, "--tasks", "vt", "--length", 4096) == 2
+    assert "above the model's context of 2048" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    good = {"id": "vt/0", "task": "vt", "index": 0, "prompt": "hi", "outputs": ["A"], "tokens_to_generate": 2,
+            "metric": "string_match_all"}
+    bad.write_text(json.dumps(good) + '\n{not json\n')
+    assert run("eval", "ruler", "--model", tiny_dir, "--prompts", bad) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "line 2" in err
+    assert run("eval", "ruler", "--model", tiny_dir, "--policy", "full", "--budget", 64, "--tasks", "vt") == 2
+    assert "no option named 'budget'" in capsys.readouterr().err
+    assert run("eval", "ruler", "--model", tiny_dir, "--policy", "nosuch", "--tasks", "vt") == 2
+    assert "known policies" in capsys.readouterr().err
+
+
+def test_longbench_missing_dir_says_what_to_put_where(tmp_path, capsys):
+    missing = tmp_path / "lb"
+    assert run("eval", "longbench", "--data-dir", missing, "--tasks", "hotpotqa,trec") == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "hotpotqa.jsonl" in err and "trec.jsonl" in err and "data.zip" in err
+    missing.mkdir()
+    (missing / "hotpotqa.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"lacks trec\.jsonl"):
+        longbench.check_data_dir(missing, ["hotpotqa", "trec"])
+    with pytest.raises(ValueError, match="unknown LongBench task"):
+        longbench.parse_tasks("hotpotqa,nope")
+
+
+def test_longbench_bad_line_names_file_and_line(tmp_path):
+    (tmp_path / "trec.jsonl").write_text((FIXTURES / "trec.jsonl").read_text() + "{broken\n")
+    with pytest.raises(ValueError, match=r"trec\.jsonl, line 2"):
+        longbench.load_task(tmp_path, "trec")
+
+
+def test_longbench_prompts_truncation_and_scoring():
+    from kvkit.models import load_tokenizer
+
+    tok = load_tokenizer("default")
+    samples = longbench.make_samples(tok, FIXTURES, ["hotpotqa", "multifieldqa_zh", "trec", "lcc"], 4096)
+    by = {}
+    for s in samples:
+        by.setdefault(s["task"], s)
+    assert len(samples) == 5
+    assert by["hotpotqa"]["prompt"].startswith("<|im_start|>") and "Where is the Eiffel Tower?" in by["hotpotqa"]["prompt"]
+    assert not by["trec"]["prompt"].startswith("<|im_start|>")  # few-shot tasks: no chat template
+    assert by["hotpotqa"]["tokens_to_generate"] == 32 and by["lcc"]["tokens_to_generate"] == 64
+    assert longbench.score(by["hotpotqa"], "Paris") == 1.0
+    assert longbench.score(by["multifieldqa_zh"], "北京") == 1.0
+    assert longbench.score(by["trec"], "Location\nPerson") == 1.0  # first line only
+    assert longbench.score(by["lcc"], "    return a - b") == 1.0
+    text = " ".join(f"w{i}" for i in range(2000))
+    cut = longbench.truncate_middle(tok, text, 100)
+    assert cut.startswith("w0 w1") and cut.endswith("w1999") and len(tok(cut)["input_ids"]) <= 102
+
+
+def test_longbench_end_to_end(tiny_dir, tmp_path):
+    out = tmp_path / "lb"
+    assert run("eval", "longbench", "--model", tiny_dir, "--data-dir", FIXTURES, "--tasks", "trec,lcc",
+               "--length", 1024, "--out", out, "--max-new-tokens", 4) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["scores"]) == {"trec", "lcc"} and s["samples_scored"] == 2
+
+
+def test_niah_grid_and_heatmap(tiny_dir, tmp_path):
+    out = tmp_path / "niah"
+    assert run("eval", "niah", "--model", tiny_dir, "--lengths", "512,1024", "--depths", 2, "--out", out,
+               "--max-new-tokens", 4) == 0
+    assert _files(out) == {"config.json", "samples.jsonl", "summary.json", "summary.md", "summary.csv", "heatmap.png"}
+    assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    s = json.loads((out / "summary.json").read_text())
+    assert len(s["grid"]) == 2 and len(s["grid"][0]) == 2
+    assert "| 0% |" in (out / "summary.md").read_text()
+
+
+def test_compare_joins_summaries_with_retention(tmp_path):
+    def fake(name, policy, options, scores):
+        common.atomic_write_json(tmp_path / name / "summary.json", dict(
+            benchmark="ruler", model="m", length=4096, policy=policy, options=options, scores=scores,
+            average=sum(scores.values()) / len(scores)))
+        return tmp_path / name
+
+    a = fake("full", "full", {}, {"vt": 80.0, "cwe": 60.0})
+    b = fake("s512", "streaming", {"budget": 512}, {"vt": 40.0, "cwe": 30.0})
+    md = compare([b, a], out=tmp_path / "cmp")
+    lines = md.splitlines()
+    assert lines[0].startswith("| benchmark | model | length | policy | budget | vt | cwe | average | retention |")
+    assert "| full | - | 80.00 | 60.00 | 70.00 | 1.00 |" in md
+    assert "| streaming | 512 | 40.00 | 30.00 | 35.00 | 0.50 |" in md
+    assert (tmp_path / "cmp" / "compare.csv").exists()
+    with pytest.raises(ValueError, match="no summary.json"):
+        compare([tmp_path / "nothing"])
+
+
+def test_bench_policy_and_full(tiny_dir, tmp_path):
+    out = tmp_path / "bench"
+    assert run("bench", "--model", tiny_dir, "--policy", "streaming", "--budget", 64, "--lengths", "256",
+               "--decode-tokens", 4, "--out", out) == 0
+    s = json.loads((out / "summary.json").read_text())
+    rows = {r["policy"]: r for r in s["rows"]}
+    assert set(rows) == {"full", "streaming"}
+    assert rows["streaming"]["kv_bytes_prefill"] < rows["full"]["kv_bytes_prefill"]
+    assert rows["full"]["kv_bytes_decode"] > rows["full"]["kv_bytes_prefill"]
+    assert rows["streaming"]["kv_bytes_decode_vs_full"] < 1
+    assert {"summary.md", "summary.csv", "samples.jsonl"} <= _files(out)
