@@ -1,0 +1,467 @@
+"""``duo``: DuoAttention (Xiao et al., arXiv:2410.10819) -- retrieval heads keep everything, streaming heads
+keep attention sinks + a recent window.
+
+A calibrated *pattern* gives one gate value alpha in [0, 1] per KV head per layer (how much the head
+needs the full context). The policy binarises it by a global quantile: the ``sparsity`` fraction of
+KV heads with the lowest alpha become *streaming heads*, the rest stay *retrieval heads*. Each layer
+then holds two stores, per head for real (nothing is simulated by masking):
+
+* a :class:`~kvkit.cache.SlotStore` over the retrieval KV heads (every token),
+* a :class:`~kvkit.policies.streaming.StreamingStore` over the streaming KV heads
+  (``sink`` first tokens + ``recent`` last tokens, bulk-evicted every ``tail`` tokens).
+
+Prefill is exact on all heads; later chunks and decode steps of the streaming heads read only the
+sinks and the recent window of each query. ``kvkit calibrate duo`` (``kvkit.calibrate.duo``) learns a
+pattern; kvkit ships one for its bundled default model (SmolLM2-135M-Instruct), loaded automatically.
+
+Pattern files
+-------------
+* kvkit JSON: ``{"format": "kvkit-duo-pattern", "model": {"name", "model_type", "num_layers",
+  "num_kv_heads", ...}, "alpha": [[...per KV head...] per layer], "calibration": {...}}``
+* the reference implementation's TSV (``full_attention_heads.tsv``): one row per layer, one
+  tab-separated column per KV head. Values are clipped to [0, 1] like the reference does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
+
+from kvkit.cache import LayerInfo, SlotStore, StoreMixin, _text_config
+from kvkit.policies.base import Policy, check_positive_int
+from kvkit.policies.streaming import StreamingStore
+from kvkit.registry import register
+
+PATTERN_FORMAT = "kvkit-duo-pattern"
+
+#: Shipped patterns: file name in ``kvkit/data`` -> the config fields that identify the model.
+SHIPPED_PATTERNS = {
+    "duo_smollm2-135m-instruct.json": dict(
+        model_type="llama",
+        num_hidden_layers=30,
+        num_key_value_heads=3,
+        num_attention_heads=9,
+        hidden_size=576,
+        vocab_size=49152,
+    ),
+}
+
+
+# ---- pattern files -----------------------------------------------------------------------------------
+def model_identity(config, name: str | None = None) -> dict:
+    """The fields of a (text) config a pattern is tied to."""
+    tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = tc.num_attention_heads
+    return {
+        "name": name or getattr(tc, "_name_or_path", "") or getattr(tc, "name_or_path", "") or tc.model_type,
+        "model_type": tc.model_type,
+        "num_layers": tc.num_hidden_layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(tc, "num_key_value_heads", None) or heads,
+        "hidden_size": tc.hidden_size,
+    }
+
+
+def _bad(path, what: str) -> ValueError:
+    return ValueError(f"duo: pattern file {str(path)!r} is not a valid DuoAttention pattern: {what}")
+
+
+def _as_matrix(rows, path) -> torch.Tensor:
+    """Nested sequence -> float64 ``[L, H]``, checking it is rectangular and finite."""
+    if isinstance(rows, torch.Tensor):
+        rows = rows.detach().cpu().double().tolist()
+    elif hasattr(rows, "tolist") and not isinstance(rows, (list, tuple)):
+        rows = rows.tolist()
+    if not isinstance(rows, (list, tuple)) or not rows:
+        raise _bad(path, "expected a non-empty list of layers, each a list of per-KV-head values")
+    if not all(isinstance(r, (list, tuple)) for r in rows):
+        raise _bad(path, "expected one list of per-KV-head values per layer (got a flat list?)")
+    widths = {len(r) for r in rows}
+    if len(widths) != 1 or 0 in widths:
+        raise _bad(path, f"rows have different or zero lengths {sorted(widths)} (one value per KV head per layer)")
+    try:
+        alpha = torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float64)
+    except (TypeError, ValueError) as e:
+        raise _bad(path, f"non-numeric value ({e})") from None
+    if not bool(torch.isfinite(alpha).all()):
+        raise _bad(path, "contains NaN or infinite values")
+    return alpha
+
+
+def read_tsv(path) -> torch.Tensor:
+    """The reference's ``full_attention_heads.tsv``: one row per layer, one column per KV head."""
+    rows = []
+    text = Path(path).read_text(encoding="utf-8")
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append([float(x) for x in line.replace(",", "\t").split()])
+        except ValueError:
+            raise _bad(path, f"line {lineno} has a non-numeric value: {line.strip()[:60]!r}") from None
+    return _as_matrix(rows, path)
+
+
+def load_pattern(path) -> tuple[torch.Tensor, dict]:
+    """Read a pattern file (kvkit JSON or reference TSV): ``(alpha [L, H] float64 in [0, 1], meta)``."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"duo: pattern file {str(path)!r} does not exist")
+    meta: dict = {}
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _bad(path, f"not valid JSON ({e})") from None
+        if isinstance(data, list):  # a bare matrix
+            alpha = _as_matrix(data, path)
+        elif isinstance(data, dict):
+            if "alpha" not in data:
+                raise _bad(path, f"no 'alpha' entry (keys: {', '.join(map(str, data)) or 'none'})")
+            alpha = _as_matrix(data["alpha"], path)
+            meta = data.get("model") or {}
+            if not isinstance(meta, dict):
+                raise _bad(path, "'model' must be an object")
+            for key, got in (("num_layers", alpha.shape[0]), ("num_kv_heads", alpha.shape[1])):
+                if key in meta and meta[key] != got:
+                    raise _bad(path, f"model.{key} is {meta[key]} but 'alpha' has {got}")
+        else:
+            raise _bad(path, "expected a JSON object with an 'alpha' matrix")
+    else:
+        try:
+            alpha = read_tsv(path)
+        except UnicodeDecodeError:
+            raise _bad(path, "not a text file") from None
+    return alpha.clamp(0.0, 1.0), meta
+
+
+def save_pattern(path, alpha, model: dict, calibration: dict | None = None) -> Path:
+    """Write ``alpha [L, H]`` as kvkit JSON (or as reference TSV when ``path`` ends in ``.tsv``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    alpha = _as_matrix(alpha, path).clamp(0.0, 1.0)
+    if path.suffix.lower() == ".tsv":
+        path.write_text("".join("\t".join(f"{x:.6e}" for x in row) + "\n" for row in alpha.tolist()))
+        return path
+    data = {
+        "format": PATTERN_FORMAT,
+        "version": 1,
+        "model": model,
+        "alpha": [[round(x, 6) for x in row] for row in alpha.tolist()],
+        "calibration": calibration or {},
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def shipped_pattern(config) -> Path | None:
+    """The pattern kvkit ships for this model (matched by its config), or None."""
+    tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name, fields in SHIPPED_PATTERNS.items():
+        if all(getattr(tc, k, None) == v for k, v in fields.items()):
+            return Path(str(resources.files("kvkit") / "data" / name))
+    return None
+
+
+def binarize(alpha: torch.Tensor, sparsity: float, layers: list[int] | None = None) -> torch.Tensor:
+    """Retrieval-head mask ``[L, H]`` bool: the ``round(sparsity * N)`` lowest-alpha heads (global over
+    ``layers``, default all) become streaming heads, the rest (at or above that quantile) retrieval heads.
+
+    Ties are broken deterministically by (layer, head) order; the reference adds 1e-6 random noise instead.
+    """
+    L, H = alpha.shape
+    layers = list(range(L)) if layers is None else layers
+    retrieval = torch.ones(L, H, dtype=torch.bool)
+    if not layers:
+        return retrieval
+    vals = alpha[layers].reshape(-1)
+    n_stream = int(round(sparsity * vals.numel()))
+    order = torch.sort(vals, stable=True).indices[:n_stream]
+    flat = torch.ones(vals.numel(), dtype=torch.bool)
+    flat[order] = False
+    retrieval[layers] = flat.view(len(layers), H)
+    return retrieval
+
+
+# ---- the policy ----------------------------------------------------------------------------------------
+@register("duo")
+@dataclass(frozen=True)
+class Duo(Policy):
+    """DuoAttention: retrieval heads keep the full KV, streaming heads keep sinks + a recent window.
+
+    Paper: https://arxiv.org/abs/2410.10819
+
+    Parameters
+    ----------
+    pattern : str, path, nested list/tensor [layers, kv_heads], or None
+        Calibrated gate values alpha per KV head per layer (kvkit JSON or reference TSV file, or the
+        values themselves). None: the pattern shipped for the bundled default model; other models must
+        be calibrated first (``kvkit calibrate duo``).
+    sparsity : float in [0, 1] or None
+        Fraction of KV heads made streaming heads (global quantile of alpha). None: 0.5 for GQA models,
+        0.75 for MHA models (paper's deploy settings).
+    sink : int
+        Attention-sink tokens kept by streaming heads (paper deploy: 64).
+    recent : int
+        Recent tokens kept by streaming heads (paper deploy: 256).
+    tail : int
+        Extra uncompressed tokens a streaming head may hold before a bulk eviction (kvkit, not the paper).
+    """
+
+    pattern: object = None  # path / values; None = shipped pattern of the default model
+    sparsity: float | None = None  # paper: 0.5 for GQA, 0.75 for MHA
+    sink: int = 64  # paper deploy setting (training used 128)
+    recent: int = 256  # paper deploy setting
+    tail: int = 32  # kvkit: bulk eviction every `tail` tokens keeps crop() exact
+
+    description = "DuoAttention: full KV for retrieval heads, sink+recent for streaming heads (2410.10819)"
+    saves = "memory+reads"
+
+    def __post_init__(self):
+        check_positive_int("duo", "recent", self.recent)
+        check_positive_int("duo", "tail", self.tail)
+        if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
+            raise ValueError(f"duo: sink must be an integer >= 0, got {self.sink!r}")
+        sp = self.sparsity
+        if sp is not None and (isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0 <= sp <= 1):
+            raise ValueError(f"duo: sparsity must be a fraction in [0, 1] (or None for the paper default), got {sp!r}")
+        p = self.pattern
+        if p is None or isinstance(p, str):
+            return
+        if isinstance(p, os.PathLike):
+            object.__setattr__(self, "pattern", os.fspath(p))
+            return
+        if isinstance(p, (list, tuple)) or hasattr(p, "tolist"):
+            alpha = _as_matrix(p, "<pattern values>").clamp(0.0, 1.0)
+            object.__setattr__(self, "pattern", tuple(tuple(r) for r in alpha.tolist()))  # hashable, frozen
+            return
+        raise ValueError(
+            f"duo: pattern must be a file path, a [layers][kv_heads] list/tensor of alphas, or None; got {type(p).__name__}"
+        )
+
+    # ---- pattern -> per-layer retrieval heads ----
+    def load_alpha(self, config) -> tuple[torch.Tensor, str]:
+        """``(alpha [L, H], source description)`` for this model, with shape checks."""
+        ident = model_identity(config)
+        if self.pattern is None:
+            path = shipped_pattern(config)
+            if path is None:
+                raise ValueError(
+                    f"duo: no DuoAttention pattern ships for this model ({ident['model_type']}, "
+                    f"{ident['num_layers']} layers x {ident['num_kv_heads']} KV heads); calibrate one with "
+                    "`kvkit calibrate duo --model <model> --out pattern.json` and pass pattern='pattern.json'"
+                )
+            if not path.is_file():
+                raise ValueError(
+                    f"duo: the shipped pattern {str(path)!r} is missing from this kvkit install; run "
+                    "`kvkit calibrate duo --out pattern.json` and pass pattern='pattern.json'"
+                )
+            source = str(path)
+            alpha, meta = load_pattern(path)
+        elif isinstance(self.pattern, str):
+            source = self.pattern
+            alpha, meta = load_pattern(self.pattern)
+        else:
+            source, meta = "<pattern values>", {}
+            alpha = torch.tensor(self.pattern, dtype=torch.float64)
+        L, H = ident["num_layers"], ident["num_kv_heads"]
+        if tuple(alpha.shape) != (L, H):
+            who = f" (calibrated for {meta.get('name')!r})" if meta.get("name") else ""
+            raise ValueError(
+                f"duo: pattern {source!r}{who} has {alpha.shape[0]} layers x {alpha.shape[1]} KV heads, but this "
+                f"model ({ident['model_type']}) has {L} layers x {H} KV heads: it belongs to another model; "
+                "calibrate one for this model with `kvkit calibrate duo`"
+            )
+        return alpha, source
+
+    def effective_sparsity(self, config) -> float:
+        if self.sparsity is not None:
+            return float(self.sparsity)
+        ident = model_identity(config)
+        return 0.75 if ident["num_kv_heads"] == ident["num_heads"] else 0.5  # paper: MHA 0.75, GQA 0.5
+
+    def retrieval_heads(self, config, layer_types: list[str] | None = None) -> torch.Tensor:
+        """``[L, H]`` bool: True = retrieval head (full KV), False = streaming head."""
+        alpha, _ = self.load_alpha(config)
+        layers = None
+        if layer_types is not None:
+            layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        return binarize(alpha, self.effective_sparsity(config), layers)
+
+    def validate(self, config) -> None:
+        self.retrieval_heads(config)
+
+    def new_layer(self, info: LayerInfo):
+        key = ("duo", self)
+        if key not in info.shared:  # once per KVCache: read + binarise the pattern
+            types, _ = get_layer_types_and_kwargs(_text_config(info.config))
+            info.shared[key] = self.retrieval_heads(info.config, types)
+        retrieval = info.shared[key][info.layer_idx].tolist()
+        return DuoStore(info, retrieval, self.sink, self.recent, self.tail)
+
+
+# ---- the store -----------------------------------------------------------------------------------------
+class DuoStore(StoreMixin, CacheLayerMixin):
+    """Retrieval KV heads in a full :class:`SlotStore`, streaming KV heads in a :class:`StreamingStore`.
+
+    ``update`` splits the new keys/values ``[B, H, T, D]`` by KV head; ``attend`` routes each group of
+    query heads to its KV head's store and scatters the outputs back into the model's head order.
+    """
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, info: LayerInfo, retrieval: list[bool], sink: int, recent: int, tail: int):
+        super().__init__()
+        if len(retrieval) != info.num_kv_heads:
+            raise ValueError(f"duo: layer {info.layer_idx} needs {info.num_kv_heads} head flags, got {len(retrieval)}")
+        self.info = info
+        self.retrieval = list(map(bool, retrieval))
+        G = info.groups
+        r_heads = [h for h, r in enumerate(self.retrieval) if r]
+        s_heads = [h for h, r in enumerate(self.retrieval) if not r]
+        self.full = SlotStore(info, num_heads=len(r_heads)) if r_heads else None
+        self.stream = (
+            StreamingStore(info, sink + recent, sink, tail, num_heads=len(s_heads)) if s_heads else None
+        )
+        # (store, kv head indices, query head indices) per part; retrieval first
+        self.parts = []
+        for store, heads in ((self.full, r_heads), (self.stream, s_heads)):
+            if store is not None:
+                q = [h * G + g for h in heads for g in range(G)]
+                self.parts.append((store, torch.tensor(heads), torch.tensor(q)))
+        order = torch.cat([q for _, _, q in self.parts])
+        self._identity = bool(torch.equal(order, torch.arange(info.num_heads)))
+        self._inv = torch.argsort(order)  # model query-head order from the concatenated parts
+        self.sink, self.recent, self.tail = sink, recent, tail
+
+    # the Cache API peeks at `keys` in a few places (e.g. is_initialized checks): show the first part's
+    @property
+    def keys(self):
+        return self.parts[0][0].keys
+
+    @keys.setter
+    def keys(self, value):  # set to None by CacheLayerMixin.__init__; the parts own the tensors
+        pass
+
+    @property
+    def values(self):
+        return self.parts[0][0].values
+
+    @values.setter
+    def values(self, value):
+        pass
+
+    @property
+    def seen(self) -> int:
+        return self.parts[0][0].seen
+
+    # ---- transformers Cache API ----
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        dev = key_states.device
+        self.parts = [(s, kv.to(dev), q.to(dev)) for s, kv, q in self.parts]
+        self._inv = self._inv.to(dev)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store new tokens ``[B, H, T, D]`` (split by KV head); returns them unchanged."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if len(self.parts) == 1:
+            self.parts[0][0].update(key_states, value_states)
+        else:
+            for store, kv, _ in self.parts:
+                store.update(key_states.index_select(1, kv), value_states.index_select(1, kv))
+        return key_states, value_states
+
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        """``query [B, Hq, T, D]`` -> ``[B, T, Hq, D]``: each head group reads its own store."""
+        if len(self.parts) == 1:
+            return self.parts[0][0].attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        outs = [
+            store.attend(
+                module, query.index_select(1, q), key.index_select(1, kv), value.index_select(1, kv),
+                attention_mask, scaling, dropout, **kwargs,
+            )
+            for store, kv, q in self.parts
+        ]
+        out = torch.cat(outs, dim=2)  # [B, T, Hq, D] in parts order
+        return out if self._identity else out.index_select(2, self._inv)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        for store, _, _ in self.parts:
+            store.reset()
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # the streaming part is the one that may refuse (it compresses): crop it first so a refusal
+        # leaves both parts untouched
+        for store, _, _ in sorted(self.parts, key=lambda p: p[0] is self.full):
+            store.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        for store, _, _ in self.parts:
+            store.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for store, _, _ in self.parts:
+            store.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        for store, _, _ in self.parts:
+            store.batch_select_indices(indices)
+
+    def offload(self):  # the parts hold the tensors; nothing to move at this level
+        pass
+
+    def prefetch(self):
+        pass
+
+    # ---- accounting ----
+    def nbytes(self) -> int:
+        return sum(store.nbytes() for store, _, _ in self.parts)
+
+    def num_slots(self) -> int:
+        return max(store.num_slots() for store, _, _ in self.parts)
+
+    def head_slots(self) -> list[int]:
+        """Token slots held per KV head, in the model's head order."""
+        out = [0] * self.info.num_kv_heads
+        for store, kv, _ in self.parts:
+            for h in kv.tolist():
+                out[h] = store.num_slots()
+        return out
+
+
+def kv_fraction_kept(context: int, retrieval_fraction: float, sink: int = 64, recent: int = 256) -> float:
+    """Fraction of the full KV a duo cache holds after ``context`` tokens (ignoring the tail buffer)."""
+    keep_stream = min(context, sink + recent)
+    return retrieval_fraction + (1 - retrieval_fraction) * keep_stream / context if context else 1.0
+
+
+__all__ = [
+    "Duo",
+    "DuoStore",
+    "binarize",
+    "kv_fraction_kept",
+    "load_pattern",
+    "model_identity",
+    "save_pattern",
+    "shipped_pattern",
+]
