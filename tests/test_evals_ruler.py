@@ -118,3 +118,12 @@ def test_unknown_task_and_too_short():
 def test_length_too_small_is_clear(tok):
     with pytest.raises(ValueError, match="too small"):
         ruler.generate_sample(tok, "qa_2", 0, 200)
+
+
+@pytest.mark.parametrize("name", list(ruler.TASKS))
+def test_context_split_puts_the_question_after_compression(samples, name):
+    s = samples[name]
+    head, tail = s["prompt"][:s["context_end"]], s["prompt"][s["context_end"]:]
+    assert "Question" in tail or "What" in tail  # the question is fed after the policy compressed the context
+    assert all(o not in tail for o in s["outputs"]) or name.startswith("qa")
+    assert len(tail) < 0.2 * len(head)

@@ -112,7 +112,8 @@ def _config(args, bench: str, policy: str, options: dict, **extra) -> dict:
 
     return dict(benchmark=bench, model=args.model, policy=policy, options=options, seed=args.seed,
                 device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__, command=_command(),
-                max_new_tokens=getattr(args, "max_new_tokens", None), **extra)
+                max_new_tokens=getattr(args, "max_new_tokens", None),
+                full_prompt_prefill=getattr(args, "full_prompt_prefill", False), **extra)
 
 
 def _summary(config: dict, rows: list[dict], scores: dict) -> dict:
@@ -155,7 +156,8 @@ def cmd_ruler(args) -> int:
                          prompts=str(args.prompts) if args.prompts else None),
                  resume=args.resume)
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
-                       lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER {policy}")
+                       lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER {policy}",
+                       full_prompt_prefill=args.full_prompt_prefill)
     scores = task_scores(rows, names)
     summary = _summary(run.config, rows, scores)
     table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
@@ -196,7 +198,8 @@ def cmd_niah(args) -> int:
                  _config(args, "niah", policy, options, length=max(lengths), lengths=lengths, depths=depths,
                          task=args.task, chat=not args.no_chat), resume=args.resume)
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
-                       lambda s, p: string_match_all(p, s["outputs"]), desc=f"NIAH {policy}")
+                       lambda s, p: string_match_all(p, s["outputs"]), desc=f"NIAH {policy}",
+                       full_prompt_prefill=args.full_prompt_prefill)
     grid = niah.grid_scores(rows, lengths, depths)
     cells = [v for line in grid for v in line if v is not None]
     per_len = {str(L): round(sum(r["score"] for r in rows if r["target_length"] == L) * 100 /
@@ -232,7 +235,8 @@ def cmd_longbench(args) -> int:
     run = RunDir(_out(args, "longbench", run_label(args.model, policy, options, length)),
                  _config(args, "longbench", policy, options, length=length, tasks=names, chat=not args.no_chat,
                          data_dir=str(args.data_dir)), resume=args.resume)
-    rows = run_samples(model, tok, _cap(args, samples), run, policy, options, longbench.score, desc=f"LongBench {policy}")
+    rows = run_samples(model, tok, _cap(args, samples), run, policy, options, longbench.score, desc=f"LongBench {policy}",
+                       full_prompt_prefill=args.full_prompt_prefill)
     scores = task_scores(rows, names)
     summary = _summary(run.config, rows, scores)
     table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
@@ -307,6 +311,9 @@ def _common(p, with_out=True):
         p.add_argument("--out", default=None, help="output folder (default results/<bench>/<model>-<policy>-<len>)")
         p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
         p.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+        p.add_argument("--full-prompt-prefill", action="store_true",
+                       help="prefill context and question together (default: the context is prefilled and "
+                            "compressed first, then the question is fed, as kvpress does)")
         p.add_argument("--max-new-tokens", type=int, default=None,
                        help="cap the generation length of every sample (quick checks only)")
 

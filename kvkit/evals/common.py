@@ -22,6 +22,7 @@ def atomic_write_text(path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -44,6 +45,7 @@ def atomic_write_bytes(path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -135,21 +137,36 @@ class Generation:
     kv_offloaded: int
 
 
-def generate(model, tokenizer, prompt: str, max_new_tokens: int) -> Generation:
-    """Greedy ``model.generate`` on one prompt with an explicit ``kvkit.KVCache`` (when patched)."""
+def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: int | None = None) -> Generation:
+    """Greedy ``model.generate`` on one prompt with an explicit ``kvkit.KVCache`` (when patched).
+
+    With ``context_end`` (a character offset), the context ``prompt[:context_end]`` is prefilled first
+    and compressed by the policy; the rest (question, answer prefix) is then fed on top of what the
+    policy kept, as kvpress evaluates (question-agnostic compression). Without the split, the
+    question would be read with full attention during prefill and eviction would cost nothing.
+    """
     import torch
 
     import kvkit
 
-    ids = encode(tokenizer, prompt).to(model.device)
+    patched = kvkit.patched_policy(model) is not None
+    if context_end is not None and 0 < context_end < len(prompt):
+        ctx = encode(tokenizer, prompt[:context_end])
+        ids = torch.cat([ctx, encode(tokenizer, prompt[context_end:])], dim=1).to(model.device)
+    else:
+        ctx = None
+        ids = encode(tokenizer, prompt).to(model.device)
     kwargs = {}
     cache = None
-    if kvkit.patched_policy(model) is not None:
-        cache = kvkit.KVCache(model)
-        kwargs["past_key_values"] = cache
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     t0 = time.perf_counter()
     with torch.no_grad():
+        if patched:
+            cache = kvkit.KVCache(model)
+            if ctx is not None:
+                n = ctx.shape[1]
+                cache, _ = kvkit.prefill(model, ids[:, :n], chunk_size=n, cache=cache)
+            kwargs["past_key_values"] = cache
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -261,7 +278,7 @@ def progress(iterable=None, total=None, desc=None):
 
 
 def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str, options: dict, score_fn,
-                desc: str = "eval") -> list[dict]:
+                desc: str = "eval", full_prompt_prefill: bool = False) -> list[dict]:
     """Generate and score every sample not yet in ``run`` (``samples[i]`` has ``id``, ``prompt``,
     ``outputs``, ``tokens_to_generate``); returns all rows in sample order."""
     import kvkit
@@ -273,7 +290,8 @@ def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str,
         bar = progress(total=len(samples), desc=desc)
         bar.update(len(samples) - len(todo))
         for s in todo:
-            g = generate(model, tokenizer, s["prompt"], s["tokens_to_generate"])
+            g = generate(model, tokenizer, s["prompt"], s["tokens_to_generate"],
+                         None if full_prompt_prefill else s.get("context_end"))
             row = {k: s[k] for k in ("id", "task", "index") if k in s}
             row.update(
                 prediction=g.text,

@@ -74,9 +74,12 @@ def make_samples(tokenizer, data_dir, tasks: list[str], max_length: int, limit: 
             raw = cfg.PROMPTS[task].format(context=r["context"], input=r["input"])
             raw = truncate_middle(tokenizer, raw, max_length - cfg.MAX_NEW_TOKENS[task] - 64)
             use_chat = chat and task not in cfg.NO_CHAT
+            prompt = build_prompt(tokenizer, raw, chat=use_chat)
+            tail = r["context"].rstrip()[-200:]
+            end = prompt.rfind(tail) if tail else -1
             out.append(dict(
-                id=f"{task}/{r.get('_id', i)}", task=task, index=i,
-                prompt=build_prompt(tokenizer, raw, chat=use_chat),
+                id=f"{task}/{r.get('_id', i)}", task=task, index=i, prompt=prompt,
+                context_end=end + len(tail) if end > 0 else None,
                 outputs=list(r["answers"]), all_classes=r.get("all_classes"),
                 tokens_to_generate=cfg.MAX_NEW_TOKENS[task], metric=cfg.METRIC[task],
             ))

@@ -185,6 +185,7 @@ class Built:
     answer_prefix: str
     outputs: list[str]
     meta: dict
+    context: str = ""  # the haystack; everything after it (question, answer prefix) is fed after compression
 
 
 def sample_seed(seed: int, task: str, index: int) -> int:
@@ -284,7 +285,7 @@ def build_niah(task: Task, seed: int, size: int, depth: float | None = None) -> 
         tv = tv[:-1]
     user = template.format(type_needle_v=tv, context=context, query=query)
     return Built(user, prefix.format(type_needle_v=tv, query=query), answers,
-                 dict(needles=needles, depths=depths, haystack=hay))
+                 dict(needles=needles, depths=depths, haystack=hay), context)
 
 
 def _vt_text(rng: random.Random, noises: int, num_chains: int, num_hops: int, icl: bool):
@@ -314,16 +315,16 @@ def _vt_text(rng: random.Random, noises: int, num_chains: int, num_hops: int, ic
     value = chains[0][0].split("=")[-1].strip()
     template, prefix, _ = TEMPLATES["variable_tracking"]
     return (template.format(context=context, query=value), prefix.format(num_v=hops + 1, query=value),
-            chain_vars[0], chains[0])
+            chain_vars[0], chains[0], context)
 
 
 def build_vt(task: Task, seed: int, size: int) -> Built:
     a = task.args
     # RULER prepends one solved in-context example (3-letter names, a small noise haystack)
-    icl_user, icl_prefix, icl_ans, _ = _vt_text(random.Random(seed ^ 0x5EED), 40, a["num_chains"], a["num_hops"], True)
-    user, prefix, answers, chain = _vt_text(random.Random(seed), size, a["num_chains"], a["num_hops"], False)
+    icl_user, icl_prefix, icl_ans, _, _ = _vt_text(random.Random(seed ^ 0x5EED), 40, a["num_chains"], a["num_hops"], True)
+    user, prefix, answers, chain, context = _vt_text(random.Random(seed), size, a["num_chains"], a["num_hops"], False)
     example = icl_user + icl_prefix + " ".join(icl_ans)
-    return Built(example + "\n\n" + user, prefix, answers, dict(chain=chain))
+    return Built(example + "\n\n" + user, prefix, answers, dict(chain=chain), context)
 
 
 def build_cwe(task: Task, seed: int, size: int, target: int) -> Built:
@@ -349,7 +350,7 @@ def build_cwe(task: Task, seed: int, size: int, target: int) -> Built:
         ctx, ans = example(size, a["freq_cw"], a["freq_ucw"], a["num_cw"])
     template, prefix, _ = TEMPLATES["common_words_extraction"]
     ex = template.format(context=ex_ctx) + prefix + " " + " ".join(f"{i + 1}. {x}" for i, x in enumerate(ex_ans))
-    return Built(ex + "\n" + template.format(context=ctx), prefix, ans, dict(num_words=size))
+    return Built(ex + "\n" + template.format(context=ctx), prefix, ans, dict(num_words=size), ctx)
 
 
 def _zeta(alpha: float, terms: int = 100_000) -> float:
@@ -371,7 +372,7 @@ def build_fwe(task: Task, seed: int, size: int, target: int) -> Built:
     text = [wd for wd, c in zip(vocab, counts) for _ in range(c)]
     random.Random(seed).shuffle(text)
     template, prefix, _ = TEMPLATES["freq_words_extraction"]
-    return Built(template.format(context=" ".join(text)), prefix, vocab[1:4], dict(counts=counts[:4]))
+    return Built(template.format(context=" ".join(text)), prefix, vocab[1:4], dict(counts=counts[:4]), " ".join(text))
 
 
 def build_qa(task: Task, seed: int, size: int, index: int) -> Built:
@@ -390,7 +391,7 @@ def build_qa(task: Task, seed: int, size: int, index: int) -> Built:
     gold_pos = [i for i, (g, _) in enumerate(all_docs) if g]
     template, prefix, _ = TEMPLATES["qa"]
     return Built(template.format(context=context, query=q["query"]), prefix, list(q["outputs"]),
-                 dict(gold_docs=[docs[i] for i in gold], gold_positions=gold_pos, num_docs=len(all_docs)))
+                 dict(gold_docs=[docs[i] for i in gold], gold_positions=gold_pos, num_docs=len(all_docs)), context)
 
 
 def build(task: Task, seed: int, size: int, target: int, index: int, depth: float | None = None) -> Built:
@@ -458,6 +459,7 @@ def generate_sample(tokenizer, task_name: str, index: int, length: int, seed: in
         )
     return dict(
         id=f"{task_name}/{index}", task=task_name, index=index, prompt=prompt, outputs=b.outputs,
+        context_end=prompt.rindex(b.context) + len(b.context),
         prompt_tokens=total - gen, length=total, target_length=length, tokens_to_generate=gen,
         metric=task.metric, size=lo, seed=seed, meta=b.meta,
     )
