@@ -1,0 +1,215 @@
+"""tidal: TidalDecode sparse decode reads on tiny random models (6 layers: full, full, select, reuse,
+select, reuse)."""
+
+import pytest
+import torch
+
+import kvkit
+from kvkit.attention import attend_slots
+from kvkit.policies.tidal import TidalStore, decode_read_bytes, gather_attend
+from kvkit.testing import greedy, left_padded_batch, tiny_model
+
+LAYERS = 6  # default reselect_layer = max(round(0.4 * 6), 4) = 4
+ROW = 2 * 16 * 4  # one K row + one V row, head_dim 16, fp32
+
+
+def _model(arch="llama"):
+    return tiny_model(arch, num_hidden_layers=LAYERS)
+
+
+def _ids(n, seed=1):
+    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _run(model, ids, steps=10, mask=None):
+    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
+    return toks, torch.stack(logits, 1), cache
+
+
+def test_roles_and_default_reselect():
+    cache = kvkit.KVCache(_model(), "tidal")
+    assert [s.role for s in cache.layers] == ["full", "full", "select", "reuse", "select", "reuse"]
+    from kvkit.policies.tidal import Tidal
+
+    assert Tidal().reselect_for(32) == 13  # the paper's layer 13 of 32 (Llama-3-8B)
+    assert Tidal().reselect_for(30) == 12
+    assert Tidal().reselect_for(4) is None
+    cache = kvkit.KVCache(_model(), "tidal", reselect_layer=3)
+    assert [s.role for s in cache.layers] == ["full", "full", "select", "select", "reuse", "reuse"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+def test_budget_covering_context_equals_full(arch, selection):
+    model = _model(arch)
+    ids = _ids(40)
+    ref_toks, ref_logits, _ = _run(model, ids)
+    kvkit.patch(model, "tidal", budget=64, selection=selection)
+    toks, logits, cache = _run(model, ids)
+    kvkit.unpatch(model)
+    assert torch.equal(toks, ref_toks)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    r = decode_read_bytes(cache)
+    assert r["read"] == r["full"]  # a covering budget reads everything
+
+
+@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+def test_sparse_path_with_covering_selection_equals_full(selection, monkeypatch):
+    """The gather path itself (no dense shortcut) is exact when the selection covers every token."""
+    monkeypatch.setattr(TidalStore, "decode", _decode_no_shortcut)
+    model = _model()
+    ids = _ids(30)
+    ref_toks, ref_logits, _ = _run(model, ids, steps=6)
+    kvkit.patch(model, "tidal", budget=64, selection=selection)
+    toks, logits, cache = _run(model, ids, steps=6)
+    kvkit.unpatch(model)
+    assert cache.shared.get("tidal") is not None  # the selection really was shared
+    assert torch.equal(toks, ref_toks)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def _decode_no_shortcut(self, query, qpos, scaling):
+    """TidalStore.decode without the `budget >= n - 1` dense shortcut."""
+    if self.role == "full":
+        return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling)
+    sel = self.info.shared.get("tidal")
+    if self.role == "select" or sel is None or sel["seen"] != self.seen:
+        return self._select(query, qpos, scaling)
+    return self._reuse(query, sel, scaling)
+
+
+def test_gather_attend_matches_masked_dense():
+    torch.manual_seed(0)
+    B, Hq, H, T, n, D, k = 2, 4, 2, 3, 20, 16, 5
+    q, keys, values = torch.randn(B, Hq, T, D), torch.randn(B, H, n, D), torch.randn(B, H, n, D)
+    pos = torch.arange(n, dtype=torch.int32).view(1, 1, n).expand(B, 1, n)
+    qpos = torch.arange(n - T, n, dtype=torch.int32)
+    for Hs in (Hq, H):
+        idx = torch.stack([torch.randperm(n - T)[:k] for _ in range(B * Hs * T)]).view(B, Hs, T, k)
+        valid = torch.ones_like(idx, dtype=torch.bool)
+        valid[..., -1] = False
+        out = gather_attend(q, keys, values, idx, valid, 0.25)
+        # dense reference: per query head, a mask of its rows
+        m = torch.zeros(B, Hs, T, n, dtype=torch.bool).scatter_(-1, idx, valid)
+        m = m.repeat_interleave(Hq // Hs, dim=1) if Hs == H else m
+        ref = torch.stack([
+            attend_slots(q[:, h : h + 1], keys[:, h * H // Hq : h * H // Hq + 1], values[:, h * H // Hq : h * H // Hq + 1],
+                         pos, qpos, 0.25, m[:, h : h + 1])[:, :, 0]
+            for h in range(Hq)
+        ], dim=2)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("selection,rows_per_layer", [("q_head", 4), ("kv_head", 2)])
+def test_read_counter_formula(selection, rows_per_layer):
+    model = _model()
+    ids = _ids(40)
+    k = 8
+    kvkit.patch(model, "tidal", budget=k, selection=selection)
+    _, _, cache = _run(model, ids, steps=1)
+    kvkit.unpatch(model)
+    n = 41  # prompt + one decoded token held at the decode step
+    full_layer = 2 * n * ROW  # 2 KV heads read every held row
+    sparse_layer = rows_per_layer * (k + 1) * ROW  # (k selected + current) per index list
+    r = decode_read_bytes(cache)
+    assert [s.read_nbytes() for s in cache.layers] == [full_layer] * 3 + [sparse_layer, full_layer, sparse_layer]
+    assert r["read"] == 4 * full_layer + 2 * sparse_layer
+    assert r["full"] == 6 * full_layer
+    # every layer held every token: no memory saved
+    assert cache.num_slots() == [n] * LAYERS
+
+
+def test_reads_at_8k_with_budget_2048_formula():
+    """Read ratio of the default budget at 8K on SmolLM2's shape (30 layers, 9/3 heads), from the counter
+    formula: the 4 full-read layers (0, 1, 2 and the re-selection layer) bound the ratio."""
+    from kvkit.policies.tidal import Tidal
+
+    L, Hq, H, n, k = 30, 9, 3, 8192, 2048
+    r = Tidal().reselect_for(L)
+    full_layers = 3 + (r is not None)
+    for rows, expected in ((H, 2.86), (Hq, 1.28)):  # kv_head, q_head
+        read = full_layers * H * n + (L - full_layers) * rows * (k + 1)
+        assert round(L * H * n / read, 2) == expected
+
+
+@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+def test_multi_token_forward_equals_single_steps_and_crop_is_exact(selection):
+    model = _model()
+    ids = _ids(40)
+    kvkit.patch(model, "tidal", budget=6, selection=selection)
+    with torch.no_grad():
+        # reference: 4 single-token steps
+        c1 = kvkit.KVCache(model)
+        model(input_ids=ids, past_key_values=c1, use_cache=True)
+        draft = _ids(4, seed=7)
+        singles = [model(input_ids=draft[:, i : i + 1], past_key_values=c1, use_cache=True).logits[:, -1]
+                   for i in range(4)]
+        # one 4-token forward (speculative verification)
+        c2 = kvkit.KVCache(model)
+        model(input_ids=ids, past_key_values=c2, use_cache=True)
+        multi = model(input_ids=draft, past_key_values=c2, use_cache=True).logits
+        torch.testing.assert_close(multi[0], torch.cat(singles), rtol=1e-4, atol=1e-4)
+        # roll back 3 tokens, continue: same as a cache that only ever saw the first draft token
+        c2.crop(-3)
+        c3 = kvkit.KVCache(model)
+        model(input_ids=ids, past_key_values=c3, use_cache=True)
+        model(input_ids=draft[:, :1], past_key_values=c3, use_cache=True)
+        for a, b in zip(c2.layers, c3.layers):
+            assert a.seen == b.seen and torch.equal(a.pos, b.pos)
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)  # a 4-token matmul vs a 1-token one
+        nxt = _ids(1, seed=9)
+        la = model(input_ids=nxt, past_key_values=c2, use_cache=True).logits
+        lb = model(input_ids=nxt, past_key_values=c3, use_cache=True).logits
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+def test_left_padded_batch_equals_single(selection):
+    model = _model()
+    ids, mask, prompts = left_padded_batch([40, 27], seed=3)
+    kvkit.patch(model, "tidal", budget=8, selection=selection)
+    toks, logits, _ = _run(model, ids, steps=8, mask=mask)
+    for i, p in enumerate(prompts):
+        t1, l1, _ = _run(model, p[None], steps=8)
+        assert torch.equal(toks[i], t1[0])
+        torch.testing.assert_close(logits[i], l1[0], rtol=1e-4, atol=1e-4)
+    kvkit.unpatch(model)
+
+
+def test_small_budget_differs_from_full_and_reads_less():
+    model = _model()
+    ids = _ids(60)
+    _, ref_logits, _ = _run(model, ids, steps=4)
+    kvkit.patch(model, "tidal", budget=4, selection="kv_head")
+    _, logits, cache = _run(model, ids, steps=4)
+    kvkit.unpatch(model)
+    assert not torch.allclose(logits[:, 1:], ref_logits[:, 1:], atol=1e-4)  # decode really is sparse
+    torch.testing.assert_close(logits[:, 0], ref_logits[:, 0])  # prefill is exact
+    r = decode_read_bytes(cache)
+    assert r["ratio"] > 1.4
+
+
+def test_long_chunk_is_exact_full_attention():
+    model = _model()
+    ids = _ids(70)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[:, -1]
+        kvkit.patch(model, "tidal", budget=4)
+        cache, logits = kvkit.prefill(model, ids, chunk_size=35)  # two chunks of 35 > MAX_SPARSE_CHUNK
+        kvkit.unpatch(model)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(budget=0), "budget must be a positive integer"),
+    (dict(budget=1.5), "budget must be a positive integer"),
+    (dict(selection="head"), "selection must be one of"),
+    (dict(kv_reduce="mean"), "kv_reduce must be one of"),
+    (dict(reselect_layer=2), r"reselect_layer must be in \[3, 5\]"),
+    (dict(reselect_layer=6), r"reselect_layer must be in \[3, 5\]"),
+])
+def test_bad_options(opts, match):
+    with pytest.raises(ValueError, match=match):
+        kvkit.patch(_model(), "tidal", **opts)
