@@ -1,0 +1,274 @@
+"""Decode-attention kernels for compressed KV caches, with plain-torch references.
+
+Public API (shapes: B batch, Hq query heads, Hkv KV heads, Tq query tokens, N stored tokens, D head dim)
+
+* :func:`sparse_decode` -- attention over listed token indices (per KV head or per query head).
+* :func:`sparse_decode_chunks` -- the same over listed contiguous chunks (pages).
+* :func:`merge_attn` -- combine two partial results through their log-sum-exp.
+* :func:`weighted_decode` -- dense attention with an additive per-key log-weight.
+* :func:`quantize` / :func:`dequantize` / :func:`packed_nbytes` / :func:`quant_decode` -- int8/4/2 KV.
+* :func:`lowrank_decode` / :func:`reconstruct_keys` -- ShadowKV keys rebuilt from low-rank factors + RoPE.
+* :func:`landmarks` / :func:`chunk_scores` / :func:`topk_indices` -- selection helpers.
+
+Dispatch: CUDA tensors with Triton importable -> Triton kernels; anything else -> the torch reference
+(fp32 math). ``KVKIT_KERNELS=reference`` forces the reference, ``KVKIT_KERNELS=triton`` forces Triton
+(on CPU tensors that needs ``TRITON_INTERPRET=1``, which the tests set). Triton is imported only when a
+Triton kernel is about to run. ``KVKIT_DEBUG=1`` checks index ranges on the host and raises a clear
+IndexError (one device sync); without it, out-of-range entries are treated as padding and never read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference as _ref
+from ._common import (
+    check_indices,
+    check_qkv,
+    check_range,
+    check_tensor,
+    check_valid,
+    debug,
+    default_scale,
+    fail,
+)
+from ._triton import require_triton, triton_available
+from .quant import Packed, dequantize, packed_nbytes, quantize
+from .reference import landmarks, merge_attn, reconstruct_keys
+from .scoring import chunk_scores, topk_indices
+
+__all__ = [
+    "Packed", "backend", "chunk_scores", "dequantize", "landmarks", "lowrank_decode", "merge_attn",
+    "packed_nbytes", "quant_decode", "quantize", "reconstruct_keys", "sparse_decode", "sparse_decode_chunks",
+    "topk_indices", "use_triton", "weighted_decode",
+]
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Which path runs for these tensors: ``KVKIT_KERNELS`` = auto (default) | reference | triton."""
+    mode = os.environ.get("KVKIT_KERNELS", "auto").strip().lower()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        require_triton()
+        return True
+    if mode not in ("", "auto"):
+        raise ValueError(f"KVKIT_KERNELS must be 'auto', 'reference' or 'triton', got {mode!r}")
+    return all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)) and triton_available()
+
+
+def backend(device=None) -> str:
+    """Human-readable kernel path for a device (used by ``kvkit doctor``)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if os.environ.get("KVKIT_KERNELS", "auto").lower() == "reference":
+        return "torch reference (KVKIT_KERNELS=reference)"
+    if dev.type == "cuda" and triton_available():
+        import triton
+
+        return f"triton {triton.__version__}"
+    return "torch reference" + ("" if triton_available() else " (triton not installed)")
+
+
+def _finish(out, lse, squeeze, return_lse):
+    if squeeze:
+        out, lse = out.squeeze(2), lse.squeeze(2)
+    return (out, lse) if return_lse else out
+
+
+def sparse_decode(q, k, v, indices, *, scale=None, index_mode="kv_head", valid=None, return_lse=False,
+                  num_splits=None):
+    """Decode attention over selected tokens.
+
+    Parameters
+    ----------
+    q : ``[B, Hq, D]`` (one query token) or ``[B, Hq, Tq, D]`` (a few, e.g. speculative verification;
+        all Tq tokens see the same selected keys, no causal mask among them).
+    k, v : ``[B, Hkv, N, D]``, same dtype as q (fp16/bf16/fp32), Hq a multiple of Hkv (GQA).
+    indices : int32/int64 token ids ``[B, Hkv, K]`` (index_mode="kv_head": one list per KV head, shared
+        by its query group; each K/V row is read once per group) or ``[B, Hq, K]`` ("q_head"); a 4-D
+        ``[B, Hidx, Tq, K]`` gives each query token its own list. -1 = no token (ragged padding).
+    scale : softmax scale, default ``1/sqrt(D)``.
+    valid : None, int lengths ``[B]`` (keys ``>= valid[b]`` ignored) or bool key mask ``[B, N]``.
+    return_lse : also return the log-sum-exp ``[B, Hq]`` / ``[B, Hq, Tq]`` (fp32) for :func:`merge_attn`.
+    num_splits : split-K factor of the Triton kernel (default: sized to the GPU).
+
+    Returns out with q's shape and dtype (zeros where no key is visible; lse = -inf there).
+    """
+    fn = "sparse_decode"
+    q4, squeeze, B, Hq, Tq, Hkv, N, D = check_qkv(fn, q, k, v)
+    idx = check_indices(fn, indices, B, Hq, Hkv, Tq, index_mode, q.device)
+    mask = check_valid(fn, valid, B, N, q.device)
+    scale = default_scale(scale, D)
+    if debug():
+        check_range(fn, "indices", idx, N)
+    if use_triton(q, k, v, idx):
+        from .sparse import gather_attn
+
+        out, lse = gather_attn(q4, k, v, idx, mode=1, scale=scale, mask=mask, num_splits=num_splits)
+    else:
+        out, lse = _ref.sparse_decode_ref(q4, k, v, idx, scale=scale, mask=mask)
+    return _finish(out, lse, squeeze, return_lse)
+
+
+def sparse_decode_chunks(q, k, v, chunk_ids, chunk_size, *, scale=None, index_mode="kv_head", valid=None,
+                         return_lse=False, num_splits=None):
+    """Decode attention over selected contiguous chunks (pages) of ``chunk_size`` tokens.
+
+    chunk_ids : int ``[B, Hkv, C]`` (or ``[B, Hq, C]`` with index_mode="q_head", or ``[B, Hidx, Tq, C]``);
+        chunk c covers tokens ``[c*chunk_size, (c+1)*chunk_size)``, clipped to N; -1 = no chunk.
+    Other arguments and the result as in :func:`sparse_decode`.
+    """
+    fn = "sparse_decode_chunks"
+    q4, squeeze, B, Hq, Tq, Hkv, N, D = check_qkv(fn, q, k, v)
+    idx = check_indices(fn, chunk_ids, B, Hq, Hkv, Tq, index_mode, q.device, name="chunk_ids")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        fail(fn, f"chunk_size must be a positive int, got {chunk_size!r}")
+    mask = check_valid(fn, valid, B, N, q.device)
+    scale = default_scale(scale, D)
+    if debug():
+        check_range(fn, "chunk_ids", idx, -(-N // chunk_size))
+    if use_triton(q, k, v, idx):
+        from .sparse import gather_attn
+
+        out, lse = gather_attn(q4, k, v, idx, mode=2, chunk_size=chunk_size, scale=scale, mask=mask,
+                               num_splits=num_splits)
+    else:
+        tok = _ref.chunks_to_tokens(idx, chunk_size, N)
+        out, lse = _ref.sparse_decode_ref(q4, k, v, tok, scale=scale, mask=mask)
+    return _finish(out, lse, squeeze, return_lse)
+
+
+def weighted_decode(q, k, v, log_weight=None, *, scale=None, valid=None, return_lse=False, num_splits=None):
+    """Dense decode attention with an additive per-key bias.
+
+    q ``[B, Hq, D]`` or ``[B, Hq, Tq, D]``; k, v ``[B, Hkv, N, D]``; log_weight ``[B, Hkv, N]`` float
+    (natural-log units, e.g. ``log(cluster_size)``; ``-inf`` hides a key) or None; valid as in
+    :func:`sparse_decode`. Returns out (q's shape) [+ lse].
+    """
+    fn = "weighted_decode"
+    q4, squeeze, B, Hq, Tq, Hkv, N, D = check_qkv(fn, q, k, v)
+    if log_weight is not None:
+        check_tensor(fn, "log_weight", log_weight, 3, (torch.float16, torch.bfloat16, torch.float32,
+                                                      torch.float64), q.device)
+        if tuple(log_weight.shape) != (B, Hkv, N):
+            fail(fn, f"log_weight must be [B={B}, Hkv={Hkv}, N={N}], got {tuple(log_weight.shape)}")
+    mask = check_valid(fn, valid, B, N, q.device)
+    scale = default_scale(scale, D)
+    if use_triton(q, k, v):
+        from .weighted import weighted_decode_triton
+
+        out, lse = weighted_decode_triton(q4, k, v, log_weight, scale=scale, mask=mask, num_splits=num_splits)
+    else:
+        out, lse = _ref.dense_decode_ref(q4, k, v, scale=scale, mask=mask, bias=log_weight)
+    return _finish(out, lse, squeeze, return_lse)
+
+
+def quant_decode(q, kpack: Packed, vpack: Packed, *, scale=None, valid=None, return_lse=False, num_splits=None):
+    """Decode attention straight from packed int8/int4/int2 keys and values (no fp16 K/V materialised).
+
+    q ``[B, Hq, D]`` or ``[B, Hq, Tq, D]``; kpack, vpack: :class:`Packed` of tensors ``[B, Hkv, N, D]``
+    from :func:`quantize` (any bits/group/axis, optional ``channel_prescale``); valid as in
+    :func:`sparse_decode`. Returns out in q's shape and dtype [+ lse].
+    """
+    fn = "quant_decode"
+    check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    for name, p in (("kpack", kpack), ("vpack", vpack)):
+        if not isinstance(p, Packed):
+            fail(fn, f"{name} must be a kvkit.kernels.Packed (from quantize), got {type(p).__name__}")
+        if len(p.shape) != 4:
+            fail(fn, f"{name} must pack a [B, Hkv, N, D] tensor, got shape {tuple(p.shape)}")
+        if p.data.device != q.device:
+            fail(fn, f"{name} is on {p.data.device} but q is on {q.device}")
+    if tuple(kpack.shape) != tuple(vpack.shape):
+        fail(fn, f"kpack {tuple(kpack.shape)} and vpack {tuple(vpack.shape)} must pack the same [B, Hkv, N, D]")
+    q4 = q.unsqueeze(2) if q.dim() == 3 else q
+    B, Hq, Tq, D = q4.shape
+    _, Hkv, N, Dk = kpack.shape
+    if kpack.shape[0] != B or Dk != D or Hq % Hkv:
+        fail(fn, f"packed K/V {tuple(kpack.shape)} do not match q {tuple(q.shape)} (B, D, Hq % Hkv == 0)")
+    mask = check_valid(fn, valid, B, N, q.device)
+    scale = default_scale(scale, D)
+    if use_triton(q, kpack.data, vpack.data):
+        from .quant_attn import quant_decode_triton
+
+        out, lse = quant_decode_triton(q4, kpack, vpack, scale=scale, mask=mask, num_splits=num_splits)
+    else:
+        out, lse = _ref.quant_decode_ref(q4, kpack, vpack, scale=scale, mask=mask)
+    return _finish(out, lse, q.dim() == 3, return_lse)
+
+
+def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=None, position_offset=None,
+                   attention_scaling=1.0, v_gathered=False, extra_k=None, extra_v=None, extra_valid=None,
+                   scale=None, valid=None, return_lse=False, num_splits=None):
+    """ShadowKV decode: keys of the selected chunks rebuilt from low-rank pre-RoPE factors, RoPE'd at
+    their original positions, attended together with their values (fused in one Triton kernel).
+
+    q ``[B, Hq, D]`` or ``[B, Hq, Tq, D]``; U ``[B, N, r]`` (shared across heads); SV ``[B, Hkv, r, D]``;
+    v values ``[B, Hkv, N, D]`` indexed by token row, or with ``v_gathered=True`` ``[B, Hkv, Ti*C*chunk_size, D]``
+    already in selection order; chunk_ids ``[B, Hkv, C]`` or ``[B, Hkv, Tq, C]`` (per query token), -1 = none;
+    inv_freq ``[Dr/2]`` (fp32, Dr <= D rotary dims, HF rotate_half convention, cos/sin multiplied by
+    ``attention_scaling``); positions ``[B, N]`` int (original position of each row) or position_offset
+    ``[B]`` (position = offset + row; default row). extra_k/extra_v ``[B, Hkv, E, D]``: exact post-RoPE
+    keys (outliers, local window, generated tokens) attended jointly; extra_valid ``[B]`` lengths or
+    ``[B, E]`` mask. valid (``[B]`` / ``[B, N]``) masks rows of U. Returns out (q's shape) [+ lse].
+    """
+    fn = "lowrank_decode"
+    check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    q4 = q.unsqueeze(2) if q.dim() == 3 else q
+    B, Hq, Tq, D = q4.shape
+    check_tensor(fn, "U", U, 3, None, q.device)
+    check_tensor(fn, "SV", SV, 4, None, q.device)
+    check_tensor(fn, "v", v, 4, None, q.device)
+    check_tensor(fn, "inv_freq", inv_freq, 1, None, q.device)
+    if U.dtype != SV.dtype or not U.is_floating_point():
+        fail(fn, f"U and SV must share one float dtype, got {U.dtype} and {SV.dtype}")
+    if v.dtype != q.dtype:
+        fail(fn, f"v must have q's dtype {q.dtype}, got {v.dtype}")
+    N, r = U.shape[1], U.shape[2]
+    Hkv = SV.shape[1]
+    if U.shape[0] != B or SV.shape[0] != B or SV.shape[2] != r or SV.shape[3] != D or Hkv == 0 or Hq % Hkv:
+        fail(fn, f"shapes do not fit: q {tuple(q.shape)}, U {tuple(U.shape)} [B, N, r], SV {tuple(SV.shape)} "
+                 f"[B, Hkv, r, D] (Hq a multiple of Hkv)")
+    dr = 2 * inv_freq.shape[0]
+    if dr > D or dr == 0:
+        fail(fn, f"inv_freq has {inv_freq.shape[0]} entries: rotary dims {dr} must be in (0, D={D}]")
+    idx = check_indices(fn, chunk_ids, B, Hq, Hkv, Tq, "kv_head", q.device, name="chunk_ids")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        fail(fn, f"chunk_size must be a positive int, got {chunk_size!r}")
+    L = idx.shape[3] * chunk_size
+    if v_gathered:
+        if tuple(v.shape) != (B, Hkv, idx.shape[2] * L, D):
+            fail(fn, f"v_gathered: v must be [B, Hkv, Ti*C*chunk_size={idx.shape[2] * L}, D], got {tuple(v.shape)}")
+    elif tuple(v.shape) != (B, Hkv, N, D):
+        fail(fn, f"v must be [B={B}, Hkv={Hkv}, N={N}, D={D}] (the value store), got {tuple(v.shape)}")
+    if positions is not None:
+        check_tensor(fn, "positions", positions, 2, (torch.int32, torch.int64), q.device)
+        if tuple(positions.shape) != (B, N):
+            fail(fn, f"positions must be [B={B}, N={N}], got {tuple(positions.shape)}")
+    if position_offset is not None:
+        check_tensor(fn, "position_offset", position_offset, 1, (torch.int32, torch.int64), q.device)
+        if position_offset.shape[0] != B:
+            fail(fn, f"position_offset must be [B={B}], got {tuple(position_offset.shape)}")
+    mask = check_valid(fn, valid, B, N, q.device)
+    scale = default_scale(scale, D)
+    if debug():
+        check_range(fn, "chunk_ids", idx, -(-N // chunk_size))
+    if use_triton(q, U, SV, v):
+        from .lowrank import lowrank_decode_triton
+
+        out, lse = lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, positions=positions,
+                                         position_offset=position_offset, attention_scaling=attention_scaling,
+                                         v_gathered=v_gathered, scale=scale, mask=mask, num_splits=num_splits)
+    else:
+        tok = _ref.chunks_to_tokens(idx, chunk_size, N)
+        out, lse = _ref.lowrank_decode_ref(q4, U, SV, v, tok, inv_freq, scale=scale, positions=positions,
+                                           position_offset=position_offset, attention_scaling=attention_scaling,
+                                           v_gathered=v_gathered, mask=mask)
+    if extra_k is not None or extra_v is not None:
+        if extra_k is None or extra_v is None:
+            fail(fn, "extra_k and extra_v go together")
+        o2, l2 = weighted_decode(q4, extra_k, extra_v, None, scale=scale, valid=extra_valid, return_lse=True)
+        out, lse = merge_attn(out, lse, o2, l2)
+    return _finish(out, lse, q.dim() == 3, return_lse)

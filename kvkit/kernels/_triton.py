@@ -1,0 +1,51 @@
+"""Lazy, optional Triton import.
+
+kvkit imports without Triton; the kernel modules (``sparse_decode``, ``quant``, ``lowrank``) define
+their ``@triton.jit`` functions at import time, so they are imported only when a Triton launch is
+actually requested (see :func:`kvkit.kernels._dispatch.use_triton`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install (missing CUDA libs, ...)
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its numpy interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def require_triton():
+    if not triton_available():
+        raise ImportError(
+            "kvkit's Triton kernels need the 'triton' package (pip install 'kvkit[triton]'); "
+            "unset KVKIT_KERNELS=triton to use the torch reference path instead"
+        )
+    import triton
+
+    return triton
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device_index: int = 0) -> int:
+    """Streaming multiprocessors of a CUDA device (used to size split-K); 4 under the interpreter."""
+    import torch
+
+    if interpreting() or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
