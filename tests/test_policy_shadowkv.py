@@ -188,3 +188,24 @@ def test_bad_options():
         kvkit.KVCache(model, "shadowkv", rank=WIDTH + 1)
     kvkit.patch(model, "shadowkv", rank=WIDTH)  # full rank is fine
     kvkit.unpatch(model)
+
+
+@pytest.mark.slow
+def test_default_model_full_rank_matches_full(default_model):
+    """Real weights (SmolLM2-135M, fp32): full rank + a budget over all chunks decode as full."""
+    from kvkit.demo import needle_prompt
+
+    model, tokenizer = default_model
+    ids, _ = needle_prompt(tokenizer, context_tokens=250)
+    kvkit.unpatch(model)
+    ref_toks, ref_logits, _ = _run(model, ids, steps=4)
+    try:
+        kvkit.patch(model, "shadowkv", rank=192, budget=1024, min_prompt=128)
+        toks, logits, cache = _run(model, ids, steps=4)
+        assert all(s.compressed for s in _stores(cache)) and cache.offloaded_nbytes() > 0
+        assert torch.equal(toks, ref_toks)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-3, atol=2e-3)
+        # default rank on this model: round(160 / 1024 * 3 * 64) = 30
+        assert kvkit.KVCache(model, "shadowkv").layers[0].rank == 30
+    finally:
+        kvkit.unpatch(model)
