@@ -1,6 +1,6 @@
 """Lazy, optional Triton import.
 
-kvkit imports without Triton; the kernel modules (``sparse_decode``, ``quant``, ``lowrank``) define
+kvkit imports without Triton; the kernel modules (``sparse``, ``weighted``, ``quant_attn``, ``lowrank``) define
 their ``@triton.jit`` functions at import time, so they are imported only when a Triton launch is
 actually requested (see :func:`kvkit.kernels._dispatch.use_triton`).
 """

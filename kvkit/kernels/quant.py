@@ -14,7 +14,7 @@ Layout of :class:`Packed` for ``x [..., N, D]`` (N tokens, D channels):
   [..., 1, D]``), ``x / c`` is quantised, dequantisation multiplies by ``c`` again.
 
 Packing runs in torch on any device (it happens at prefill / re-quantisation time); decode attention
-reads the packed store directly in ``quant_decode.py`` (Triton) or via :func:`dequantize` (reference).
+reads the packed store directly in ``quant_attn.py`` (Triton) or via :func:`dequantize` (reference).
 """
 
 from __future__ import annotations

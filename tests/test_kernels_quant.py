@@ -1,0 +1,127 @@
+"""quantize / dequantize / packed sizes / quant_decode (Triton under TRITON_INTERPRET=1, and on CUDA)."""
+
+import pytest
+import torch
+from _kernel_utils import HAS_TRITON, assert_flash_rule, max_err, needs_cuda
+
+import kvkit.kernels as K
+from kvkit.kernels import reference as R
+
+# round-trip bound: |x - deq(q(x))| <= step/2 (+ stat rounding); step = range / (2^bits - 1)
+BITS = [8, 4, 2]
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("axis,group", [(-1, None), (-1, 8), (-2, None), (-2, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_roundtrip_error_bound_and_exact_size(bits, axis, group, dtype):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 3, 37, 32, generator=g).to(dtype)
+    p = K.quantize(x, bits, group, axis)
+    y = K.dequantize(p)
+    assert y.shape == x.shape and y.dtype == dtype
+    xf = x.float()
+    G = group or (32 if axis == -1 else 37)
+    if axis == -1:
+        xg = xf.view(2, 3, 37, 32 // G, G)
+        rng = (xg.amax(-1) - xg.amin(-1)).repeat_interleave(G, -1)
+    else:
+        NG = -(-37 // G)
+        rng = torch.stack([xf[..., i * G:(i + 1) * G, :].amax(-2) - xf[..., i * G:(i + 1) * G, :].amin(-2)
+                           for i in range(NG)], -2).repeat_interleave(G, -2)[..., :37, :]
+    step = rng / ((1 << bits) - 1)
+    out_ulp = torch.finfo(dtype).eps * xf.abs()  # rounding of the dequantised value to dtype
+    err = (y.float() - xf).abs()
+    assert torch.all(err <= 0.5 * step * 1.01 + 2e-3 * rng + out_ulp + 1e-6)
+    # mean error of a uniform rounding ~ step/4: a loose sanity check that it is really quantised
+    assert err.mean() <= 0.35 * step.mean() + out_ulp.mean() + 1e-6
+    n_stats = p.scale.numel()
+    stat_bytes = 2 * n_stats * p.scale.element_size()
+    assert K.packed_nbytes(p) == x.numel() * bits // 8 + stat_bytes
+    assert p.data.dtype == torch.uint8 and p.data.numel() == x.numel() * bits // 8
+    assert n_stats == (2 * 3 * 37 * 32 // G if axis == -1 else 2 * 3 * (-(-37 // G)) * 32)
+
+
+def test_zipcache_value_prescale():
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(1, 2, 40, 16, generator=g) * torch.linspace(0.1, 20, 16)  # outlier channels
+    p = K.quantize(v, 4, None, -1, channel_prescale=True)
+    c = v.abs().amax(dim=-2, keepdim=True).sqrt()
+    assert torch.allclose(p.prescale, c)
+    y = K.dequantize(p)
+    vs = v / c
+    step = (vs.amax(-1, keepdim=True) - vs.amin(-1, keepdim=True)) / 15
+    assert torch.all((y - v).abs() <= (0.5 * step * 1.01 + 1e-3) * c)
+    assert K.packed_nbytes(p) == v.numel() // 2 + 2 * p.scale.numel() * 4 + 16 * 2 * 4
+
+
+def test_quantize_bad_input():
+    with pytest.raises(ValueError, match="bits"):
+        K.quantize(torch.randn(4, 8), 3)
+    with pytest.raises(ValueError, match="multiple of"):
+        K.quantize(torch.randn(4, 7), 4)
+    with pytest.raises(ValueError, match="divide"):
+        K.quantize(torch.randn(4, 8), 4, group_size=3, axis=-1)
+
+
+CASES = [  # (B, Hq, Hkv, N, D, kbits, vbits, kgroup, vgroup, prescale)
+    (2, 3, 3, 37, 16, 8, 8, None, None, False),
+    (1, 3, 1, 50, 32, 4, 4, 16, 8, True),
+    (2, 7, 1, 19, 16, 2, 2, None, 16, True),
+    (1, 4, 2, 64, 32, 2, 4, 32, None, False),
+]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("Tq", [None, 2])
+def test_quant_decode_kernel_vs_fp64(monkeypatch, case, Tq):
+    monkeypatch.setenv("KVKIT_KERNELS", "triton")
+    B, Hq, Hkv, N, D, kb, vb, kg, vg, pre = case
+    g = torch.Generator().manual_seed(N)
+    q = torch.randn((B, Hq, D) if Tq is None else (B, Hq, Tq, D), generator=g).bfloat16()
+    k = torch.randn(B, Hkv, N, D, generator=g).bfloat16()
+    v = torch.randn(B, Hkv, N, D, generator=g).bfloat16()
+    kp = K.quantize(k, kb, kg, axis=-2)  # keys channel-wise
+    vp = K.quantize(v, vb, vg, axis=-1, channel_prescale=pre)  # values token-wise
+    valid = torch.tensor([N - 5] + [N] * (B - 1))
+    out, lse = K.quant_decode(q, kp, vp, valid=valid, return_lse=True, num_splits=2)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    q4 = q if Tq else q.unsqueeze(2)
+    mask = torch.arange(N)[None] < valid[:, None]
+    t_out, t_lse = R.quant_decode_ref(q4.double(), kp, vp, scale=D**-0.5, mask=mask, upcast=False)
+    r_out, _ = R.quant_decode_ref(q4, kp, vp, scale=D**-0.5, mask=mask, upcast=False)
+    if not Tq:
+        t_out, r_out, t_lse = t_out[:, :, 0], r_out[:, :, 0], t_lse[:, :, 0]
+    assert_flash_rule(out, r_out, t_out, name=f"quant {case}")
+    assert max_err(lse, t_lse) < 1e-4
+    # and the quantised attention is close to the unquantised one (8 bit: very; 2 bit: loosely)
+    exact = K.weighted_decode(q.float(), k.float(), v.float(), valid=valid)
+    assert max_err(out, exact) < {8: 0.05, 4: 0.5, 2: 2.0}[min(kb, vb)]
+
+
+def test_quant_decode_bad_input():
+    q = torch.randn(1, 2, 16)
+    kp = K.quantize(torch.randn(1, 2, 10, 16), 4, axis=-2)
+    vp = K.quantize(torch.randn(1, 2, 12, 16), 4)
+    with pytest.raises(ValueError, match="same"):
+        K.quant_decode(q, kp, vp)
+    with pytest.raises(ValueError, match="Packed"):
+        K.quant_decode(q, kp, torch.randn(1, 2, 10, 16))
+    with pytest.raises(ValueError, match="do not match"):
+        K.quant_decode(torch.randn(1, 2, 8), kp, K.quantize(torch.randn(1, 2, 10, 16), 4))
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quant_decode_cuda(monkeypatch, bits):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    B, Hq, Hkv, N, D = 2, 32, 8, 5003, 128
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+    kp, vp = K.quantize(k, bits, 128, axis=-2), K.quantize(v, bits, None, axis=-1, channel_prescale=True)
+    out = K.quant_decode(q, kp, vp)
+    t_out, _ = R.quant_decode_ref(q.unsqueeze(2).double(), kp, vp, scale=D**-0.5, upcast=False)
+    r_out, _ = R.quant_decode_ref(q.unsqueeze(2), kp, vp, scale=D**-0.5, upcast=False)
+    assert_flash_rule(out, r_out[:, :, 0], t_out[:, :, 0], atol=1e-4, name=f"cuda quant {bits}")
