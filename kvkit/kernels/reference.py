@@ -169,7 +169,7 @@ def apply_rope(x, cos, sin):
 
 
 def reconstruct_keys(U, SV, tok, inv_freq, *, positions=None, position_offset=None, attention_scaling=1.0):
-    """Post-RoPE keys from low-rank pre-RoPE factors, fp32.
+    """Post-RoPE keys from low-rank pre-RoPE factors, fp32 (fp64 for fp64 factors).
 
     U ``[B, N, r]`` (shared by the heads), SV ``[B, Hkv, r, D]``, tok ``[B, Hkv, Ti, L]`` token rows
     (-1 = none, treated as row 0), positions ``[B, N]`` int (the original position of each row; default
@@ -179,15 +179,16 @@ def reconstruct_keys(U, SV, tok, inv_freq, *, positions=None, position_offset=No
     B, N, r = U.shape
     t = tok.long().clamp(0, max(N - 1, 0))
     b = torch.arange(B, device=U.device).view(B, 1, 1, 1)
-    u = U[b, t].float()  # [B, Hkv, Ti, L, r]
-    k_pre = torch.einsum("bhtlr,bhrd->bhtld", u, SV.float())
+    dt = torch.float64 if U.dtype == torch.float64 else torch.float32
+    u = U[b, t].to(dt)  # [B, Hkv, Ti, L, r]
+    k_pre = torch.einsum("bhtlr,bhrd->bhtld", u, SV.to(dt))
     if positions is not None:
         pos = positions.long()[b, t]
     else:
         off = position_offset.long().view(B, 1, 1, 1) if position_offset is not None else 0
         pos = t + off
-    cos, sin = rope_cos_sin(pos, inv_freq, attention_scaling)
-    return apply_rope(k_pre, cos, sin)
+    cos, sin = rope_cos_sin(pos, inv_freq, attention_scaling)  # angles in fp32, as transformers computes them
+    return apply_rope(k_pre, cos.to(dt), sin.to(dt))
 
 
 def lowrank_decode_ref(q, U, SV, v, tok, inv_freq, *, scale, positions=None, position_offset=None,
