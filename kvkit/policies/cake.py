@@ -1,0 +1,348 @@
+"""``cake``: CAKE, cascading and adaptive KV cache eviction (Qin et al., arXiv:2503.12491).
+
+Prefill of layer ``m`` is exact attention over the prompt; then, from the last ``window`` prompt
+queries only (``A = softmax(q_window K^T)`` in fp32, causal inside the window, ``[B, Hq, w, S]`` --
+never the full ``S x S`` matrix):
+
+* **layer preference** ``P_m = H^(1/tau1) * V^(1/tau2)`` with the entropy ``H = -sum A log(A + 1e-10)``
+  and ``V`` = the variance across window queries summed over heads and keys, both on the non-window
+  keys;
+* **eviction indicator** per key: mean over window queries of ``A`` + ``gamma`` x their variance,
+  avg-pooled along the keys (kernel 5, padding 2), averaged over the query heads of each KV group;
+  the window's own keys always stay;
+* **cascading allocation**: the total evictable budget ``B = (budget - window) * L`` is shared among
+  the layers ``l <= m`` whose prefill has run, ``P_l / sum_{k<=m} P_k`` each (integers, capped at the
+  prompt's non-window length, the excess and the rounding remainder spread equally over the uncapped
+  layers, as the reference's ``adjust_budgets``), and every layer ``l <= m`` is re-evicted to its new
+  budget by top-k per KV head on its stored indicator. Evicted tokens are gone, so a layer's budget
+  only shrinks (``min`` with its previous budget) and the KV held after layer ``m`` never exceeds
+  ``B + (m + 1) * window``. Nothing is evicted from a prompt of at most ``budget + window`` tokens.
+
+Decode: each layer keeps ``prefill budget + window`` live tokens (``max(prompt, budget)`` for prompts
+that were not evicted). New tokens are appended uncompressed; once ``tail`` extra tokens have arrived
+the layer evicts in bulk at the start of ``update``: the last ``tail`` decode queries' softmax over the
+held tokens (mean over those queries, pooled, group-averaged, as the reference scores with the current
+query) ranks the non-window tokens and the top ones are kept; the last ``window`` tokens always stay.
+The buffered decode queries (at most ``tail + 64``) are cropped with the tokens, so ``crop`` is exact.
+
+Batches: every row gets its own preference, allocation and decode trigger, exactly as if it ran
+alone; rows are kept rectangular by *dead* slots (position -1, never read) placed before a row's live
+slots, so pooling sees the same zeros a lone row sees at its left edge. ``nbytes`` counts the dead
+slots too (they are held).
+
+Per-model ``tau1``/``tau2`` (the paper's values at cache size 1024) are chosen by the model's name or
+shape; other models, including the bundled SmolLM2-135M, get (1.0, 1.0) (the reference's value for
+unknown models). Options ``tau1``/``tau2`` override.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvkit.cache import LayerInfo, SlotStore, _tensor_bytes
+from kvkit.policies.base import Policy, check_positive_int
+from kvkit.registry import register
+
+#: CAKE's tau1/tau2 at cache size 1024 (paper / reference config): name fragment -> (tau1, tau2)
+TAU_TABLE = {
+    "llama-3.1-8b": (1.6, 0.4),
+    "mistral-7b-v0.3": (0.8, 0.5),
+    "qwen2.5-7b": (1.5, 0.6),
+    "llama-2-7b": (1.9, 1.8),
+}
+DEFAULT_TAU = (1.0, 1.0)  # CAKE reference: unknown models
+#: (model_type, layers, hidden, kv_heads, vocab) of each table entry, for models loaded under another name
+_SHAPES = {
+    ("llama", 32, 4096, 8, 128256): "llama-3.1-8b",
+    ("mistral", 32, 4096, 8, 32768): "mistral-7b-v0.3",
+    ("qwen2", 28, 3584, 4, 152064): "qwen2.5-7b",
+    ("llama", 32, 4096, 32, 32000): "llama-2-7b",
+}
+QUERY_SLACK = 64  # decode queries kept beyond `tail`, so crop of up to 64 tokens keeps the scoring exact
+EPS = 1e-10  # CAKE entropy epsilon
+
+
+def model_taus(config) -> tuple[tuple[float, float], str]:
+    """CAKE's (tau1, tau2) for a model config and where it came from (a table entry or "default")."""
+    name = str(getattr(config, "_name_or_path", "") or "").lower().replace("_", "-")
+    for key, taus in TAU_TABLE.items():
+        if key in name:
+            return taus, key
+    shape = (
+        getattr(config, "model_type", None), getattr(config, "num_hidden_layers", None),
+        getattr(config, "hidden_size", None),
+        getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None),
+        getattr(config, "vocab_size", None),
+    )
+    key = _SHAPES.get(shape)
+    if key == "llama-3.1-8b":  # Llama-3-8B has the same shape; 3.1 is told apart by its llama3 RoPE scaling
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if not (isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "llama3"):
+            key = None
+    return (TAU_TABLE[key], key) if key else (DEFAULT_TAU, "default")
+
+
+@register("cake")
+@dataclass(frozen=True)
+class Cake(Policy):
+    """CAKE: per-layer budgets from attention entropy/variance, cascading eviction during prefill.
+
+    Parameters
+    ----------
+    budget : int
+        Average tokens kept per layer *including* the window (the paper's cache_size); 1024 default.
+    window : int
+        Last prompt queries used for scoring, their tokens always kept (S_w = 32 in the paper).
+    gamma : float
+        Weight of the variance in the eviction indicator (200 in the paper).
+    pool_kernel : int
+        Average-pooling kernel of the indicator along the keys (5 in the paper; padding kernel // 2).
+    tau1, tau2 : float or None
+        Temperatures of the layer preference ``H^(1/tau1) * V^(1/tau2)``; None: the paper's per-model
+        values (``TAU_TABLE``), (1.0, 1.0) for other models.
+    tail : int or None
+        Decode tokens allowed above a layer's size before a bulk eviction (kvkit; at most ``window``);
+        None: ``window``.
+    """
+
+    budget: int = 1024  # CAKE cache_size (per-layer average, window included)
+    window: int = 32  # CAKE S_w
+    gamma: float = 200.0  # CAKE gamma
+    pool_kernel: int = 5  # CAKE avg-pool kernel size
+    tau1: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
+    tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
+    tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
+
+    description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
+    saves = "memory+reads"
+
+    def __post_init__(self):
+        for name in ("budget", "window", "pool_kernel"):
+            check_positive_int("cake", name, getattr(self, name))
+        check_positive_int("cake", "tail", self.tail, allow_none=True)
+        if self.budget <= self.window:
+            raise ValueError(
+                f"cake: budget ({self.budget}) must be larger than window ({self.window}): budget is the average "
+                "cache size per layer including the window"
+            )
+        if self.pool_kernel % 2 == 0:
+            raise ValueError(f"cake: pool_kernel must be odd (padding kernel // 2 keeps the length), got {self.pool_kernel}")
+        if self.tail is not None and self.tail > self.window:
+            raise ValueError(
+                f"cake: tail ({self.tail}) must be at most window ({self.window}) so every scored token was seen by "
+                "all the decode queries that score it"
+            )
+        for name in ("gamma", "tau1", "tau2"):
+            v = getattr(self, name)
+            if v is None and name != "gamma":
+                continue
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+            if not ok or v < 0 or (name != "gamma" and v == 0):
+                raise ValueError(f"cake: {name} must be a {'non-negative' if name == 'gamma' else 'positive'} number, got {v!r}")
+
+    def taus(self, config) -> tuple[float, float]:
+        (t1, t2), _ = model_taus(config) if config is not None else (DEFAULT_TAU, "default")
+        return (self.tau1 if self.tau1 is not None else t1, self.tau2 if self.tau2 is not None else t2)
+
+    def new_layer(self, info: LayerInfo):
+        return CakeStore(info, self, *self.taus(info.config))
+
+
+def allocate(pref: torch.Tensor, total: int, cap: torch.Tensor) -> torch.Tensor:
+    """Integer budgets ``[B, m]`` from preferences ``pref [B, m]``: shares ``pref / sum`` of ``total``, capped at
+    ``cap [B]``; the capped excess and the rounding remainder are spread equally over the uncapped layers
+    (the first ones get the remainder), so each row sums to ``total`` unless every layer is capped."""
+    B, m = pref.shape
+    pref = pref.double().clamp(min=0).nan_to_num(0.0)
+    s = pref.sum(-1, keepdim=True)
+    share = torch.where(s > 0, pref / s.clamp(min=1e-300), torch.full_like(pref, 1.0 / m))
+    capm = cap.view(B, 1).long().expand(B, m)
+    b = torch.floor(share * total).long().minimum(capm)
+    for _ in range(m + 1):
+        amount = total - b.sum(-1)  # [B]
+        free = b < capm
+        nfree = free.sum(-1)
+        if not bool(((amount > 0) & (nfree > 0)).any()):
+            break
+        per = amount.clamp(min=0) // nfree.clamp(min=1)
+        rem = amount.clamp(min=0) % nfree.clamp(min=1)
+        rank = free.long().cumsum(-1) - 1
+        b = (b + torch.where(free, per[:, None] + (rank < rem[:, None]).long(), 0)).minimum(capm)
+    return b
+
+
+class CakeStore(SlotStore):
+    """One CAKE layer: per-KV-head positions (``pos [B, H, n]``), the prefill indicator while the cascade
+    runs, the live-token size of each row for decode and the last decode queries for decode scoring."""
+
+    _batch_tensors = SlotStore._batch_tensors + ("score", "size", "qbuf")
+
+    def __init__(self, info: LayerInfo, policy: Cake, tau1: float, tau2: float):
+        super().__init__(info)
+        self.budget, self.window, self.gamma = policy.budget, policy.window, policy.gamma
+        self.kernel = policy.pool_kernel
+        self.tail = policy.tail if policy.tail is not None else policy.window
+        self.tau1, self.tau2 = tau1, tau2
+        self.score: torch.Tensor | None = None  # [B, H, n] prefill indicator (+inf window, -inf dead)
+        self.size: torch.Tensor | None = None  # [B] live tokens a row keeps at decode (budget + window)
+        self.qbuf: torch.Tensor | None = None  # [B, Hq, nq, D] last decode queries
+        self.scaling = info.head_dim**-0.5
+        st = info.shared.setdefault("cake", {"stores": {}, "pref": {}, "budgets": {}, "history": []})
+        st["stores"][info.layer_idx] = self
+
+    def reset(self) -> None:
+        super().reset()
+        self.score = self.size = self.qbuf = None
+
+    def nbytes(self) -> int:
+        return super().nbytes() + _tensor_bytes(self.score, self.size, self.qbuf, self.first_pos)
+
+    def live(self) -> torch.Tensor:
+        """Live (readable) tokens per row and KV head ``[B, H]``."""
+        return (self.pos >= 0).sum(-1)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def keep_slots(self, idx: torch.Tensor) -> None:
+        super().keep_slots(idx)
+        if self.score is not None:
+            self.score = self.score.gather(2, idx.expand(-1, self.score.shape[1], -1))
+
+    def _drop_last(self, n: int) -> None:
+        super()._drop_last(n)
+        if self.score is not None:
+            self.score = self.score[..., :-n]
+        if self.qbuf is not None:
+            self.qbuf = self.qbuf[:, :, : max(self.qbuf.shape[2] - n, 0)]
+
+    def _evict_to(self, score: torch.Tensor, keep: torch.Tensor) -> None:
+        """Keep the ``keep [B]`` best live slots of every (row, KV head) by ``score [B, H, n]``; the rest of a
+        row's rectangle becomes dead slots (position -1), placed before its live slots in slot order."""
+        n = self.keys.shape[-2]
+        kmax = min(int(keep.max()), n)
+        if kmax >= n and bool((self.live() <= keep[:, None]).all()):
+            return
+        score = score.masked_fill(self.pos < 0, float("-inf"))
+        top = score.topk(kmax, dim=-1)
+        ok = (torch.arange(kmax, device=score.device).view(1, 1, kmax) < keep.view(-1, 1, 1)) & (
+            top.values > float("-inf")
+        )
+        order = torch.where(ok, top.indices + n, top.indices).argsort(dim=-1)  # dead first, live in slot order
+        idx = top.indices.gather(-1, order)
+        ok = ok.gather(-1, order)
+        self.keep_slots(idx)
+        self.pos = torch.where(ok, self.pos, -1).contiguous()
+        if self.score is not None:
+            self.score = self.score.masked_fill(~ok, float("-inf"))
+
+    # ---- prefill: preference, indicator, cascade -------------------------------------------------
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        self.scaling = scaling
+        out = super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        if self.seen > query.shape[2]:  # a decode forward: remember its queries for decode scoring
+            q = query.detach()
+            self.qbuf = q if self.qbuf is None else torch.cat([self.qbuf, q], dim=2)
+            self.qbuf = self.qbuf[:, :, -(self.tail + QUERY_SLACK) :]
+        return out
+
+    def _window_attention(self, qw: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """``softmax(qw K^T * scaling)`` in fp32 over the held slots, causal by position: ``[B, Hq, w, n]``."""
+        B, Hq, w, D = qw.shape
+        H, n = self.keys.shape[1], self.keys.shape[2]
+        s = torch.einsum("bhgwd,bhnd->bhgwn", qw.float().view(B, H, Hq // H, w, D), self.keys.float()) * self.scaling
+        pos = self.pos[:, :, None, None, :]
+        allowed = (pos <= qpos.view(1, 1, 1, w, 1)) & (pos >= 0)
+        a = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        return torch.nan_to_num(a, nan=0.0).view(B, Hq, w, n)
+
+    def _pool_group(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, Hq, m]`` -> avg-pooled along keys, averaged over each KV group: ``[B, H, m]``."""
+        B, Hq, m = x.shape
+        H = self.keys.shape[1]
+        if m > 0:
+            x = F.avg_pool1d(x, kernel_size=self.kernel, padding=self.kernel // 2, stride=1)
+        return x.view(B, H, Hq // H, m).mean(dim=2)
+
+    def on_prefill(self, query, module) -> None:
+        B, Hq, S, D = query.shape
+        w = min(self.window, S)
+        real = (self.pos[:, 0] >= 0).sum(-1)  # [B]
+        qpos = torch.arange(S - w, S, device=query.device, dtype=torch.int32)
+        A = self._window_attention(query[:, :, S - w :], qpos)  # [B, Hq, w, S]
+        a_nw = A[..., : S - w]
+        # layer preference (CAKE eq.: entropy and variance on the non-window keys), float64 for the powers
+        ent = -(a_nw * torch.log(a_nw + EPS)).sum(dim=(1, 2, 3)).double()
+        var_w = a_nw.var(dim=2) if w > 1 else torch.zeros_like(a_nw[:, :, 0])
+        var = var_w.sum(dim=(1, 2)).double()
+        pref = ent.clamp(min=0) ** (1.0 / self.tau1) * var.clamp(min=0) ** (1.0 / self.tau2)  # [B]
+        # eviction indicator: mean + gamma * variance over window queries, pooled, group-averaged
+        ind = A.mean(dim=2) + self.gamma * (A.var(dim=2) if w > 1 else 0.0)
+        nw = self._pool_group(ind[..., : S - w])
+        win = torch.full((B, nw.shape[1], w), float("inf"), device=nw.device)
+        self.score = torch.cat([nw, win], dim=-1).masked_fill(self.pos < 0, float("-inf"))
+        self._cascade(pref, real, w)
+
+    def _cascade(self, pref: torch.Tensor, real: torch.Tensor, w: int) -> None:
+        st = self.info.shared["cake"]
+        stores = st["stores"]
+        m = self.info.layer_idx
+        if m == min(stores):  # first layer of a new prompt
+            st["pref"].clear()
+            st["budgets"].clear()
+            st["history"].clear()
+        st["pref"][m] = pref
+        layers = sorted(st["pref"])
+        total = (self.budget - self.window) * len(stores)
+        evict = real > self.budget + self.window  # [B] rows long enough to evict anything
+        cap = (real - w).clamp(min=0)
+        alloc = allocate(torch.stack([st["pref"][i] for i in layers], dim=-1), total, cap)
+        for j, i in enumerate(layers):
+            b = torch.where(evict, alloc[:, j], cap)
+            prev = st["budgets"].get(i)
+            if prev is not None:
+                b = b.minimum(prev)
+            st["budgets"][i] = b
+            store = stores[i]
+            if prev is None or bool((b < prev).any()):
+                store._evict_to(store.score, b + w)
+            store.size = torch.where(evict, b + w, real.clamp(min=self.budget))
+        st["history"].append({i: st["budgets"][i] for i in layers})
+        if m == max(stores):  # cascade done: the prefill indicators are no longer needed
+            for store in stores.values():
+                store.score = None
+
+    # ---- decode ------------------------------------------------------------------------------
+    def should_compress(self) -> bool:
+        if self.size is None:
+            return False
+        return bool((self.live()[:, 0] >= self.size + self.tail).any())
+
+    def compress(self) -> None:
+        live = self.live()[:, 0]
+        trig = live >= self.size + self.tail
+        keep = torch.where(trig, self.size, live)
+        self._evict_to(self._decode_score(), keep)
+
+    def _decode_score(self) -> torch.Tensor:
+        """Indicator ``[B, H, n]`` from the last ``tail`` decode queries: mean softmax over held slots, the
+        non-window part pooled and group-averaged; the last ``window`` slots +inf."""
+        n = self.keys.shape[-2]
+        w = min(self.window, n)
+        B, H = self.keys.shape[:2]
+        if self.qbuf is None or self.qbuf.shape[2] == 0:  # no decode query yet: keep the newest
+            return self.pos.float()
+        q = self.qbuf[:, :, -self.tail :]
+        nq = q.shape[2]
+        qpos = torch.arange(self.seen - nq, self.seen, device=q.device, dtype=torch.int32)
+        A = self._window_attention(q, qpos).mean(dim=2)  # [B, Hq, n]
+        nw = self._pool_group(A[..., : n - w])
+        win = torch.full((B, H, w), float("inf"), device=nw.device)
+        return torch.cat([nw, win], dim=-1)
+
+
+def cascade_history(cache) -> list[dict[int, torch.Tensor]]:
+    """Per-layer budgets ``[B]`` after each layer's prefill (the cascade), for inspection and tests."""
+    st = cache.shared.get("cake")
+    return [] if st is None else list(st["history"])
