@@ -277,7 +277,7 @@ class ZipCacheStore(SlotStore):
         if n:
             H = self.keys.shape[1]
             G = Hq // H
-            q = query.float().view(B, H, G * T, D)
+            q = query.float().reshape(B, H, G * T, D)
             s = torch.matmul(q, self.keys.float().transpose(-1, -2)) * scaling  # [B, H, G*T, n]
             pos = self.pos[:, 0]  # [B, n]
             see = (pos[:, None, :] <= qpos.view(1, T, 1)) & (pos[:, None, :] >= 0)  # [B, T, n]

@@ -1,0 +1,281 @@
+"""``chelsea``: Chelsea (arXiv:2506.11418) -- chunked soft-matching clustering of the KV cache.
+
+The paper has no public code; this follows its description (METHODS.md). The sequence is split into
+chunks of ``chunk_size`` tokens. Inside a chunk, per (row, KV head), the slots are split alternately
+into two sets A (even) and B (odd); every slot of A is matched to its most similar key in B (cosine
+similarity of the post-RoPE keys), and the ``r`` most similar pairs are merged into centroids: the
+size-weighted mean of their keys and of their values (ToMe's bipartite soft matching). This repeats
+until the chunk holds ``ceil(ratio * chunk_size)`` slots (a 64-token chunk at ratio 0.2 takes three
+rounds: 64 -> 32 -> 16 -> 13). Each slot carries its cluster size; with ``size_bias`` attention adds
+``log(size)`` to a merged key's score (ToMe's proportional attention, kvkit's option: a cluster then
+weighs as many identical tokens) through ``kvkit.kernels.weighted_decode``.
+
+What is merged (kvkit's choices, not the paper's, which does not say): the first ``sink`` tokens of
+every row and the most recent ``window`` tokens stay exact; only *complete* chunks between them are
+merged (a partial chunk waits until it is complete). Chunks are counted from the first real token of
+each row, so a left-padded row is clustered exactly as the same prompt alone. Merging runs right after
+the prefill and, during decoding, at the start of ``update`` once ``merge_interval`` new tokens have
+arrived (on the committed tokens only, so ``crop`` of the newest tokens stays exact).
+
+Slot positions (for causal masking): a centroid's position is the position of its latest member.
+Only committed tokens older than the recent window are merged, so every centroid lies strictly in
+the past of any later query and the causal mask never hides it.
+
+Memory: a complete chunk of L tokens becomes exactly ``ceil(ratio * L)`` slots per KV head; a layer
+holds ``sink + window + (< L unmerged) + ceil(ratio * L) * complete_chunks`` slots (+ new tokens
+before the next merge). Each slot costs keys + values + an int32 position and an int32 size per head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvkit.cache import LayerInfo, SlotStore, _tensor_bytes
+from kvkit.kernels import merge_attn, weighted_decode
+from kvkit.policies.base import Policy, check_fraction, check_positive_int
+from kvkit.registry import register
+
+
+@register("chelsea")
+@dataclass(frozen=True)
+class Chelsea(Policy):
+    """Chelsea chunked KV clustering.
+
+    Parameters
+    ----------
+    ratio : float
+        Fraction of the slots a merged chunk keeps, in (0, 1] (0.2: the paper's 80% KV reduction;
+        1.0 merges nothing).
+    chunk_size : int
+        Tokens per chunk (64: kvkit's default; the paper clusters within fixed-size chunks).
+    sink : int
+        First tokens of each row never merged (attention sinks; kvkit, not the paper).
+    window : int
+        Most recent tokens never merged (kvkit, not the paper).
+    merge_interval : int
+        New tokens between two merges during decoding (kvkit; one chunk).
+    size_bias : bool
+        Add ``log(cluster size)`` to merged keys' scores (ToMe proportional attention; kvkit's
+        option, default from a measurement on the default model, see results/chelsea/README.md).
+    """
+
+    ratio: float = 0.2  # Chelsea: up to 80% KV memory reduction
+    chunk_size: int = 64  # kvkit default: a chunk the size of a few sentences
+    sink: int = 4  # StreamingLLM's 4 sink tokens, kept exact
+    window: int = 32  # recent tokens kept exact
+    merge_interval: int = 64  # one chunk of new tokens between merges
+    size_bias: bool = True  # measured: see results/chelsea/README.md
+
+    description = "Chelsea: chunked soft-matching merge of similar keys/values into sized centroids (2506.11418)"
+    saves = "memory+reads"
+
+    def __post_init__(self):
+        check_fraction("chelsea", "ratio", self.ratio)
+        check_positive_int("chelsea", "chunk_size", self.chunk_size)
+        check_positive_int("chelsea", "merge_interval", self.merge_interval)
+        for name in ("sink", "window"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"chelsea: {name} must be an integer >= 0, got {val!r}")
+        if not isinstance(self.size_bias, bool):
+            raise ValueError(f"chelsea: size_bias must be True or False, got {self.size_bias!r}")
+
+    @property
+    def kept_per_chunk(self) -> int:
+        return max(1, math.ceil(self.ratio * self.chunk_size - 1e-9))
+
+    def new_layer(self, info: LayerInfo):
+        return ChelseaStore(info, self)
+
+
+def _rows(x, idx):
+    """Rows ``idx [..., m]`` of ``x [..., n, D]``."""
+    return x.gather(-2, idx[..., None].expand(*idx.shape, x.shape[-1]))
+
+
+def _merge_into(x, src, dst, w_src, s_dst, new_size):
+    """Size-weighted means: A rows ``src`` of ``x`` (even slots) merged into B rows ``dst`` (odd slots)."""
+    xa, xb = x[..., 0::2, :], x[..., 1::2, :]
+    d_idx = dst[..., None].expand(*dst.shape, x.shape[-1])
+    acc = (xb * s_dst[..., None]).scatter_add(-2, d_idx, _rows(xa, src) * w_src[..., None])
+    return acc / new_size[..., None]
+
+
+def merge_chunks(k, v, pos, size, target: int):
+    """Bipartite soft matching inside every chunk down to ``target`` slots.
+
+    k, v ``[..., L, D]`` (float); pos ``[..., L]`` int; size ``[..., L]`` float (cluster sizes).
+    Returns the same four with ``L`` replaced by ``target`` (slots sorted by position).
+    """
+    cur = k.shape[-2]
+    while cur > target:
+        n_a = (cur + 1) // 2
+        r = min(cur - target, n_a)  # merges this round (at most one per A slot)
+        ka, kb = k[..., 0::2, :], k[..., 1::2, :]
+        sim = F.normalize(ka, dim=-1) @ F.normalize(kb, dim=-1).transpose(-1, -2)  # [..., nA, nB]
+        best, dst = sim.max(dim=-1)  # each A slot's most similar B slot
+        order = best.argsort(dim=-1, descending=True, stable=True)
+        src, rest = order[..., :r], order[..., r:]  # the r most similar pairs merge; the rest of A stays
+        dst = dst.gather(-1, src)
+        sa, sb = size[..., 0::2], size[..., 1::2]
+        w_src = sa.gather(-1, src)
+        new_size = sb.scatter_add(-1, dst, w_src)
+        kb_new = _merge_into(k, src, dst, w_src, sb, new_size)
+        vb_new = _merge_into(v, src, dst, w_src, sb, new_size)
+        pa, pb = pos[..., 0::2], pos[..., 1::2]
+        pb_new = pb.scatter_reduce(-1, dst, pa.gather(-1, src), reduce="amax")  # latest member's position
+        k = torch.cat([_rows(ka, rest), kb_new], dim=-2)
+        v = torch.cat([_rows(v[..., 0::2, :], rest), vb_new], dim=-2)
+        pos = torch.cat([pa.gather(-1, rest), pb_new], dim=-1)
+        size = torch.cat([sa.gather(-1, rest), new_size], dim=-1)
+        srt = pos.argsort(dim=-1, stable=True)  # keep time order so the next partition alternates in time
+        k, v, pos, size = _rows(k, srt), _rows(v, srt), pos.gather(-1, srt), size.gather(-1, srt)
+        cur -= r
+    return k, v, pos, size
+
+
+def _take(x, idx):
+    """Slots ``idx [B, m]`` (same for every head) of ``x [B, H, n]`` or ``[B, H, n, D]``."""
+    B, H = x.shape[:2]
+    if x.dim() == 3:
+        return x.gather(2, idx[:, None, :].expand(B, H, idx.shape[1]))
+    return x.gather(2, idx[:, None, :, None].expand(B, H, idx.shape[1], x.shape[-1]))
+
+
+def _compact_valid(valid):
+    """Column order ``[B, m]`` that moves invalid slots to the front (stable) and keeps the last m."""
+    order = valid.int().argsort(dim=-1, stable=True)
+    m = int(valid.sum(-1).max()) if valid.numel() else 0
+    return order[:, order.shape[1] - m :]
+
+
+class ChelseaStore(SlotStore):
+    """Merged centroids (first ``n_merged`` slots) + exact slots (sinks, unmerged, window, new)."""
+
+    _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto")
+
+    def __init__(self, info: LayerInfo, policy: Chelsea):
+        super().__init__(info)
+        self.p = policy
+        self.size: torch.Tensor | None = None  # [B, H, n] int32 cluster sizes
+        self.merged_upto: torch.Tensor | None = None  # [B] tokens (from the first real one) already merged
+        self.n_merged = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.size = self.merged_upto = None
+        self.n_merged = 0
+
+    def append(self, k, v) -> None:
+        B, H, T, _ = k.shape
+        if self.pos is not None and self.pos.shape[1] == 1:
+            self.pos = self.pos.expand(-1, H, -1).contiguous()
+        super().append(k, v)
+        if self.pos.shape[1] == 1:
+            self.pos = self.pos.expand(-1, H, -1).contiguous()  # centroids differ per head
+        one = torch.ones(B, H, T, dtype=torch.int32, device=k.device)
+        self.size = one if self.size is None else torch.cat([self.size, one], -1)
+
+    def _drop_last(self, n: int) -> None:
+        super()._drop_last(n)
+        self.size = self.size[..., :-n]
+
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.keys, self.values, self.pos, self.size, self.first_pos, self.merged_upto)
+
+    # ---- merging -----------------------------------------------------------------------------
+    def on_prefill(self, query, module) -> None:
+        self.compress()
+
+    def should_compress(self) -> bool:
+        return self.p.ratio < 1 and self.seen - self.committed >= self.p.merge_interval
+
+    def compress(self) -> None:
+        p = self.p
+        if p.ratio >= 1:
+            return
+        L, K, nm = p.chunk_size, p.kept_per_chunk, self.n_merged
+        k, v, pos, size = self.keys, self.values, self.pos, self.size
+        B, H, n, D = k.shape
+        dev = k.device
+        first = self.first_pos.long()  # [B]
+        if self.merged_upto is None:
+            self.merged_upto = torch.full((B,), p.sink, dtype=torch.long, device=dev)
+        mu = self.merged_upto
+        raw_pos = pos[:, 0, nm:].long()  # [B, nr]: exact slots, same positions on every head
+        nr = raw_pos.shape[1]
+        chunks = ((self.seen - first - p.window - mu) // L).clamp(min=0)  # [B] complete chunks to merge
+        C = int(chunks.max()) if chunks.numel() else 0
+        if C == 0:
+            return
+        rel = raw_pos - first[:, None]
+        real = raw_pos >= 0
+        in_range = real & (rel >= mu[:, None]) & (rel < (mu + chunks * L)[:, None])
+        # grid of the exact slots to merge: [B, C, L] (slots are position-sorted, padding first)
+        start = (real & (rel < mu[:, None])).sum(-1) + (~real).sum(-1)  # [B]
+        grid = start[:, None, None] + torch.arange(C, device=dev)[None, :, None] * L + torch.arange(L, device=dev)
+        grid = grid.clamp(max=nr - 1).view(B, C * L) + nm
+        gk = _take(k, grid).float().view(B, H, C, L, D)
+        gv = _take(v, grid).float().view(B, H, C, L, D)
+        gp = _take(pos, grid).view(B, H, C, L)
+        gs = _take(size, grid).float().view(B, H, C, L)
+        mk, mv, mp, ms = merge_chunks(gk, gv, gp, gs, K)
+        ok = (torch.arange(C, device=dev)[None, :] < chunks[:, None])[:, None, :, None]  # [B, 1, C, 1]
+        mp = torch.where(ok, mp, torch.full_like(mp, -1))
+        new_k = mk.to(k.dtype).reshape(B, H, C * K, D)
+        new_v = mv.to(v.dtype).reshape(B, H, C * K, D)
+        new_p = mp.to(pos.dtype).reshape(B, H, C * K)
+        new_s = ms.round().to(torch.int32).reshape(B, H, C * K)
+        # merged region: old centroids + new ones, invalid (padding) slots compacted away
+        mk_all = torch.cat([k[:, :, :nm], new_k], 2)
+        mv_all = torch.cat([v[:, :, :nm], new_v], 2)
+        mp_all = torch.cat([pos[:, :, :nm], new_p], 2)
+        ms_all = torch.cat([size[:, :, :nm], new_s], 2)
+        sel_m = _compact_valid(mp_all[:, 0] >= 0)
+        # exact region: what stays (sinks, partial chunk, window, new tokens); padding dropped
+        keep = real & ~in_range
+        sel_r = _compact_valid(keep) + nm
+        keep_sel = keep.gather(1, sel_r - nm)
+        rp = _take(pos, sel_r)
+        rp = torch.where(keep_sel[:, None, :], rp, torch.full_like(rp, -1))
+        self.keys = torch.cat([_take(mk_all, sel_m), _take(k, sel_r)], 2)
+        self.values = torch.cat([_take(mv_all, sel_m), _take(v, sel_r)], 2)
+        self.pos = torch.cat([_take(mp_all, sel_m), rp], 2)
+        self.size = torch.cat([_take(ms_all, sel_m), _take(size, sel_r)], 2)
+        self.n_merged = sel_m.shape[1]
+        self.merged_upto = mu + chunks * L
+
+    # ---- attention ---------------------------------------------------------------------------
+    def decode(self, query, qpos, scaling):
+        B, Hq, T, D = query.shape
+        n = self.keys.shape[-2]
+        old = n - T  # committed slots: all strictly before the queries
+        H = self.keys.shape[1]
+        G = Hq // H
+        # the T new tokens: exact causal attention among themselves
+        q = query.float().reshape(B, H, G * T, D)
+        kt, vt = self.keys[:, :, old:].float(), self.values[:, :, old:].float()
+        s = torch.matmul(q, kt.transpose(-1, -2)) * scaling  # [B, H, G*T, T]
+        pt = self.pos[:, 0, old:]
+        see = (pt[:, None, :] <= qpos.view(1, T, 1)) & (pt[:, None, :] >= 0)  # [B, T, T]
+        s = s.masked_fill(~see[:, None, None].expand(B, H, G, T, T).reshape(B, H, G * T, T), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(torch.softmax(s, -1).nan_to_num(0.0), vt).view(B, Hq, T, D).to(query.dtype)
+        lse = lse.view(B, Hq, T)
+        if old > 0:
+            held = self.pos[..., :old] >= 0
+            if self.p.size_bias:
+                lw = self.size[..., :old].float().clamp(min=1).log()
+            else:
+                lw = torch.zeros(held.shape, dtype=torch.float32, device=held.device)
+            lw = lw.masked_fill(~held, float("-inf"))
+            o1, l1 = weighted_decode(query, self.keys[:, :, :old], self.values[:, :, :old], lw, scale=scaling,
+                                     return_lse=True)
+            out, lse = merge_attn(o1, l1, out, lse)
+        if T > 1:
+            out = torch.nan_to_num(out, nan=0.0)
+        return out.transpose(1, 2)

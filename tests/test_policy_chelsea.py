@@ -1,0 +1,142 @@
+"""chelsea: chunked soft-matching clustering with sized centroids (tiny random models)."""
+
+import math
+
+import pytest
+import torch
+
+import kvkit
+from kvkit.policies.chelsea import ChelseaStore, merge_chunks
+from kvkit.testing import greedy, left_padded_batch, tiny_model
+
+SMALL = dict(chunk_size=8, window=4, merge_interval=4, sink=2)
+
+
+def _ids(n, seed=1):
+    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _run(model, ids, steps=10, mask=None):
+    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
+    return toks, torch.stack(logits, 1), cache
+
+
+def _stores(cache):
+    return [layer for layer in cache.layers if isinstance(layer, ChelseaStore)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_ratio_one_equals_full(arch):
+    model = tiny_model(arch)
+    ids = _ids(70)
+    ref_toks, ref_logits, _ = _run(model, ids, steps=12)
+    kvkit.patch(model, "chelsea", ratio=1.0, **SMALL)
+    toks, logits, cache = _run(model, ids, steps=12)
+    assert all(s.num_slots() == 82 and s.n_merged == 0 for s in _stores(cache))
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(toks, ref_toks)
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.2])
+def test_slots_per_chunk_and_nbytes(ratio):
+    model = tiny_model("llama")
+    n = 70
+    kvkit.patch(model, "chelsea", ratio=ratio, **SMALL)
+    cache = kvkit.KVCache(model)
+    with torch.no_grad():
+        model(input_ids=_ids(n), past_key_values=cache, use_cache=True)
+    K = math.ceil(ratio * 8)
+    chunks = (n - 2 - 4) // 8  # complete chunks between the 2 sinks and the 4-token window
+    exact = n - chunks * 8
+    for s in _stores(cache):
+        assert s.n_merged == chunks * K
+        assert s.num_slots() == chunks * K + exact
+        assert int(s.merged_upto) == 2 + chunks * 8
+        # every token is in exactly one slot
+        assert torch.equal(s.size.sum(-1), torch.full((1, 2), n, dtype=torch.int64))
+        assert bool((s.size[..., s.n_merged:] == 1).all())
+        # centroid position = latest member; all strictly before the exact window
+        assert int(s.pos[..., : s.n_merged].max()) < n - 4
+        slots = s.num_slots()
+        # k, v fp32 [1, 2, slots, 16]; pos, size int32 per head; first_pos int32 [1]; merged_upto int64 [1]
+        assert s.nbytes() == 2 * 2 * slots * 16 * 4 + 2 * slots * 4 * 2 + 4 + 8
+    kvkit.unpatch(model)
+
+
+def test_merge_chunks_reaches_target_and_preserves_mass():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 3, 5, 64, 16, generator=g), torch.randn(2, 3, 5, 64, 16, generator=g)
+    pos = torch.arange(64).expand(2, 3, 5, 64)
+    size = torch.ones(2, 3, 5, 64)
+    for target in (64, 33, 13, 1):
+        mk, mv, mp, ms = merge_chunks(k, v, pos, size, target)
+        assert mk.shape == (2, 3, 5, target, 16) and ms.shape == (2, 3, 5, target)
+        assert torch.equal(ms.sum(-1), torch.full((2, 3, 5), 64.0))
+        # size-weighted means keep the total of keys and values
+        torch.testing.assert_close((mk * ms[..., None]).sum(-2), k.sum(-2), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close((mv * ms[..., None]).sum(-2), v.sum(-2), rtol=1e-4, atol=1e-4)
+        assert bool((mp[..., 1:] > mp[..., :-1]).all())
+    # identical keys merge first
+    k2 = k.clone()
+    k2[..., 1, :] = k2[..., 0, :]
+    mk, _, mp, ms = merge_chunks(k2, v, pos, size, 63)
+    assert bool((ms[..., 0] == 2).all()) and bool((mp[..., 0] == 1).all())
+
+
+def test_decode_merges_periodically_and_crop_is_exact():
+    model = tiny_model("llama")
+    kvkit.patch(model, "chelsea", ratio=0.25, **SMALL)
+    ids = _ids(40)
+    toks, _, cache = _run(model, ids, steps=9)
+    stores = _stores(cache)
+    assert int(stores[0].merged_upto) == 2 + ((49 - 4 - 2) // 8) * 8  # merges went on while decoding
+    # crop exactness: feed 3 tokens, crop them, feed again -> same logits as a fresh run
+    extra = torch.randint(1, 128, (1, 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = [(s.keys.clone(), s.values.clone(), s.pos.clone(), s.size.clone()) for s in stores]
+        a = model(input_ids=extra, past_key_values=cache, use_cache=True).logits
+        cache.crop(cache.get_seq_length() - 3)
+        for s, (k, v, p, z) in zip(stores, before):
+            assert torch.equal(s.keys, k) and torch.equal(s.values, v) and torch.equal(s.pos, p)
+            assert torch.equal(s.size, z)
+        b = model(input_ids=extra, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(a, b)
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("size_bias", [True, False])
+def test_batch_left_padding_equals_single(size_bias):
+    model = tiny_model("llama")
+    kvkit.patch(model, "chelsea", ratio=0.25, size_bias=size_bias, **SMALL)
+    lengths = [45, 30, 37]
+    ids, mask, prompts = left_padded_batch(lengths)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    assert all(s.n_merged > 0 for s in _stores(out.past_key_values))
+    logits = torch.stack(out.logits, 1)
+    for i, p in enumerate(prompts):
+        one = model.generate(p[None], max_new_tokens=8, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        torch.testing.assert_close(logits[i], torch.stack(one.logits, 1)[0], rtol=1e-4, atol=1e-4)
+        assert torch.equal(out.sequences[i, ids.shape[1]:], one.sequences[0, len(p):])
+    kvkit.unpatch(model)
+
+
+def test_chunked_prefill_matches_mechanics():
+    model = tiny_model("qwen2")
+    kvkit.patch(model, "chelsea", ratio=0.5, **SMALL)
+    ids = _ids(60)
+    cache, last = kvkit.prefill(model, ids, chunk_size=16)
+    s = _stores(cache)[0]
+    assert s.n_merged > 0 and torch.isfinite(last).all()
+    assert int(s.size.sum()) == 2 * 60
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("bad", [dict(ratio=0), dict(ratio=1.5), dict(ratio=-0.1), dict(ratio="half"),
+                                 dict(chunk_size=0), dict(window=-1), dict(size_bias="yes")])
+def test_bad_options(bad):
+    with pytest.raises(ValueError, match="chelsea"):
+        kvkit.get_policy("chelsea", **bad)
