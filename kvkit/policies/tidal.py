@@ -42,6 +42,7 @@ import torch
 
 from kvkit.attention import attend_slots
 from kvkit.cache import LayerInfo, SlotStore
+from kvkit.kernels import sparse_decode
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 
@@ -201,27 +202,17 @@ class TidalStore(SlotStore):
 
 
 def gather_attend(query, keys, values, idx, valid, scaling):
-    """Attention of each query token over its own gathered rows.
+    """Attention of each query token over its own gathered rows (``kvkit.kernels.sparse_decode``: Triton on
+    CUDA, the torch reference elsewhere).
 
     query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]``; idx/valid ``[B, Hs, T, k]`` with Hs = Hq (one
     list per query head, read from KV head ``h // G``) or Hs = H (one list per KV head, shared by its
-    query group). Only the ``B*Hs*T*k`` indexed rows are read. Returns ``[B, T, Hq, D]``.
+    query group). Only the indexed rows are read. Returns ``[B, T, Hq, D]``.
     """
-    B, Hq, T, D = query.shape
-    H = keys.shape[1]
-    Hs = idx.shape[1]
-    dev = query.device
-    kv_head = torch.arange(Hs, device=dev) // (Hs // H)
-    bi = torch.arange(B, device=dev).view(B, 1, 1, 1)
-    hi = kv_head.view(1, Hs, 1, 1)
-    k_sel = keys[bi, hi, idx].float()  # [B, Hs, T, k, D]
-    v_sel = values[bi, hi, idx].float()
-    qf = query.float().view(B, Hs, Hq // Hs, T, D)
-    s = torch.einsum("bsgtd,bstkd->bsgtk", qf, k_sel) * scaling
-    s = s.masked_fill(~valid[:, :, None], float("-inf"))
-    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-    out = torch.einsum("bsgtk,bstkd->bsgtd", p, v_sel)
-    return out.reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+    mode = "kv_head" if idx.shape[1] == keys.shape[1] else "q_head"
+    indices = torch.where(valid, idx, -1).to(torch.int32)
+    out = sparse_decode(query, keys, values, indices, scale=scaling, index_mode=mode)
+    return out.transpose(1, 2)
 
 
 def decode_read_bytes(cache) -> dict:
