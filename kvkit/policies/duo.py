@@ -379,12 +379,15 @@ class DuoStore(StoreMixin, CacheLayerMixin):
         else:
             for store, kv, _ in self.parts:
                 store.update(key_states.index_select(1, kv), value_states.index_select(1, kv))
+        self._sync_committed()
         return key_states, value_states
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """``query [B, Hq, T, D]`` -> ``[B, T, Hq, D]``: each head group reads its own store."""
         if len(self.parts) == 1:
-            return self.parts[0][0].attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            out = self.parts[0][0].attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            self._sync_committed()
+            return out
         outs = [
             store.attend(
                 module, query.index_select(1, q), key.index_select(1, kv), value.index_select(1, kv),
@@ -392,6 +395,7 @@ class DuoStore(StoreMixin, CacheLayerMixin):
             )
             for store, kv, q in self.parts
         ]
+        self._sync_committed()
         out = torch.cat(outs, dim=2)  # [B, T, Hq, D] in parts order
         return out if self._identity else out.index_select(2, self._inv)
 
@@ -407,12 +411,30 @@ class DuoStore(StoreMixin, CacheLayerMixin):
     def reset(self) -> None:
         for store, _, _ in self.parts:
             store.reset()
+        self.info.shared.pop(("duo", "committed"), None)
         self.is_initialized = False
 
+    def _sync_committed(self) -> None:
+        # Layers differ in what they compress (an all-retrieval layer never does), so crop() checks the
+        # latest compression point of *any* duo layer of the cache: a refused crop then leaves every
+        # layer untouched, not only this one.
+        key = ("duo", "committed")
+        c = max(store.committed for store, _, _ in self.parts)
+        if c > self.info.shared.get(key, 0):
+            self.info.shared[key] = c
+
     def crop(self, tokens_to_remove: int) -> None:
-        # the streaming part is the one that may refuse (it compresses): crop it first so a refusal
-        # leaves both parts untouched
-        for store, _, _ in sorted(self.parts, key=lambda p: p[0] is self.full):
+        n = self.seen - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
+        if n <= 0 or not self.is_initialized:
+            return
+        committed = self.info.shared.get(("duo", "committed"), 0)
+        if self.seen - n < committed:
+            raise ValueError(
+                f"DuoStore (layer {self.info.layer_idx}) cannot crop {n} tokens exactly: only the "
+                f"{self.seen - committed} tokens added since the last compression of the streaming heads are "
+                "uncompressed. Crop right after the forward that added them (as speculative decoding does)."
+            )
+        for store, _, _ in self.parts:
             store.crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx) -> None:

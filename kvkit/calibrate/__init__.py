@@ -1,0 +1,1 @@
+"""Calibration of policies that need a learned per-model pattern (``kvkit calibrate <policy>``)."""

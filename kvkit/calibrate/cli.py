@@ -1,0 +1,77 @@
+"""``kvkit calibrate duo``: learn a DuoAttention head pattern for a model and write it as JSON (or TSV)."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_commands(subparsers) -> None:
+    cal = subparsers.add_parser("calibrate", help="learn a per-model pattern for a policy (duo)")
+    sub = cal.add_subparsers(dest="calibrate_policy", required=True)
+    d = sub.add_parser(
+        "duo",
+        help="DuoAttention gate optimisation: which KV heads need the full context (retrieval) vs sink+recent",
+        description="Optimise one gate per KV head per layer on synthetic multi-passkey retrieval (paper: "
+        "arXiv:2410.10819); writes the continuous gates as a pattern for kvkit.patch(model, 'duo', pattern=...).",
+    )
+    d.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    d.add_argument("--out", required=True, help="output pattern: .json (kvkit) or .tsv (reference format)")
+    d.add_argument("--steps", type=int, default=60, help="optimiser steps (paper: 2000)")
+    d.add_argument("--length", type=int, default=1024, help="longest sample in tokens (paper: up to 32K)")
+    d.add_argument("--min-length", type=int, default=None, help="shortest sample (default: 3/4 of length)")
+    d.add_argument("--sink", type=int, default=64, help="training sink tokens (paper: 128)")
+    d.add_argument("--recent", type=int, default=256, help="training recent window (paper: 256)")
+    d.add_argument("--passkeys", type=int, default=5, help="passkeys per sample (paper: 10)")
+    d.add_argument("--passkey-words", type=int, default=8, help="NATO words per passkey (paper: 32)")
+    d.add_argument("--lr", type=float, default=0.02)
+    d.add_argument("--reg", type=float, default=0.05, help="weight of mean|alpha|")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    d.set_defaults(func=cmd_calibrate_duo)
+
+
+def cmd_calibrate_duo(args) -> int:
+    import torch
+
+    from kvkit.calibrate.duo import calibrate
+    from kvkit.models import load, resolve_name
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"loading model {args.model!r} ...", flush=True)
+    model, tok = load(args.model, device=args.device)
+    res = calibrate(
+        model,
+        tok,
+        steps=args.steps,
+        out=args.out,
+        model_name=resolve_name(args.model),
+        length=args.length,
+        min_length=args.min_length,
+        sink=args.sink,
+        recent=args.recent,
+        num_passkeys=args.passkeys,
+        passkey_words=args.passkey_words,
+        lr=args.lr,
+        reg=args.reg,
+        seed=args.seed,
+    )
+    last = res["history"][-1]
+    print(
+        f"wrote {res['path']} ({res['model']['num_layers']} layers x {res['model']['num_kv_heads']} KV heads) in "
+        f"{res['wall_s']:.0f} s; final distill loss {last['distill']:.5f}, mean alpha {last['reg']:.3f}"
+    )
+    print("retrieval KV heads per layer at the default sparsity:",
+          json.dumps(res["retrieval_heads_at_default_sparsity"]))
+    return 0
+
+
+def main_calibrate(argv: list[str] | None = None) -> int:
+    """``kvkit calibrate ...`` as a function (for scripts and tests)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="kvkit")
+    add_commands(p.add_subparsers(dest="command"))
+    args = p.parse_args(["calibrate", *(argv or [])])
+    return args.func(args) or 0

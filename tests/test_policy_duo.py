@@ -1,0 +1,314 @@
+"""duo: DuoAttention retrieval / streaming heads, pattern files, calibration (tiny random models)."""
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvkit
+from kvkit.calibrate.duo import calibrate, streaming_mask
+from kvkit.policies.duo import Duo, DuoStore, binarize, load_pattern, save_pattern
+from kvkit.testing import greedy, left_padded_batch, tiny_model
+
+# tiny models: 3 layers, 4 query / 2 KV heads (groups of 2), head_dim 16
+MIXED = [[1.0, 0.9], [0.1, 0.2], [0.8, 0.3]]  # sparsity 0.5 -> layer 0 all retrieval, layer 1 all streaming
+RETRIEVAL = [[True, True], [False, False], [True, False]]
+SMALL = dict(sink=3, recent=8, tail=4)
+
+
+def _ids(n, seed=1, batch=1):
+    return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _stack(logits):
+    return torch.stack(logits, 1)
+
+
+def _stores(cache):
+    return [layer for layer in cache.layers if isinstance(layer, DuoStore)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_all_retrieval_equals_full(arch):
+    model = tiny_model(arch)
+    ids, mask, _ = left_padded_batch([37, 25])
+    ref_toks, ref_logits, _ = greedy(model, ids, 12, attention_mask=mask)
+    kvkit.patch(model, "duo", pattern=[[1.0, 1.0]] * 3, sparsity=0.0, **SMALL)
+    toks, logits, cache = greedy(model, ids, 12, attention_mask=mask)
+    assert all(s.stream is None for s in _stores(cache))
+    torch.testing.assert_close(_stack(logits), _stack(ref_logits), rtol=1e-4, atol=1e-4)
+    assert torch.equal(toks, ref_toks)
+    kvkit.unpatch(model)
+
+
+def test_binarize_global_quantile():
+    alpha = torch.tensor(MIXED, dtype=torch.float64)
+    assert binarize(alpha, 0.5).tolist() == RETRIEVAL
+    assert binarize(alpha, 0.0).all() and not binarize(alpha, 1.0).any()
+    assert binarize(alpha, 1 / 6).sum() == 5  # only the lowest (0.1) streams
+    ties = torch.ones(3, 2, dtype=torch.float64)  # ties broken deterministically, count still exact
+    assert binarize(ties, 0.5).sum() == 3
+    # default sparsity: 0.5 for GQA, 0.75 for MHA (paper)
+    gqa, mha = tiny_model("llama").config, tiny_model("llama", num_key_value_heads=4).config
+    assert Duo(pattern=MIXED).effective_sparsity(gqa) == 0.5
+    assert Duo(pattern=[[0.5] * 4] * 3).effective_sparsity(mha) == 0.75
+    assert Duo(pattern=[[0.1, 0.2, 0.3, 0.4]] * 3).retrieval_heads(mha).sum() == 3  # 12 heads, 9 stream
+
+
+def _nbytes_formula(B, n_heads, n_slots, D=16):
+    return B * n_slots * (2 * n_heads * D * 4 + 4)  # fp32 K+V per head, one int32 position per slot
+
+
+def test_per_head_budgets_and_nbytes():
+    model = tiny_model("llama")
+    kvkit.patch(model, "duo", pattern=MIXED, sparsity=0.5, **SMALL)
+    B, n, steps = 2, 50, 30
+    toks, _, cache = greedy(model, _ids(n, batch=B), steps)
+    seen = n + steps
+    budget = SMALL["sink"] + SMALL["recent"]
+    stores = _stores(cache)
+    assert [s.retrieval for s in stores] == RETRIEVAL
+    for s in stores:
+        for h, slots in enumerate(s.head_slots()):
+            if s.retrieval[h]:
+                assert slots == seen
+            else:
+                assert slots <= budget + SMALL["tail"]
+        expect = 0
+        if s.full is not None:
+            expect += _nbytes_formula(B, s.full.keys.shape[1], s.full.num_slots())
+            assert s.full.keys.shape[1] == sum(s.retrieval)
+        if s.stream is not None:
+            expect += _nbytes_formula(B, s.stream.keys.shape[1], s.stream.num_slots())
+            assert s.stream.keys.shape[1] == len(s.retrieval) - sum(s.retrieval)
+        assert s.nbytes() == expect
+    full = kvkit.KVCache(model, "full")
+    model(torch.cat([_ids(n, batch=B), toks], 1), past_key_values=full, use_cache=True)
+    # 3 of 6 KV heads keep 80 tokens, the other 3 at most 15: about half the memory
+    assert cache.nbytes() < 0.65 * full.nbytes()
+    assert cache.get_seq_length() == seen
+
+
+@torch.no_grad()
+def _reference_logits(model, seq, first, retrieval, sink, recent, chunk):
+    """Unpatched model: exact prefill of ``first`` tokens, then chunks of ``chunk`` tokens where the query
+    heads of streaming KV heads see only keys j < sink or j > i - recent (a per-head float mask)."""
+    G = model.config.num_attention_heads // model.config.num_key_value_heads
+    qhead_retrieval = torch.tensor(retrieval).repeat_interleave(G)  # same pattern in every layer
+    dc = DynamicCache()
+    out = model(seq[:, :first], past_key_values=dc, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for s in range(first, seq.shape[1], chunk):
+        e = min(seq.shape[1], s + chunk)
+        i = torch.arange(s, e).view(-1, 1)
+        j = torch.arange(e).view(1, -1)
+        causal = j <= i
+        window = streaming_mask(e, sink, recent)[s:e]
+        allowed = torch.where(qhead_retrieval.view(-1, 1, 1), causal, window)[None]  # [1, Hq, T, e]
+        out = model(seq[:, s:e], past_key_values=dc, attention_mask=allowed.float().log(), use_cache=True)
+        logits.append(out.logits[:, -1])
+    return logits
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_streaming_heads_read_exactly_sink_and_window(chunk):
+    """Exact first prefill, then single-token or multi-token chunks == a per-head sink+window mask."""
+    model = tiny_model("llama")
+    pattern = [[0.9, 0.1]] * 3  # KV head 0 retrieval, KV head 1 streaming, in every layer
+    seq = _ids(60)
+    first = 20
+    ref = _reference_logits(model, seq, first, [True, False], 3, 8, chunk)
+    kvkit.patch(model, "duo", pattern=pattern, sparsity=0.5, **SMALL)
+    cache, last = kvkit.prefill(model, seq[:, :first], chunk_size=first)
+    logits = [last]
+    for s in range(first, seq.shape[1], chunk):
+        out = model(seq[:, s : s + chunk], past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    assert max(s.stream.num_slots() for s in _stores(cache)) <= 3 + 8 + 4 + chunk
+    torch.testing.assert_close(_stack(logits), _stack(ref), rtol=1e-4, atol=1e-4)
+    kvkit.unpatch(model)
+
+
+def test_chunked_prefill_all_retrieval_equals_full():
+    model = tiny_model("qwen2")
+    ids = _ids(45)
+    _, ref = kvkit.prefill(model, ids, chunk_size=45)
+    kvkit.patch(model, "duo", pattern=[[1.0, 1.0]] * 3, sparsity=0.0)
+    _, logits = kvkit.prefill(model, ids, chunk_size=8)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    kvkit.unpatch(model)
+
+
+def test_crop_is_exact():
+    model = tiny_model("llama")
+    kvkit.patch(model, "duo", pattern=MIXED, sparsity=0.5, sink=2, recent=8, tail=4)
+    ids = _ids(24)
+    ref_toks, _, _ = greedy(model, ids, 20)
+    toks, logits, cache = greedy(model, ids, 8)
+    model(_ids(5, seed=9), past_key_values=cache, use_cache=True)  # a rejected 5-token draft
+    cache.crop(-5)
+    assert cache.get_seq_length() == 24 + 8
+    cont, nxt = [toks], logits[-1].argmax(-1, keepdim=True)
+    for _ in range(12):
+        cont.append(nxt)
+        nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    assert torch.equal(torch.cat(cont, 1), ref_toks)
+
+
+def test_crop_beyond_tail_raises_and_leaves_cache_intact():
+    model = tiny_model("llama")
+    kvkit.patch(model, "duo", pattern=MIXED, sparsity=0.5, sink=2, recent=6, tail=2)
+    _, _, cache = greedy(model, _ids(20), 6)
+    before = [s.head_slots() for s in _stores(cache)]
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(-6)
+    assert [s.head_slots() for s in _stores(cache)] == before
+    assert cache.get_seq_length() == 26
+
+
+def test_batch_left_padding_equals_single():
+    model = tiny_model("llama")
+    kvkit.patch(model, "duo", pattern=MIXED, sparsity=0.5, sink=2, recent=8, tail=4)
+    ids, mask, prompts = left_padded_batch([40, 26, 33])
+    toks, logits, _ = greedy(model, ids, 16, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        t1, l1, _ = greedy(model, p[None], 16)
+        assert torch.equal(toks[i], t1[0]), f"row {i}"
+        torch.testing.assert_close(_stack(logits)[i], _stack(l1)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_and_unpatch():
+    model = tiny_model("qwen2")
+    ids = _ids(30)
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    kvkit.patch(model, "duo", pattern=MIXED, **SMALL)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.shape == ref.shape
+    kvkit.unpatch(model)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), ref)
+
+
+# ---- pattern files ----------------------------------------------------------------------------------
+def test_pattern_files_json_and_tsv(tmp_path):
+    model = tiny_model("llama")
+    ident = {"name": "tiny", "num_layers": 3, "num_kv_heads": 2}
+    js = save_pattern(tmp_path / "p.json", MIXED, ident)
+    tsv = tmp_path / "full_attention_heads.tsv"  # the reference's format
+    tsv.write_text("1.000000000000000000e+00\t9.0e-01\n1.0e-01\t2.0e-01\n8.0e-01\t3.0e-01\n")
+    for path in (js, tsv, str(tsv)):
+        alpha, _ = load_pattern(path)
+        torch.testing.assert_close(alpha, torch.tensor(MIXED, dtype=torch.float64))
+        kvkit.patch(model, "duo", pattern=path, **SMALL)  # default sparsity 0.5 (GQA)
+        cache = kvkit.KVCache(model)
+        assert [s.retrieval for s in _stores(cache)] == RETRIEVAL
+    neg = tmp_path / "neg.tsv"
+    neg.write_text("1\t-9.5e-05\n0.5\t1.2\n0.3\t0.7\n")
+    assert load_pattern(neg)[0].tolist() == [[1.0, 0.0], [0.5, 1.0], [0.3, 0.7]]  # clipped to [0, 1]
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("other_model.json", {"model": {"name": "big", "num_layers": 32, "num_kv_heads": 8},
+                              "alpha": [[1.0] * 8] * 32}, r"32 layers x 8 KV heads.*3 layers x 2 KV heads"),
+        ("other_model.tsv", "1\t1\t1\n1\t1\t1\n", r"2 layers x 3 KV heads"),
+        ("corrupt.json", '{"alpha": [[1, 0], [0', "not valid JSON"),
+        ("no_alpha.json", {"gates": [[1, 0]]}, "no 'alpha' entry"),
+        ("ragged.tsv", "1\t0\n1\n0.5\t0.5\n", "different or zero lengths"),
+        ("text.tsv", "1\t0\nhello\tworld\n", "line 2 has a non-numeric value"),
+        ("nan.json", {"alpha": [[1, float("nan")], [0, 1], [1, 1]]}, "NaN"),
+        ("flat.json", {"alpha": [1, 0, 1]}, "one list of per-KV-head values per layer"),
+        ("mismatch.json", {"model": {"num_layers": 4}, "alpha": [[1, 0]] * 3}, "num_layers is 4"),
+        ("empty.tsv", "", "non-empty"),
+        ("binary.tsv", b"\xff\xfe\x00\x01", "not a text file"),
+    ],
+)
+def test_bad_pattern_files(tmp_path, name, content, match):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=match) as err:
+        kvkit.patch(model, "duo", pattern=str(path))
+    assert name in str(err.value)
+    assert getattr(model, "_kvkit_state", None) is None  # refused before anything was installed
+
+
+def test_missing_pattern_and_bad_options(tmp_path):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="kvkit calibrate duo"):
+        kvkit.patch(model, "duo")  # no pattern ships for a random tiny model
+    with pytest.raises(ValueError, match="does not exist"):
+        kvkit.patch(model, "duo", pattern=str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match="sparsity"):
+        kvkit.patch(model, "duo", pattern=MIXED, sparsity=1.5)
+    with pytest.raises(ValueError, match="recent"):
+        kvkit.patch(model, "duo", pattern=MIXED, recent=0)
+    with pytest.raises(ValueError, match="3 layers x 2 KV heads"):
+        kvkit.patch(model, "duo", pattern=[[1.0, 0.0]] * 2)
+
+
+# ---- calibration ------------------------------------------------------------------------------------
+class WordTokenizer:
+    """Deterministic toy tokenizer for the tiny models (vocab 128): one id per word."""
+
+    bos_token_id = 1
+
+    def encode(self, text, add_special_tokens=False):
+        return [2 + sum(map(ord, w)) % 126 for w in text.split()] or [2]
+
+
+def test_calibration_smoke(tmp_path):
+    model = tiny_model("llama")
+    flags = [p.requires_grad for p in model.parameters()]
+    out = tmp_path / "pattern.json"
+    res = calibrate(model, WordTokenizer(), steps=3, out=out, progress=False, length=200, min_length=180,
+                    sink=4, recent=16, num_passkeys=3, passkey_words=4, model_name="tiny")
+    alpha = res["alpha"]
+    assert alpha.shape == (3, 2) and bool((alpha < 1).all()) and bool((alpha >= 0).all())  # gates moved
+    assert len(res["history"]) == 3 and res["history"][-1]["distill"] > 0
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert [p.requires_grad for p in model.parameters()] == flags
+    loaded, meta = load_pattern(out)
+    torch.testing.assert_close(loaded, alpha, rtol=0, atol=1e-6)
+    assert meta["num_layers"] == 3 and meta["num_kv_heads"] == 2
+    data = json.loads(out.read_text())
+    assert data["calibration"]["settings"]["steps"] == 3
+    kvkit.patch(model, "duo", pattern=str(out), **SMALL)  # the file drives the policy
+    greedy(model, _ids(30), 3)
+    kvkit.unpatch(model)
+
+
+def test_calibration_cli(tmp_path, monkeypatch):
+    import kvkit.models
+    from kvkit.calibrate.cli import main_calibrate
+
+    monkeypatch.setattr(kvkit.models, "load", lambda name, device="cpu": (tiny_model("llama"), WordTokenizer()))
+    out = tmp_path / "p.tsv"
+    assert main_calibrate(["duo", "--out", str(out), "--steps", "2", "--length", "150", "--sink", "4",
+                           "--recent", "16", "--passkeys", "2", "--passkey-words", "4"]) == 0
+    assert load_pattern(out)[0].shape == (3, 2)
+
+
+# ---- the bundled model with its shipped pattern ---------------------------------------------------------
+@pytest.mark.slow
+def test_default_model_shipped_pattern(default_model):
+    model, tok = default_model
+    from kvkit.demo import needle_prompt
+
+    ids, _ = needle_prompt(tok, context_tokens=700, depth=0.5)
+    kvkit.patch(model, "duo", recent=128)  # shipped pattern, found from the config
+    try:
+        toks, _, cache = greedy(model, ids, 6)
+        full = kvkit.KVCache(model, "full")
+        model(torch.cat([ids, toks], 1), past_key_values=full, use_cache=True)
+        stores = _stores(cache)
+        assert len(stores) == 30
+        assert sum(sum(s.retrieval) for s in stores) == 45  # sparsity 0.5 of 90 KV heads (GQA)
+        assert cache.nbytes() < 0.8 * full.nbytes()
+    finally:
+        kvkit.unpatch(model)
