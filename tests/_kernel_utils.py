@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install 'kvkit[triton]')")
-needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+# Triton decides at @triton.jit time whether kernels are interpreted, so one pytest process runs either the
+# interpreter tests (TRITON_INTERPRET=1, set by conftest.py: CPU tensors) or the CUDA ones (TRITON_INTERPRET=0).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_triton = pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
+                                  reason="needs triton (pip install 'kvkit[triton]') and TRITON_INTERPRET=1")
+needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON and not INTERPRET),
+                                reason="needs a CUDA GPU, triton and TRITON_INTERPRET=0")
 
 
 def rel_err(x, ref):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _kernel_utils import HAS_TRITON, assert_flash_rule, max_err, needs_cuda
+from _kernel_utils import assert_flash_rule, max_err, needs_cuda, needs_triton
 
 import kvkit.kernels as K
 from kvkit.kernels import reference as R
@@ -40,7 +40,7 @@ CASES = [  # (B, Hq, Hkv, N, D, r, cs, C, Tq, per_token, dr)
 ]
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("pos_kind", ["positions", "offset"])
 def test_lowrank_decode_kernel_vs_fp64(monkeypatch, case, pos_kind):
@@ -124,7 +124,6 @@ def test_landmarks_scores_topk():
 
 @needs_cuda
 def test_lowrank_decode_cuda(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     g = torch.Generator().manual_seed(3)
     B, Hq, Hkv, N, D, r, cs, C = 2, 32, 8, 8200, 128, 160, 8, 256
     U, SV, v = _factors(B, Hkv, N, D, r, torch.bfloat16, g, "cuda")

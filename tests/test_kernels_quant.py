@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _kernel_utils import HAS_TRITON, assert_flash_rule, max_err, needs_cuda
+from _kernel_utils import assert_flash_rule, max_err, needs_cuda, needs_triton
 
 import kvkit.kernels as K
 from kvkit.kernels import reference as R
@@ -72,7 +72,7 @@ CASES = [  # (B, Hq, Hkv, N, D, kbits, vbits, kgroup, vgroup, prescale)
 ]
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("Tq", [None, 2])
 def test_quant_decode_kernel_vs_fp64(monkeypatch, case, Tq):
@@ -115,7 +115,6 @@ def test_quant_decode_bad_input():
 @needs_cuda
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_quant_decode_cuda(monkeypatch, bits):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     B, Hq, Hkv, N, D = 2, 32, 8, 5003, 128
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)

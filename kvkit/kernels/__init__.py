@@ -170,7 +170,8 @@ def quant_decode(q, kpack: Packed, vpack: Packed, *, scale=None, valid=None, ret
 
     q ``[B, Hq, D]`` or ``[B, Hq, Tq, D]``; kpack, vpack: :class:`Packed` of tensors ``[B, Hkv, N, D]``
     from :func:`quantize` (any bits/group/axis, optional ``channel_prescale``); valid as in
-    :func:`sparse_decode`. Returns out in q's shape and dtype [+ lse].
+    :func:`sparse_decode`. Returns out in q's shape and dtype [+ lse]. The Triton path needs D to be a
+    power of two >= 16 (other head dims use the reference).
     """
     fn = "quant_decode"
     check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -190,7 +191,7 @@ def quant_decode(q, kpack: Packed, vpack: Packed, *, scale=None, valid=None, ret
         fail(fn, f"packed K/V {tuple(kpack.shape)} do not match q {tuple(q.shape)} (B, D, Hq % Hkv == 0)")
     mask = check_valid(fn, valid, B, N, q.device)
     scale = default_scale(scale, D)
-    if use_triton(q, kpack.data, vpack.data):
+    if use_triton(q, kpack.data, vpack.data) and D >= 16 and D & (D - 1) == 0:
         from .quant_attn import quant_decode_triton
 
         out, lse = quant_decode_triton(q4, kpack, vpack, scale=scale, mask=mask, num_splits=num_splits)

@@ -128,6 +128,9 @@ def _lowrank_attn_kernel(
     tl.store(LP + row * S + split, lse, mask=row_ok)
 
 
+TUNING = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # H100 defaults (bench --sweep)
+
+
 def lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, *, positions=None, position_offset=None,
                           attention_scaling=1.0, v_gathered=False, scale, mask=None, num_splits=None,
                           block_n=None):
@@ -155,7 +158,7 @@ def lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, *, positions=
     BLOCK_D = max(16, next_pow2(D))
     BLOCK_R = 16 if interpreting() or R <= 16 else 32
     if block_n is None:
-        block_n = 16 if interpreting() else 32
+        block_n = 16 if interpreting() else TUNING["block_n"]
     n_tiles = triton.cdiv(max(L, 1), block_n)
     S = num_splits if num_splits is not None else pick_splits(B * Hkv * Ti, n_tiles, q4.device)
     S = max(1, min(int(S), n_tiles))
@@ -180,7 +183,8 @@ def lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, *, positions=
         N, R, L, Hkv, Ti, Tq, G, S, split_len, float(scale) * LOG2E, float(attention_scaling),
         CS=chunk_size, DR=2 * inv.shape[0], POS_MODE=pos_mode, V_GATHERED=bool(v_gathered),
         HAS_MASK=mask is not None, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_R=BLOCK_R,
-        DOT_FP32=dot_fp32(q4.dtype), num_warps=1 if interpreting() else 4, num_stages=1 if interpreting() else 2,
+        DOT_FP32=dot_fp32(q4.dtype), num_warps=1 if interpreting() else TUNING["num_warps"],
+        num_stages=1 if interpreting() else TUNING["num_stages"],
     )
     out = torch.empty(B, Hq, Tq, D, device=q4.device, dtype=q4.dtype)
     lse = torch.empty(B, Hq, Tq, device=q4.device, dtype=torch.float32)

@@ -131,6 +131,9 @@ def _reduce_kernel(OP, LP, OUT, LSE, S, D: tl.constexpr, BLOCK_S: tl.constexpr, 
     tl.store(LSE + row, tl.where(tot > 0, m_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
 
 
+TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # H100 defaults (bench --sweep)
+
+
 def pick_splits(n_programs: int, n_tiles: int, device) -> int:
     """Split-K factor: enough programs for ~4 waves of the SMs, at least 2 tiles per split."""
     if n_tiles <= 1:
@@ -178,7 +181,7 @@ def gather_attn(q4, k, v, idx, *, mode, scale, chunk_size=1, mask=None, bias=Non
     BLOCK_M = max(16, next_pow2(GH * TT))
     BLOCK_D = max(16, next_pow2(D))
     if block_n is None:
-        block_n = 16 if interpreting() else (64 if BLOCK_D <= 128 and BLOCK_M <= 16 else 32)
+        block_n = 16 if interpreting() else (TUNING["block_n"] if BLOCK_D <= 128 and BLOCK_M <= 16 else 32)
     n_prog = B * Hidx * Ti
     n_tiles = triton.cdiv(max(L, 1), block_n)
     S = num_splits if num_splits is not None else pick_splits(n_prog, n_tiles, q4.device)
@@ -204,7 +207,7 @@ def gather_attn(q4, k, v, idx, *, mode, scale, chunk_size=1, mask=None, bias=Non
         N, L, Hidx, Ti, Tq, GH, RATIO, S, split_len, float(scale) * LOG2E,
         MODE=mode, CS=chunk_size, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
         D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=BLOCK_D, DOT_FP32=dot_fp32(q4.dtype),
-        num_warps=1 if interpreting() else 4, num_stages=1 if interpreting() else 3,
+        num_warps=1 if interpreting() else TUNING["num_warps"], num_stages=1 if interpreting() else TUNING["num_stages"],
     )
     out = torch.empty(B, Hq, Tq, D, device=q4.device, dtype=q4.dtype)
     lse = torch.empty(B, Hq, Tq, device=q4.device, dtype=torch.float32)
