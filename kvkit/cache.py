@@ -328,14 +328,20 @@ def make_rope_fn(model) -> Callable | None:
             break
     if rotary is None:
         return None
+    import inspect
 
-    def rope(positions: torch.Tensor, dtype=torch.float32):
+    # Gemma 3 keeps one rotary module with a RoPE per layer type: forward(x, position_ids, layer_type)
+    typed = "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def rope(positions: torch.Tensor, dtype=torch.float32, layer_type: str = "full_attention"):
         positions = positions.long()
         if positions.dim() == 1:
             positions = positions[None]
         p = next(rotary.parameters(), None)
         dev = positions.device if p is None else p.device
         x = torch.zeros(1, dtype=dtype, device=dev)
+        if typed:
+            return rotary(x, positions.to(dev), layer_type)
         cos, sin = rotary(x, positions.to(dev))
         return cos, sin
 
