@@ -1,0 +1,21 @@
+"""Lossless self-speculative decoding: the target drafts from a sparse view of its own KV cache.
+
+``kvkit.speculative.generate(model, ids, draft_policy="streaming", gamma=4)`` or
+``model.generate(ids, custom_generate=kvkit.speculative.generate, gamma=4)``; optionally a tiny
+``assistant=`` model drafting for the self-draft (TriForce's hierarchy). See :mod:`.generate`.
+"""
+
+from kvkit.speculative.draft import DraftCache, DraftView, RetrievalView, StreamingView, make_view
+from kvkit.speculative.generate import SpeculativeOutput, SpeculativeStats, check_assistant, generate
+
+__all__ = [
+    "generate",
+    "SpeculativeStats",
+    "SpeculativeOutput",
+    "DraftCache",
+    "DraftView",
+    "StreamingView",
+    "RetrievalView",
+    "make_view",
+    "check_assistant",
+]

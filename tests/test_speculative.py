@@ -1,0 +1,197 @@
+"""kvkit.speculative: lossless self-speculative decoding (greedy equality, sampling distribution, cache state)."""
+
+import pytest
+import torch
+
+import kvkit
+from kvkit.speculative import DraftCache, SpeculativeStats, StreamingView, generate
+from kvkit.testing import greedy, tiny_model
+
+VIEWS = {"streaming": {"budget": 20, "sink": 4}, "retrieval": {"budget": 24, "chunk": 8}}
+
+
+def _prompt(n, seed=1, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (1, n), generator=g)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("policy", ["streaming", "retrieval"])
+def test_greedy_equals_plain_greedy(arch, policy):
+    m = tiny_model(arch)
+    ids = _prompt(90)
+    ref, _, _ = greedy(m, ids, 14)
+    for gamma in (1, 3, 5):
+        st = SpeculativeStats()
+        out = generate(m, ids, draft_policy=policy, draft_options=VIEWS[policy], gamma=gamma, max_new_tokens=14,
+                       eos_token_id=None, stats=st)
+        assert torch.equal(out[0, 90:], ref[0]), (arch, policy, gamma)
+        assert st.new_tokens == 14 and st.drafted >= st.accepted >= 0 and st.rounds > 0
+    assert getattr(m, "_kvkit_state", None) is None  # patched only for the call
+
+
+def test_draft_really_is_sparse_and_rejections_happen():
+    # a 4-token view of a random model must disagree sometimes: otherwise the equality tests prove nothing
+    m = tiny_model("llama")
+    ids = _prompt(120)
+    st = SpeculativeStats()
+    generate(m, ids, draft_options={"budget": 4, "sink": 1}, gamma=4, max_new_tokens=16, eos_token_id=None, stats=st)
+    assert st.acceptance_rate < 1.0
+    kvkit.patch(m, "full")
+    cache = kvkit.KVCache(m)
+    m(input_ids=ids, past_key_values=cache, use_cache=True)
+    dc = DraftCache(cache, StreamingView(budget=8, sink=2))
+    dc.begin_round()
+    m(input_ids=ids[:, :3], past_key_values=dc, use_cache=True)
+    assert cache.get_seq_length() == 120  # draft tokens never enter the real cache
+    assert dc.get_seq_length() == 123
+    assert all(layer.num_slots() == 8 + 3 for layer in dc.layers)  # view + draft tail, no full copy
+    dc.layers[0].crop(-2)
+    assert dc.layers[0].get_seq_length() == 121
+    kvkit.unpatch(m)
+
+
+def test_hierarchical_greedy_with_assistant():
+    m = tiny_model("llama")
+    small = tiny_model("llama", seed=5, num_hidden_layers=1)
+    ids = _prompt(100)
+    ref, _, _ = greedy(m, ids, 14)
+    st = SpeculativeStats()
+    out = generate(m, ids, gamma=3, assistant=small, assistant_gamma=2, draft_options=VIEWS["streaming"],
+                   assistant_cache={"policy": "streaming", "budget": 16, "sink": 4}, max_new_tokens=14,
+                   eos_token_id=None, stats=st)
+    assert torch.equal(out[0, 100:], ref[0])
+    assert st.assistant_drafted > 0
+    assert getattr(small, "_kvkit_state", None) is None
+
+
+def test_adaptive_gamma_stays_lossless():
+    m = tiny_model("qwen2")
+    ids = _prompt(80)
+    ref, _, _ = greedy(m, ids, 12)
+    st = SpeculativeStats()
+    out = generate(m, ids, gamma=6, adaptive=0.9, max_new_tokens=12, eos_token_id=None, stats=st)
+    assert torch.equal(out[0, 80:], ref[0])
+    assert st.drafted < 6 * st.rounds  # random model: low confidence stops drafting early
+
+
+def test_hf_custom_generate_unpatched_and_patched():
+    m = tiny_model("llama")
+    ids = _prompt(70)
+    ref = m.generate(ids, max_new_tokens=12, do_sample=False)
+    st = SpeculativeStats()
+    out = m.generate(ids, custom_generate=generate, gamma=3, max_new_tokens=12, do_sample=False, stats=st)
+    assert torch.equal(out, ref) and st.new_tokens == 12
+    kvkit.patch(m, "full")
+    out = m.generate(ids, custom_generate=generate, gamma=2, draft_policy="retrieval",
+                     draft_options=VIEWS["retrieval"], max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+    assert kvkit.patched_policy(m).name == "full"  # still patched: the call does not unpatch a user's patch
+    kvkit.unpatch(m)
+
+
+def test_hf_assisted_decoding_with_patched_assistant():
+    m = tiny_model("llama")
+    small = tiny_model("llama", seed=5, num_hidden_layers=1)
+    ids = _prompt(60)
+    ref = m.generate(ids, max_new_tokens=12, do_sample=False)
+    kvkit.patch(small, "full")
+    out = m.generate(ids, assistant_model=small, max_new_tokens=12, do_sample=False)
+    kvkit.unpatch(small)
+    assert torch.equal(out, ref)
+
+
+def test_cache_state_equals_plain_decoding():
+    m = tiny_model("llama")
+    ids = _prompt(100)
+    n = 13
+    _, _, plain = greedy(m, ids, n - 1)  # plain decoding of n tokens feeds n - 1 of them
+    out = generate(m, ids, gamma=4, max_new_tokens=n, eos_token_id=None, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert cache.get_seq_length() == plain.get_seq_length() == 100 + n - 1
+    for a, b in zip(cache.layers, plain.layers):
+        assert a.keys.shape == b.keys.shape
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+    assert out.stats.new_tokens == n
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat.double() / 2))
+
+
+def test_sampling_follows_target_distribution():
+    """Chi-square on a 5-token vocabulary: the joint law of the 2nd and 3rd sampled tokens is the target's."""
+    V, T = 5, 24
+    m = tiny_model("llama", vocab_size=V, num_hidden_layers=2)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40)  # a peaked, prompt-dependent target (the random init is near uniform)
+    ids = _prompt(T, vocab=V)
+    temp = 0.8
+    # exact target law of (t2, t3) given the prompt: sum over t1
+    with torch.no_grad():
+        p1 = (m(ids).logits[0, -1] / temp).softmax(-1)
+        joint = torch.zeros(V, V, dtype=torch.float64)
+        for a in range(V):
+            x = torch.cat([ids, torch.tensor([[a]])], 1)
+            p2 = (m(x).logits[0, -1] / temp).softmax(-1)
+            for b in range(V):
+                p3 = (m(torch.cat([x, torch.tensor([[b]])], 1)).logits[0, -1] / temp).softmax(-1)
+                joint[b] += p1[a].double() * p2[b].double() * p3.double()
+    torch.manual_seed(0)
+    N = 400
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    st = SpeculativeStats()
+    for _ in range(N):
+        out = generate(m, ids, gamma=2, draft_options={"budget": 3, "sink": 1}, max_new_tokens=3, do_sample=True,
+                       temperature=temp, top_k=None, top_p=None, eos_token_id=None, stats=st)
+        counts[out[0, T + 1] * V + out[0, T + 2]] += 1
+    assert 0.05 < st.acceptance_rate < 0.97  # rejections (and residual sampling) really happen
+    assert _chi2_pvalue(counts, joint.flatten()) > 1e-3
+
+
+def test_bad_inputs():
+    m = tiny_model("llama")
+    ids = _prompt(30)
+    with pytest.raises(ValueError, match="batch size 1"):
+        generate(m, ids.repeat(2, 1), max_new_tokens=4)
+    for g in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="gamma"):
+            generate(m, ids, gamma=g, max_new_tokens=4)
+    with pytest.raises(ValueError, match="draft_policy"):
+        generate(m, ids, draft_policy="nope", max_new_tokens=4)
+    with pytest.raises(ValueError, match="sink"):
+        generate(m, ids, draft_options={"budget": 4, "sink": 4}, max_new_tokens=4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate(m, ids, assistant=tiny_model("llama", vocab_size=64), max_new_tokens=4)
+    with pytest.raises(ValueError, match="draft must be 'self'"):
+        generate(m, ids, draft="other", max_new_tokens=4)
+    assert getattr(m, "_kvkit_state", None) is None
+
+
+@pytest.mark.slow
+def test_default_model_greedy_long_prompts(default_model):
+    """Three ~1K-token prompts x 24 tokens on SmolLM2: speculative == plain greedy (10 prompts: results/speculative)."""
+    from kvkit.demo import needle_prompt
+
+    model, tok = default_model
+    settings = [("streaming", {"budget": 256, "sink": 16}, 4, False),
+                ("retrieval", {"budget": 256}, 3, False),
+                ("streaming", {"budget": 128, "sink": 16}, 6, True)]
+    for seed, (policy, opts, gamma, adaptive) in enumerate(settings):
+        ids, _ = needle_prompt(tok, context_tokens=1000, depth=0.3 + 0.2 * seed, seed=seed)
+        ref, _, _ = greedy(model, ids, 24)
+        st = SpeculativeStats()
+        out = generate(model, ids, draft_policy=policy, draft_options=opts, gamma=gamma, adaptive=adaptive,
+                       max_new_tokens=24, eos_token_id=None, stats=st)
+        assert torch.equal(out[0, ids.shape[1] :], ref[0]), (policy, gamma)
+        assert st.acceptance_rate > 0.3
