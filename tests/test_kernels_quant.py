@@ -67,8 +67,9 @@ def test_quantize_bad_input():
 CASES = [  # (B, Hq, Hkv, N, D, kbits, vbits, kgroup, vgroup, prescale)
     (2, 3, 3, 37, 16, 8, 8, None, None, False),
     (1, 3, 1, 50, 32, 4, 4, 16, 8, True),
-    (2, 7, 1, 19, 16, 2, 2, None, 16, True),
-    (1, 4, 2, 64, 32, 2, 4, 32, None, False),
+    (2, 7, 1, 19, 64, 2, 2, None, 16, True),
+    (1, 4, 2, 64, 64, 2, 4, 32, None, True),
+    (1, 2, 2, 21, 32, 4, 8, 16, 8, False),
 ]
 
 
@@ -98,6 +99,15 @@ def test_quant_decode_kernel_vs_fp64(monkeypatch, case, Tq):
     # and the quantised attention is close to the unquantised one (8 bit: very; 2 bit: loosely)
     exact = K.weighted_decode(q.float(), k.float(), v.float(), valid=valid)
     assert max_err(out, exact) < {8: 0.05, 4: 0.5, 2: 2.0}[min(kb, vb)]
+
+
+def test_quant_decode_falls_back_to_reference_for_small_blocks(monkeypatch):
+    """int2 with D=16 (4-channel blocks) is not a Triton shape: the dispatcher uses the reference."""
+    monkeypatch.setenv("KVKIT_KERNELS", "triton")
+    q, k, v = torch.randn(1, 2, 16), torch.randn(1, 1, 9, 16), torch.randn(1, 1, 9, 16)
+    kp, vp = K.quantize(k, 2, axis=-2), K.quantize(v, 2)
+    want, _ = R.quant_decode_ref(q.unsqueeze(2), kp, vp, scale=0.25)
+    assert max_err(K.quant_decode(q, kp, vp), want[:, :, 0]) < 1e-6
 
 
 def test_quant_decode_bad_input():

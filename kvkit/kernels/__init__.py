@@ -170,8 +170,8 @@ def quant_decode(q, kpack: Packed, vpack: Packed, *, scale=None, valid=None, ret
 
     q ``[B, Hq, D]`` or ``[B, Hq, Tq, D]``; kpack, vpack: :class:`Packed` of tensors ``[B, Hkv, N, D]``
     from :func:`quantize` (any bits/group/axis, optional ``channel_prescale``); valid as in
-    :func:`sparse_decode`. Returns out in q's shape and dtype [+ lse]. The Triton path needs D to be a
-    power of two >= 16 (other head dims use the reference).
+    :func:`sparse_decode`. Returns out in q's shape and dtype [+ lse]. The Triton path needs D/(8/bits)
+    to be a power of two >= 16 (int8: D >= 16, int4: D >= 32, int2: D >= 64); other shapes use the reference.
     """
     fn = "quant_decode"
     check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -191,13 +191,20 @@ def quant_decode(q, kpack: Packed, vpack: Packed, *, scale=None, valid=None, ret
         fail(fn, f"packed K/V {tuple(kpack.shape)} do not match q {tuple(q.shape)} (B, D, Hq % Hkv == 0)")
     mask = check_valid(fn, valid, B, N, q.device)
     scale = default_scale(scale, D)
-    if use_triton(q, kpack.data, vpack.data) and D >= 16 and D & (D - 1) == 0:
+    if use_triton(q, kpack.data, vpack.data) and _quant_supported(D, kpack.bits, vpack.bits):
         from .quant_attn import quant_decode_triton
 
         out, lse = quant_decode_triton(q4, kpack, vpack, scale=scale, mask=mask, num_splits=num_splits)
     else:
         out, lse = _ref.quant_decode_ref(q4, kpack, vpack, scale=scale, mask=mask)
     return _finish(out, lse, q.dim() == 3, return_lse)
+
+
+def _quant_supported(D, kbits, vbits):
+    def ok(bits):
+        db = D // (8 // bits)
+        return db >= 16 and db & (db - 1) == 0
+    return ok(kbits) and ok(vbits)
 
 
 def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=None, position_offset=None,

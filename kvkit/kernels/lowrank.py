@@ -64,7 +64,7 @@ def _lowrank_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = split * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, L)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, lo + SPLIT_LEN, BLOCK_N):  # bounds from scalars only (Triton 3.6 interpreter)
         offs = start + tl.arange(0, BLOCK_N)
         in_list = offs < hi
         cid = tl.load(i_base + offs // CS, mask=in_list, other=-1).to(tl.int64)

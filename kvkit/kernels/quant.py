@@ -2,8 +2,10 @@
 
 Layout of :class:`Packed` for ``x [..., N, D]`` (N tokens, D channels):
 
-* ``data`` uint8 ``[..., N, D*bits/8]``: channel ``d`` of a token sits in byte ``d // (8/bits)`` at bit
-  offset ``(d % (8/bits)) * bits`` -- exactly ``bits/8`` bytes per element.
+* ``data`` uint8 ``[..., N, D*bits/8]``, exactly ``bits/8`` bytes per element. With ``P = 8/bits`` values
+  per byte and ``DB = D/P`` bytes per token, byte ``b`` holds channels ``b, b + DB, ..., b + (P-1)*DB``
+  at bit offsets ``0, bits, ...``: unpacking byte column ``b`` with one shift gives a contiguous block
+  of DB channels, which the decode kernel feeds to its dots without any register shuffle.
 * ``axis=-2`` (keys, "channel-wise"): statistics per channel, groups of ``group_size`` tokens along N
   (``group_size=None``: one group over all N tokens, ZipCache's per-channel min/scale):
   ``scale, zero [..., ceil(N/group_size), D]``.
@@ -105,9 +107,9 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None, axis: in
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: any step, q = 0
     sf, zf = _expand(scale.float(), axis, G, N), _expand(zero.float(), axis, G, N)
     q = torch.round((xf - zf) / sf).clamp_(0, qmax).to(torch.uint8)
-    q = q.view(*lead, N, D // ppb, ppb)
-    shifts = torch.arange(0, 8, bits, device=x.device, dtype=torch.uint8)
-    data = (q << shifts).sum(dim=-1, dtype=torch.uint8) if ppb > 1 else q[..., 0]
+    q = q.view(*lead, N, ppb, D // ppb)  # channel j*DB + b -> [j, b]
+    shifts = torch.arange(0, 8, bits, device=x.device, dtype=torch.uint8).view(ppb, 1)
+    data = (q << shifts).sum(dim=-2, dtype=torch.uint8) if ppb > 1 else q[..., 0, :]
     return Packed(data.contiguous(), scale.contiguous(), zero.contiguous(), bits, G, axis, tuple(x.shape), x.dtype,
                   None if pre is None else pre.contiguous())
 
@@ -124,8 +126,8 @@ def unpack_codes(p: Packed) -> torch.Tensor:
     ppb = 8 // p.bits
     if ppb == 1:
         return p.data
-    shifts = torch.arange(0, 8, p.bits, device=p.data.device, dtype=torch.uint8)
-    q = (p.data[..., None] >> shifts) & ((1 << p.bits) - 1)
+    shifts = torch.arange(0, 8, p.bits, device=p.data.device, dtype=torch.uint8).view(ppb, 1)
+    q = (p.data[..., None, :] >> shifts) & ((1 << p.bits) - 1)  # [..., N, P, DB]
     return q.flatten(-2)
 
 

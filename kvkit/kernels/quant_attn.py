@@ -1,10 +1,20 @@
 """Decode attention straight from int8 / int4 / int2 packed K/V (see ``quant.Packed``), in Triton.
 
 One program per (batch, KV head, split) holds the G query heads x Tq tokens of the group as the rows
-of a ``[BLOCK_M, D]`` tile; each ``BLOCK_N``-token tile of the packed codes is loaded once (exactly
-bits/8 bytes per element, plus the group statistics), unpacked with shifts and masks and dequantised in
-registers (``q * scale + zero`` [* channel pre-scale]), then fed to the same online-softmax / split-K /
-reduce scheme as ``sparse._gather_attn_kernel``. No fp16 copy of K or V is ever written to memory.
+of a ``[BLOCK_M, D]`` tile and walks the tokens in ``BLOCK_N`` tiles. Each tile of packed codes is
+read once as a contiguous ``[BLOCK_N, D*bits/8]`` byte tile (exactly bits/8 bytes per element, plus
+the group statistics). Thanks to the split-block packing (byte b holds channels b, b+DB, ...), one
+shift + mask yields a contiguous ``[BLOCK_N, DB]`` block of codes, so the dots run per block
+(``P = 8/bits`` dots of depth DB = D/P) with no register shuffles. The affine dequantisation is folded
+out of the inner loop where the statistics allow it:
+
+* keys, channel-wise, tile inside one token group: ``q.k = sum_d (q_d s_d) code_nd + sum_d q_d z_d``
+  (the scaled query per block once per tile, the codes go to the dot as they are);
+* values, token-wise, one group per token: ``sum_n p_n v_nd = sum_n (p_n s_n) code_nd + sum_n p_n z_n``;
+* channel pre-scales (ZipCache values) multiply the output once at the end (keys: the query).
+
+Other layouts dequantise each block in registers (``code * scale + zero``). No fp16 copy of K or V
+is ever written to memory. Online softmax / split-K / reduce as in ``sparse._gather_attn_kernel``.
 
 Reference: :func:`kvkit.kernels.reference.quant_decode_ref` (dequantize, then dense attention).
 """
@@ -20,124 +30,174 @@ from .sparse import LOG2E, dot_fp32, finish_splits, pick_splits
 
 
 @triton.jit
-def _dequant_tile(DATA, SCALE, ZERO, PRE, bh, N, G, start, tok, ok, offs_d,
-                  D: tl.constexpr, BITS: tl.constexpr, CHANNELWISE: tl.constexpr, HAS_PRE: tl.constexpr,
-                  STAT_VEC: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Dequantised ``[BLOCK_N, D]`` fp32 tile of rows ``tok`` of one (batch, head) slice ``bh``.
-
-    The codes are read as a contiguous ``[BLOCK_N, D*BITS/8]`` byte tile (vector loads, each byte once)
-    and unpacked with shifts + ``tl.join`` / ``tl.reshape`` (channel d sits at bits (d % (8/BITS))*BITS
-    of byte d // (8/BITS)). STAT_VEC: the tile's statistics are one vector (keys: the whole tile lies in
-    one token group; values: one group per token) instead of a ``[BLOCK_N, D]`` gather."""
-    PPB: tl.constexpr = 8 // BITS
-    DB: tl.constexpr = D // PPB
+def _codes(DATA, row, ok, j: tl.constexpr, BITS: tl.constexpr, DB: tl.constexpr):
+    """Codes of channel block j (channels j*DB .. j*DB+DB-1) of rows ``row`` as int32 ``[BLOCK_N, DB]``."""
     offs_b = tl.arange(0, DB)
-    byte = tl.load(DATA + (bh * N + tok[:, None]) * DB + offs_b[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    if BITS == 8:
-        code = byte
-    elif BITS == 4:
-        code = tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_N, D])
+    byte = tl.load(DATA + row[:, None] * DB + offs_b[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    return (byte >> (j * BITS)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _stats(SCALE, ZERO, bh, N, G, start, tok, ok, j: tl.constexpr, D: tl.constexpr, DB: tl.constexpr,
+           CHANNELWISE: tl.constexpr):
+    """Scale and zero of block j broadcast to ``[BLOCK_N, DB]`` (general layouts), fp32."""
+    offs_c = j * DB + tl.arange(0, DB)
+    if CHANNELWISE:
+        soff = (bh * tl.cdiv(N, G) + tok[:, None] // G) * D + offs_c[None, :]
     else:
-        lo = tl.join(byte & 3, (byte >> 4) & 3)
-        hi = tl.join((byte >> 2) & 3, (byte >> 6) & 3)
-        code = tl.reshape(tl.join(lo, hi), [BLOCK_N, D])
-    m2 = ok[:, None]
-    if CHANNELWISE:  # stats per channel, groups of G tokens: [.., ceil(N/G), D]
-        if STAT_VEC:
-            soff = (bh * tl.cdiv(N, G) + start // G) * D + offs_d
-            sc = tl.load(SCALE + soff).to(tl.float32)[None, :]
-            zp = tl.load(ZERO + soff).to(tl.float32)[None, :]
+        soff = (bh * N + tok[:, None]) * (D // G) + offs_c[None, :] // G
+    sc = tl.load(SCALE + soff, mask=ok[:, None], other=0.0).to(tl.float32)
+    zp = tl.load(ZERO + soff, mask=ok[:, None], other=0.0).to(tl.float32)
+    return sc, zp
+
+
+@triton.jit
+def _qk_block(q_j, KD, KS, KZ, bh, N, KG, start, tok, ok, row, j: tl.constexpr, K_BITS: tl.constexpr,
+              D: tl.constexpr, DB: tl.constexpr, K_CW: tl.constexpr, K_FOLD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Partial scores ``[BLOCK_M, BLOCK_N]`` of channel block j (q_j already multiplied by the pre-scale)."""
+    code = _codes(KD, row, ok, j, K_BITS, DB)
+    if K_FOLD:  # one stats vector for the whole tile
+        offs_c = j * DB + tl.arange(0, DB)
+        soff = (bh * tl.cdiv(N, KG) + start // KG) * D + offs_c
+        sc = tl.load(KS + soff).to(tl.float32)
+        zp = tl.load(KZ + soff).to(tl.float32)
+        qs = q_j * sc[None, :]
+        bias = tl.sum(q_j * zp[None, :], 1)
+        if DOT_FP32:
+            s = tl.dot(qs, tl.trans(code.to(tl.float32)), input_precision="ieee")
         else:
-            soff = (bh * tl.cdiv(N, G) + tok[:, None] // G) * D + offs_d[None, :]
-            sc = tl.load(SCALE + soff, mask=m2, other=0.0).to(tl.float32)
-            zp = tl.load(ZERO + soff, mask=m2, other=0.0).to(tl.float32)
-    else:  # stats per token, groups of G channels: [.., N, D/G]
-        if STAT_VEC:
-            soff = bh * N + tok
-            sc = tl.load(SCALE + soff, mask=ok, other=0.0).to(tl.float32)[:, None]
-            zp = tl.load(ZERO + soff, mask=ok, other=0.0).to(tl.float32)[:, None]
-        else:
-            soff = (bh * N + tok[:, None]) * (D // G) + offs_d[None, :] // G
-            sc = tl.load(SCALE + soff, mask=m2, other=0.0).to(tl.float32)
-            zp = tl.load(ZERO + soff, mask=m2, other=0.0).to(tl.float32)
-    x = code.to(tl.float32) * sc + zp
-    if HAS_PRE:
-        x = x * tl.load(PRE + bh * D + offs_d).to(tl.float32)[None, :]
-    return x
+            s = tl.dot(qs.to(tl.bfloat16), tl.trans(code.to(tl.bfloat16)))  # codes <= 255: exact in bf16
+        return s + bias[:, None]
+    sc, zp = _stats(KS, KZ, bh, N, KG, start, tok, ok, j, D, DB, K_CW)
+    k = code.to(tl.float32) * sc + zp
+    if DOT_FP32:
+        return tl.dot(q_j, tl.trans(k), input_precision="ieee")
+    return tl.dot(q_j.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+
+
+@triton.jit
+def _pv_block(acc_j, p, pw, VD, VS, VZ, bh, N, VG, start, tok, ok, row, j: tl.constexpr, V_BITS: tl.constexpr,
+              D: tl.constexpr, DB: tl.constexpr, V_CW: tl.constexpr, V_FOLD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc_j + p @ V[:, block j] (pw = p * per-token scale when folded)."""
+    code = _codes(VD, row, ok, j, V_BITS, DB)
+    if V_FOLD:
+        if DOT_FP32:
+            return acc_j + tl.dot(pw, code.to(tl.float32), input_precision="ieee")
+        return acc_j + tl.dot(pw.to(tl.bfloat16), code.to(tl.bfloat16))
+    sc, zp = _stats(VS, VZ, bh, N, VG, start, tok, ok, j, D, DB, V_CW)
+    v = code.to(tl.float32) * sc + zp
+    if DOT_FP32:
+        return acc_j + tl.dot(p, v, input_precision="ieee")
+    return acc_j + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+
+
+@triton.jit
+def _load_q(Q, KP, bh, q_row, row_ok, j: tl.constexpr, DB: tl.constexpr, D: tl.constexpr, K_PRE: tl.constexpr):
+    offs_c = j * DB + tl.arange(0, DB)
+    q = tl.load(Q + q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if K_PRE:
+        q = q * tl.load(KP + bh * D + offs_c).to(tl.float32)[None, :]
+    return q
+
+
+@triton.jit
+def _store_block(OP, acc_j, zsum, l_safe, VP, bh, row, row_ok, S, split, j: tl.constexpr, DB: tl.constexpr,
+                 D: tl.constexpr, V_PRE: tl.constexpr):
+    offs_c = j * DB + tl.arange(0, DB)
+    o = (acc_j + zsum[:, None]) / l_safe[:, None]
+    if V_PRE:
+        o = o * tl.load(VP + bh * D + offs_c).to(tl.float32)[None, :]
+    tl.store(OP + (row[:, None] * S + split) * D + offs_c[None, :], o, mask=row_ok[:, None])
 
 
 @triton.jit
 def _quant_attn_kernel(
     Q, KD, KS, KZ, KP, VD, VS, VZ, VP, MASK, OP, LP,
     sqb, sqh, sqt, smb, N, Hkv, Tq, G_KV, KG, VG, S, SPLIT_LEN, qk_scale,
-    K_BITS: tl.constexpr, K_CW: tl.constexpr, K_PRE: tl.constexpr, K_VEC: tl.constexpr,
-    V_BITS: tl.constexpr, V_CW: tl.constexpr, V_PRE: tl.constexpr, V_VEC: tl.constexpr, HAS_MASK: tl.constexpr,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    K_BITS: tl.constexpr, K_CW: tl.constexpr, K_PRE: tl.constexpr, K_FOLD: tl.constexpr,
+    V_BITS: tl.constexpr, V_CW: tl.constexpr, V_PRE: tl.constexpr, V_FOLD: tl.constexpr, HAS_MASK: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
+    KPB: tl.constexpr = 8 // K_BITS  # channel blocks of the keys
+    VPB: tl.constexpr = 8 // V_BITS
+    DK: tl.constexpr = D // KPB
+    DV: tl.constexpr = D // VPB
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // Hkv).to(tl.int64)
     h = pid % Hkv
     bh = b * Hkv + h
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     g = offs_m // Tq
     t = offs_m % Tq
     row_ok = offs_m < G_KV * Tq
-    d_ok = offs_d < D
     hq = h * G_KV + g
-    q = tl.load(Q + b * sqb + hq[:, None] * sqh + t[:, None] * sqt + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q_row = b * sqb + hq * sqh + t * sqt
+    # the query, per key channel block, with the key pre-scale folded in (blocks beyond KPB unused)
+    q0 = _load_q(Q, KP, bh, q_row, row_ok, 0, DK, D, K_PRE)
+    if KPB > 1:
+        q1 = _load_q(Q, KP, bh, q_row, row_ok, 1, DK, D, K_PRE)
+    if KPB > 2:
+        q2 = _load_q(Q, KP, bh, q_row, row_ok, 2, DK, D, K_PRE)
+        q3 = _load_q(Q, KP, bh, q_row, row_ok, 3, DK, D, K_PRE)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    zsum = tl.zeros([BLOCK_M], tl.float32)  # sum_n p_n zero_n (folded values)
+    acc0 = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, DV], tl.float32)
     lo = split * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, N)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, lo + SPLIT_LEN, BLOCK_N):  # bounds from scalars only (Triton 3.6 interpreter)
         tok = start + tl.arange(0, BLOCK_N)
         ok = tok < hi
         if HAS_MASK:
             ok = ok & (tl.load(MASK + b * smb + tok, mask=ok, other=0) != 0)
-        k = _dequant_tile(KD, KS, KZ, KP, bh, N, KG, start, tok, ok, offs_d, D, K_BITS, K_CW, K_PRE, K_VEC, BLOCK_N)
-        v = _dequant_tile(VD, VS, VZ, VP, bh, N, VG, start, tok, ok, offs_d, D, V_BITS, V_CW, V_PRE, V_VEC, BLOCK_N)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        row = bh * N + tok
+        s = _qk_block(q0, KD, KS, KZ, bh, N, KG, start, tok, ok, row, 0, K_BITS, D, DK, K_CW, K_FOLD, DOT_FP32)
+        if KPB > 1:
+            s += _qk_block(q1, KD, KS, KZ, bh, N, KG, start, tok, ok, row, 1, K_BITS, D, DK, K_CW, K_FOLD, DOT_FP32)
+        if KPB > 2:
+            s += _qk_block(q2, KD, KS, KZ, bh, N, KG, start, tok, ok, row, 2, K_BITS, D, DK, K_CW, K_FOLD, DOT_FP32)
+            s += _qk_block(q3, KD, KS, KZ, bh, N, KG, start, tok, ok, row, 3, K_BITS, D, DK, K_CW, K_FOLD, DOT_FP32)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if V_FOLD:
+            vs = tl.load(VS + row, mask=ok, other=0.0).to(tl.float32)
+            vz = tl.load(VZ + row, mask=ok, other=0.0).to(tl.float32)
+            pw = p * vs[None, :]
+            zsum = zsum * alpha + tl.sum(p * vz[None, :], 1)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            pw = p
+        acc0 = _pv_block(acc0 * alpha[:, None], p, pw, VD, VS, VZ, bh, N, VG, start, tok, ok, row, 0, V_BITS, D, DV,
+                         V_CW, V_FOLD, DOT_FP32)
+        if VPB > 1:
+            acc1 = _pv_block(acc1 * alpha[:, None], p, pw, VD, VS, VZ, bh, N, VG, start, tok, ok, row, 1, V_BITS, D,
+                             DV, V_CW, V_FOLD, DOT_FP32)
+        if VPB > 2:
+            acc2 = _pv_block(acc2 * alpha[:, None], p, pw, VD, VS, VZ, bh, N, VG, start, tok, ok, row, 2, V_BITS, D,
+                             DV, V_CW, V_FOLD, DOT_FP32)
+            acc3 = _pv_block(acc3 * alpha[:, None], p, pw, VD, VS, VZ, bh, N, VG, start, tok, ok, row, 3, V_BITS, D,
+                             DV, V_CW, V_FOLD, DOT_FP32)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    row = (b * (Hkv * G_KV) + hq) * Tq + t
-    tl.store(OP + (row[:, None] * S + split) * D + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LP + row * S + split, lse, mask=row_ok)
+    orow = (b * (Hkv * G_KV) + hq) * Tq + t
+    _store_block(OP, acc0, zsum, l_safe, VP, bh, orow, row_ok, S, split, 0, DV, D, V_PRE)
+    if VPB > 1:
+        _store_block(OP, acc1, zsum, l_safe, VP, bh, orow, row_ok, S, split, 1, DV, D, V_PRE)
+    if VPB > 2:
+        _store_block(OP, acc2, zsum, l_safe, VP, bh, orow, row_ok, S, split, 2, DV, D, V_PRE)
+        _store_block(OP, acc3, zsum, l_safe, VP, bh, orow, row_ok, S, split, 3, DV, D, V_PRE)
+    tl.store(LP + orow * S + split, lse, mask=row_ok)
 
 
 TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # H100 defaults (bench --sweep)
-
-
-def supported(D: int) -> bool:
-    """The Triton path unpacks whole rows: head_dim must be a power of two >= 16 (else: reference)."""
-    return D >= 16 and D & (D - 1) == 0
-
-
-def _stat_vec(p, block_n):
-    if p.axis == -2:
-        return p.group_size % block_n == 0
-    return p.group_size == p.shape[-1]
 
 
 def _parts(p):
@@ -147,6 +207,7 @@ def _parts(p):
 
 def quant_decode_triton(q4, kpack, vpack, *, scale, mask=None, num_splits=None, block_n=None):
     """Launcher. q4 ``[B, Hq, Tq, D]``; kpack/vpack pack ``[B, Hkv, N, D]``; mask ``[B, N]`` bool.
+    D/(8/bits) must be a power of two >= 16 for both packs (``kvkit.kernels._quant_supported``).
     Returns out ``[B, Hq, Tq, D]`` (q dtype) and lse ``[B, Hq, Tq]`` fp32."""
     B, Hq, Tq, D = q4.shape
     _, Hkv, N, _ = kpack.shape
@@ -155,7 +216,6 @@ def quant_decode_triton(q4, kpack, vpack, *, scale, mask=None, num_splits=None, 
     q4 = q4 if q4.stride(-1) == 1 else q4.contiguous()
     G = Hq // Hkv
     BLOCK_M = max(16, next_pow2(G * Tq))
-    BLOCK_D = D  # the byte tile is unpacked to exactly D channels (power of two, checked by the caller)
     if block_n is None:
         block_n = 16 if interpreting() else TUNING["block_n"]
     n_tiles = triton.cdiv(max(N, 1), block_n)
@@ -170,14 +230,15 @@ def quant_decode_triton(q4, kpack, vpack, *, scale, mask=None, num_splits=None, 
         mask = mask.to(torch.uint8).contiguous()
     kd, ks, kz, kp = _parts(kpack)
     vd, vs, vz, vp = _parts(vpack)
+    k_fold = kpack.axis == -2 and kpack.group_size % block_n == 0
+    v_fold = vpack.axis == -1 and vpack.group_size == D
     _quant_attn_kernel[(B * Hkv, S)](
         q4, kd, ks, kz, kp, vd, vs, vz, vp, mask if mask is not None else q4, op, lp,
         q4.stride(0), q4.stride(1), q4.stride(2), mask.stride(0) if mask is not None else 0,
         N, Hkv, Tq, G, kpack.group_size, vpack.group_size, S, split_len, float(scale) * LOG2E,
-        K_BITS=kpack.bits, K_CW=kpack.axis == -2, K_PRE=kpack.prescale is not None, K_VEC=_stat_vec(kpack, block_n),
-        V_BITS=vpack.bits, V_CW=vpack.axis == -2, V_PRE=vpack.prescale is not None, V_VEC=_stat_vec(vpack, block_n),
-        HAS_MASK=mask is not None,
-        D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=BLOCK_D, DOT_FP32=dot_fp32(q4.dtype),
+        K_BITS=kpack.bits, K_CW=kpack.axis == -2, K_PRE=kpack.prescale is not None, K_FOLD=k_fold,
+        V_BITS=vpack.bits, V_CW=vpack.axis == -2, V_PRE=vpack.prescale is not None, V_FOLD=v_fold,
+        HAS_MASK=mask is not None, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, DOT_FP32=dot_fp32(q4.dtype),
         num_warps=1 if interpreting() else TUNING["num_warps"], num_stages=1 if interpreting() else TUNING["num_stages"],
     )
     out = torch.empty(B, Hq, Tq, D, device=q4.device, dtype=q4.dtype)

@@ -66,7 +66,7 @@ def _gather_attn_kernel(
 
     lo = split * SPLIT_LEN
     hi_end = tl.minimum(lo + SPLIT_LEN, L)
-    for start in range(lo, hi_end, BLOCK_N):
+    for start in range(lo, lo + SPLIT_LEN, BLOCK_N):  # bounds from scalars only (Triton 3.6 interpreter)
         offs = start + tl.arange(0, BLOCK_N)
         in_list = offs < hi_end
         if MODE == 0:
