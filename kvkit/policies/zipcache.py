@@ -76,7 +76,7 @@ class ZipCache(Policy):
     probe_chunk: int = 256
 
     description = "ZipCache: saliency (probe-query attention) picks 4-bit vs 2-bit tokens, packed KV (2405.14256)"
-    saves = "memory"
+    saves = "memory+reads"  # decode reads the packed codes (Triton quant_decode on CUDA)
 
     def __post_init__(self):
         for name in ("high_bits", "low_bits"):
