@@ -1,0 +1,131 @@
+"""``kvkit speculate``: acceptance rate and decode speed of self-speculative decoding vs plain decoding.
+
+One run loads the model, prefills a long prompt once (the prompt minus its last token; every setting
+continues from a copy of that cache), then decodes ``--new-tokens`` tokens with plain greedy
+decoding and with each speculative setting (draft policy x gamma), and prints acceptance rate,
+decode tokens/s, speedup and whether the output equals plain greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+
+def add_commands(subparsers) -> None:
+    s = subparsers.add_parser("speculate", help="self-speculative decoding: acceptance rate and speedup vs plain")
+    s.add_argument("--model", default="default", help="target model: default | packaged name | local dir | .gguf")
+    s.add_argument("--length", type=int, default=4096, help="prompt length in tokens (essay haystack + question)")
+    s.add_argument("--task", default="needle", choices=["needle", "continue"],
+                   help="needle: question about a fact deep in the prompt; continue: continue raw essay text (PG-19 style)")
+    s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--gamma", default="4", help="draft length(s), comma separated")
+    s.add_argument("--draft-policy", default="streaming", help="streaming | retrieval (comma separated for several)")
+    s.add_argument("--budget", default=None, help="draft view budget(s), comma separated (default: the view's)")
+    s.add_argument("--draft-opt", action="append", metavar="KEY=VALUE", help="draft view option, repeatable")
+    s.add_argument("--adaptive", type=float, default=None, help="stop drafting below this draft confidence")
+    s.add_argument("--assistant", default=None, help="tiny draft model sharing the tokenizer (hierarchical)")
+    s.add_argument("--assistant-gamma", type=int, default=None)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", default=None, help="append one JSON line per setting to this file")
+    s.set_defaults(func=cmd_speculate)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def plain_decode(model, cache, ids, new_tokens: int, device):
+    """Greedy decoding continuing ``cache`` (which holds ``ids[:, :-1]``): (tokens, decode seconds)."""
+    import torch
+
+    toks = []
+    nxt = ids[:, -1:]
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            toks.append(int(nxt))
+    _sync(device)
+    return toks, time.perf_counter() - t0
+
+
+def cmd_speculate(args) -> int:
+    import torch
+
+    import kvkit
+    from kvkit.cli import parse_options
+    from kvkit.demo import essay_text, needle_prompt
+    from kvkit.models import load
+    from kvkit.speculative import SpeculativeStats, generate
+
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    gammas = [int(g) for g in str(args.gamma).split(",") if g]
+    policies = [p for p in args.draft_policy.split(",") if p]
+    budgets = [int(b) for b in args.budget.split(",")] if args.budget else [None]
+    opts = parse_options(args.draft_opt)
+    print(f"loading model {args.model!r} ...", flush=True)
+    model, tok = load(args.model, dtype=dtype, device=args.device)
+    assistant = None
+    if args.assistant:
+        print(f"loading assistant {args.assistant!r} ...", flush=True)
+        assistant, _ = load(args.assistant, dtype=dtype, device=args.device)
+    if args.task == "needle":
+        ids, _ = needle_prompt(tok, context_tokens=args.length, seed=args.seed)
+    else:
+        text_ids = tok(essay_text(), add_special_tokens=False)["input_ids"]
+        start = (args.seed * 7919) % max(1, len(text_ids) - args.length)
+        ids = torch.tensor([text_ids[start : start + args.length]])
+    ids = ids.to(args.device)
+    print(f"prompt: {ids.shape[1]} tokens; prefilling once ...", flush=True)
+    kvkit.patch(model, "full")
+    base = kvkit.KVCache(model)
+    t0 = time.perf_counter()
+    kvkit.prefill(model, ids[:, :-1], chunk_size=4096, cache=base)
+    _sync(args.device)
+    print(f"prefill {time.perf_counter() - t0:.1f}s", flush=True)
+
+    plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.new_tokens, args.device)
+    plain_tps = len(plain) / plain_s
+    rows = [dict(setting="plain greedy", acceptance=None, tokens_per_round=1.0, tok_s=plain_tps, speedup=1.0, same=True)]
+    settings = [(p, g, b) for p in policies for b in budgets for g in gammas]
+    for policy, gamma, budget in settings:
+        o = dict(opts)
+        if budget is not None:
+            o["budget"] = budget
+        st = SpeculativeStats()
+        out = generate(model, ids, past_key_values=copy.deepcopy(base), draft_policy=policy, draft_options=o,
+                       gamma=gamma, assistant=assistant, assistant_gamma=args.assistant_gamma,
+                       adaptive=args.adaptive or False, max_new_tokens=args.new_tokens, eos_token_id=None, stats=st)
+        new = out[0, ids.shape[1]:].tolist()
+        name = f"{policy}({', '.join(f'{k}={v}' for k, v in o.items())}) gamma={gamma}"
+        if assistant is not None:
+            name += f" + assistant {args.assistant}"
+        rows.append(dict(setting=name, acceptance=st.acceptance_rate, tokens_per_round=st.tokens_per_round,
+                         tok_s=st.decode_tokens_per_second, speedup=st.decode_tokens_per_second / plain_tps,
+                         same=new == plain, assistant_acceptance=st.assistant_acceptance_rate if assistant else None))
+        print(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s", flush=True)
+    kvkit.unpatch(model)
+
+    print()
+    print(f"model {args.model}, task {args.task}, prompt {ids.shape[1]} tokens, {args.new_tokens} new tokens, device {args.device}")
+    print(f"{'setting':<58} {'accept':>7} {'tok/round':>9} {'tok/s':>7} {'speedup':>8}  same as plain")
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        print(f"{r['setting'][:58]:<58} {acc:>7} {r['tokens_per_round']:>9.2f} {r['tok_s']:>7.2f} "
+              f"{r['speedup']:>7.2f}x  {'yes' if r['same'] else 'NO'}")
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(dict(r, model=args.model, task=args.task, prompt_tokens=ids.shape[1], new_tokens=args.new_tokens,
+                                        device=args.device)) + "\n")
+    return 0 if all(r["same"] for r in rows) else 1
