@@ -7,11 +7,15 @@ from kvkit.doctor import BEGIN, END, check_cell, matrix_markdown
 from kvkit.testing import MATRIX_ARCHS
 
 REFUSED = {"gemma2": "soft-capping"}  # architecture -> why every policy refuses it
+#: known bugs, reported in the README matrix as FAIL; strict, so fixing one makes this test fail
+KNOWN_FAIL = {("qwen3", "zipcache"): "left-padded batch row differs from the prompt alone (open bug)"}
 
 
 @pytest.mark.parametrize("policy", kvkit.available_policies())
 @pytest.mark.parametrize("arch", MATRIX_ARCHS)
-def test_support_cell(arch, policy):
+def test_support_cell(arch, policy, request):
+    if (arch, policy) in KNOWN_FAIL:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_FAIL[(arch, policy)], strict=True))
     status, detail = check_cell(arch, policy)
     if arch in REFUSED:
         assert status == "refused" and REFUSED[arch] in detail
