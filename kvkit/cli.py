@@ -17,16 +17,27 @@ DEMO_OPTIONS = {"streaming": {"budget": 256}}
 
 
 def parse_options(pairs: list[str] | None, json_opts: str | None = None) -> dict:
-    """``["budget=256", "sink=4"]`` -> ``{"budget": 256, "sink": 4}`` (values parsed as JSON when possible)."""
-    out = dict(json.loads(json_opts)) if json_opts else {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise SystemExit(f"kvkit: option {pair!r} must look like key=value")
-        k, v = pair.split("=", 1)
+    """``--policy-options '{"budget": 512}'`` plus ``--opt budget=512,sink=4`` (repeatable)."""
+    out = {}
+    if json_opts:
         try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
+            loaded = json.loads(json_opts)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--policy-options is not valid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(loaded, dict):
+            raise ValueError("--policy-options must be a JSON object")
+        out.update(loaded)
+    for item in pairs or []:
+        for pair in item.split(","):
+            if not pair.strip():
+                continue
+            if "=" not in pair:
+                raise ValueError(f"--opt {pair!r} must look like key=value")
+            k, v = pair.split("=", 1)
+            try:
+                out[k.strip()] = json.loads(v)
+            except json.JSONDecodeError:
+                out[k.strip()] = v
     return out
 
 

@@ -2,40 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
 from pathlib import Path
 
+from kvkit.cli import parse_options as parse_opts
+
 PROMPT_FIELDS = ("id", "task", "prompt", "outputs", "tokens_to_generate", "metric")
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def parse_opts(pairs: list[str] | None, json_opts: str | None) -> dict:
-    """``--policy-options '{"budget": 512}'`` plus ``--opt budget=512,sink=4`` (repeatable)."""
-    out = {}
-    if json_opts:
-        try:
-            out.update(json.loads(json_opts))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--policy-options is not valid JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(out, dict):
-            raise ValueError("--policy-options must be a JSON object")
-    for item in pairs or []:
-        for pair in item.split(","):
-            if not pair.strip():
-                continue
-            if "=" not in pair:
-                raise ValueError(f"--opt {pair!r} must look like key=value")
-            k, v = pair.split("=", 1)
-            try:
-                out[k.strip()] = json.loads(v)
-            except json.JSONDecodeError:
-                out[k.strip()] = v
-    return out
 
 
 def _ints(spec: str, what: str) -> list[int]:
