@@ -77,3 +77,15 @@ def greedy(model, ids, steps: int, attention_mask=None, cache=None):
         out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
         logits.append(out.logits[:, -1])
     return torch.cat(toks, dim=1), logits, cache
+
+
+def random_ids(n: int, seed: int = 1, vocab: int = 128) -> torch.Tensor:
+    """One random prompt ``[1, n]`` of token ids in ``[1, vocab)`` (0 is left for padding)."""
+    return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def greedy_stacked(model, ids, steps: int = 10, mask=None):
+    """``greedy`` with the per-step logits stacked: returns (tokens [B, steps], logits [B, steps+1, V], cache)."""
+    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
+    return toks, torch.stack(logits, 1), cache

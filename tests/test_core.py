@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import kvkit
-from kvkit.testing import TINY_ARCHS, greedy, left_padded_batch, tiny_model
+from kvkit.testing import TINY_ARCHS, greedy, greedy_stacked, left_padded_batch, tiny_model
 
 
 @pytest.fixture(params=TINY_ARCHS)
@@ -13,10 +13,8 @@ def arch(request):
     return request.param
 
 
-@torch.no_grad()
 def _logits_and_tokens(model, ids, mask=None, steps=32):
-    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
-    return toks, torch.stack(logits, 1), cache
+    return greedy_stacked(model, ids, steps, mask)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -5,7 +5,9 @@ import torch
 
 import kvkit
 from kvkit.policies.cake import Cake, CakeStore, allocate, cascade_history, model_taus
-from kvkit.testing import greedy, left_padded_batch, tiny_config, tiny_model
+from kvkit.testing import greedy_stacked as _run
+from kvkit.testing import left_padded_batch, tiny_config, tiny_model
+from kvkit.testing import random_ids as _ids
 
 LAYERS = 4
 SMALL = dict(budget=16, window=8, tail=4)  # total evictable (16 - 8) * 4 = 32 tokens
@@ -14,16 +16,6 @@ TOTAL = (SMALL["budget"] - SMALL["window"]) * LAYERS
 
 def _model(arch="llama"):
     return tiny_model(arch, num_hidden_layers=LAYERS)
-
-
-def _ids(n, seed=1):
-    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def _run(model, ids, steps=10, mask=None):
-    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
-    return toks, torch.stack(logits, 1), cache
 
 
 def _live(cache):

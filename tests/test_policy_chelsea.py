@@ -7,19 +7,11 @@ import torch
 
 import kvkit
 from kvkit.policies.chelsea import ChelseaStore, merge_chunks
-from kvkit.testing import greedy, left_padded_batch, tiny_model
+from kvkit.testing import greedy_stacked as _run
+from kvkit.testing import left_padded_batch, tiny_model
+from kvkit.testing import random_ids as _ids
 
 SMALL = dict(chunk_size=8, window=4, merge_interval=4, sink=2)
-
-
-def _ids(n, seed=1):
-    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def _run(model, ids, steps=10, mask=None):
-    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
-    return toks, torch.stack(logits, 1), cache
 
 
 def _stores(cache):

@@ -7,7 +7,9 @@ import torch
 import kvkit
 from kvkit.attention import attend_slots
 from kvkit.policies.tidal import TidalStore, decode_read_bytes, gather_attend
-from kvkit.testing import greedy, left_padded_batch, tiny_model
+from kvkit.testing import greedy_stacked as _run
+from kvkit.testing import left_padded_batch, tiny_model
+from kvkit.testing import random_ids as _ids
 
 LAYERS = 6  # default reselect_layer = max(round(0.4 * 6), 4) = 4
 ROW = 2 * 16 * 4  # one K row + one V row, head_dim 16, fp32
@@ -15,16 +17,6 @@ ROW = 2 * 16 * 4  # one K row + one V row, head_dim 16, fp32
 
 def _model(arch="llama"):
     return tiny_model(arch, num_hidden_layers=LAYERS)
-
-
-def _ids(n, seed=1):
-    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def _run(model, ids, steps=10, mask=None):
-    toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
-    return toks, torch.stack(logits, 1), cache
 
 
 def test_roles_and_default_reselect():
