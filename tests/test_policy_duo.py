@@ -283,6 +283,18 @@ def test_calibration_smoke(tmp_path):
     kvkit.unpatch(model)
 
 
+def test_calibration_time_limit(tmp_path):
+    model = tiny_model("llama")
+    out = tmp_path / "pattern.json"
+    kw = dict(progress=False, length=200, min_length=180, sink=4, recent=16, num_passkeys=2, passkey_words=4)
+    res = calibrate(model, WordTokenizer(), steps=50, out=out, time_limit=1e-9, **kw)
+    assert res["steps_run"] == 1 and len(res["history"]) == 1  # stopped after the first step, pattern written
+    assert json.loads(out.read_text())["calibration"]["steps_run"] == 1
+    assert load_pattern(out)[0].shape == (3, 2)
+    with pytest.raises(ValueError, match="time_limit"):
+        calibrate(model, WordTokenizer(), steps=2, time_limit=0, **kw)
+
+
 def test_calibration_cli(tmp_path, monkeypatch):
     import kvkit.models
     from kvkit.calibrate.cli import main_calibrate

@@ -27,6 +27,8 @@ def add_commands(subparsers) -> None:
     d.add_argument("--reg", type=float, default=0.05, help="weight of mean|alpha|")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="cpu")
+    d.add_argument("--time-limit", type=float, default=None,
+                   help="stop after the first step that ends past this many seconds (the pattern is still written)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     d.set_defaults(func=cmd_calibrate_duo)
 
@@ -56,6 +58,7 @@ def cmd_calibrate_duo(args) -> int:
         lr=args.lr,
         reg=args.reg,
         seed=args.seed,
+        time_limit=args.time_limit,
     )
     last = res["history"][-1]
     print(

@@ -222,15 +222,19 @@ def _lr_lambda(steps: int):
 
 # ---- the optimisation ----------------------------------------------------------------------------------
 def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bool = True, log=None,
-              model_name: str | None = None, **settings) -> dict:
+              model_name: str | None = None, time_limit: float | None = None, **settings) -> dict:
     """Learn DuoAttention gates for ``model``; returns ``{"alpha": [L, H] tensor, "history": [...], ...}``.
 
     ``settings`` are :class:`DuoCalibration` fields (``length``, ``sink``, ``recent``, ...). With ``out``
-    the pattern is written there (kvkit JSON, or reference TSV for a ``.tsv`` name). The model's
+    the pattern is written there (kvkit JSON, or reference TSV for a ``.tsv`` name). ``time_limit``
+    (seconds) stops the optimisation after the first step that ends past it (the pattern is still
+    written; its metadata records how many steps ran). The model's
     weights, ``requires_grad`` flags and attention implementation are left as they were.
     """
     cfg = DuoCalibration(**({"steps": steps} if steps is not None else {}), **settings)
     cfg.check()
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"duo calibration: time_limit must be > 0 seconds, got {time_limit!r}")
     tc = model.config.get_text_config(decoder=True)
     ident = model_identity(model.config, model_name)
     L, H = ident["num_layers"], ident["num_kv_heads"]
@@ -291,6 +295,8 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
                 bar.update(1)
             if log is not None:
                 log(rec)
+            if time_limit is not None and time.time() - t0 > time_limit and step + 1 < cfg.steps:
+                break
     finally:
         if bar is not None:
             bar.close()
@@ -306,6 +312,7 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
         "history": history,
         "wall_s": round(wall, 1),
         "settings": asdict(cfg),
+        "steps_run": len(history),
         "model": ident,
         "retrieval_heads_at_default_sparsity": retrieval_default.sum(1).tolist(),
     }
@@ -314,6 +321,8 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
             "method": "DuoAttention gate optimisation (arXiv:2410.10819), kvkit.calibrate.duo",
             "settings": asdict(cfg),
             "wall_s": round(wall, 1),
+            "steps_run": len(history),
+            "time_limit_s": time_limit,
             "device": str(device),
             "final": history[-1] if history else None,
             "history": history,
