@@ -334,16 +334,20 @@ def make_rope_fn(model) -> Callable | None:
     typed = "layer_type" in inspect.signature(rotary.forward).parameters
 
     def rope(positions: torch.Tensor, dtype=torch.float32, layer_type: str = "full_attention"):
+        # computed where the rotary module lives (its inv_freq buffer); returned on the positions' device,
+        # which is the calling layer's device also when device_map spreads the layers over several devices
+        out_dev = positions.device
         positions = positions.long()
         if positions.dim() == 1:
             positions = positions[None]
-        p = next(rotary.parameters(), None)
-        dev = positions.device if p is None else p.device
+        p = next(rotary.buffers(), None)
+        dev = positions.device if p is None or p.device.type == "meta" else p.device
         x = torch.zeros(1, dtype=dtype, device=dev)
         if typed:
-            return rotary(x, positions.to(dev), layer_type)
-        cos, sin = rotary(x, positions.to(dev))
-        return cos, sin
+            cos, sin = rotary(x, positions.to(dev), layer_type)
+        else:
+            cos, sin = rotary(x, positions.to(dev))
+        return cos.to(out_dev), sin.to(out_dev)
 
     return rope
 

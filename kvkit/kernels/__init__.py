@@ -19,6 +19,7 @@ IndexError (one device sync); without it, out-of-range entries are treated as pa
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -57,6 +58,12 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if mode not in ("", "auto"):
         raise ValueError(f"KVKIT_KERNELS must be 'auto', 'reference' or 'triton', got {mode!r}")
     return all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)) and triton_available()
+
+
+def _on_device(t: torch.Tensor):
+    """Launch on ``t``'s GPU: Triton launches on the *current* CUDA device, which need not be the one the
+    layer lives on when device_map spreads a model over several GPUs."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def backend(device=None) -> str:
@@ -106,7 +113,8 @@ def sparse_decode(q, k, v, indices, *, scale=None, index_mode="kv_head", valid=N
     if use_triton(q, k, v, idx):
         from .sparse import gather_attn
 
-        out, lse = gather_attn(q4, k, v, idx, mode=1, scale=scale, mask=mask, num_splits=num_splits)
+        with _on_device(q):
+            out, lse = gather_attn(q4, k, v, idx, mode=1, scale=scale, mask=mask, num_splits=num_splits)
     else:
         out, lse = _ref.sparse_decode_ref(q4, k, v, idx, scale=scale, mask=mask)
     return _finish(out, lse, squeeze, return_lse)
@@ -132,8 +140,9 @@ def sparse_decode_chunks(q, k, v, chunk_ids, chunk_size, *, scale=None, index_mo
     if use_triton(q, k, v, idx):
         from .sparse import gather_attn
 
-        out, lse = gather_attn(q4, k, v, idx, mode=2, chunk_size=chunk_size, scale=scale, mask=mask,
-                               num_splits=num_splits)
+        with _on_device(q):
+            out, lse = gather_attn(q4, k, v, idx, mode=2, chunk_size=chunk_size, scale=scale, mask=mask,
+                                   num_splits=num_splits)
     else:
         tok = _ref.chunks_to_tokens(idx, chunk_size, N)
         out, lse = _ref.sparse_decode_ref(q4, k, v, tok, scale=scale, mask=mask)
@@ -159,7 +168,8 @@ def weighted_decode(q, k, v, log_weight=None, *, scale=None, valid=None, return_
     if use_triton(q, k, v):
         from .weighted import weighted_decode_triton
 
-        out, lse = weighted_decode_triton(q4, k, v, log_weight, scale=scale, mask=mask, num_splits=num_splits)
+        with _on_device(q):
+            out, lse = weighted_decode_triton(q4, k, v, log_weight, scale=scale, mask=mask, num_splits=num_splits)
     else:
         out, lse = _ref.dense_decode_ref(q4, k, v, scale=scale, mask=mask, bias=log_weight)
     return _finish(out, lse, squeeze, return_lse)
@@ -194,7 +204,8 @@ def quant_decode(q, kpack: Packed, vpack: Packed, *, scale=None, valid=None, ret
     if use_triton(q, kpack.data, vpack.data) and _quant_supported(D, kpack.bits, vpack.bits):
         from .quant_attn import quant_decode_triton
 
-        out, lse = quant_decode_triton(q4, kpack, vpack, scale=scale, mask=mask, num_splits=num_splits)
+        with _on_device(q):
+            out, lse = quant_decode_triton(q4, kpack, vpack, scale=scale, mask=mask, num_splits=num_splits)
     else:
         out, lse = _ref.quant_decode_ref(q4, kpack, vpack, scale=scale, mask=mask)
     return _finish(out, lse, q.dim() == 3, return_lse)
@@ -266,9 +277,10 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     if use_triton(q, U, SV, v):
         from .lowrank import lowrank_decode_triton
 
-        out, lse = lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, positions=positions,
-                                         position_offset=position_offset, attention_scaling=attention_scaling,
-                                         v_gathered=v_gathered, scale=scale, mask=mask, num_splits=num_splits)
+        with _on_device(q):
+            out, lse = lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, positions=positions,
+                                             position_offset=position_offset, attention_scaling=attention_scaling,
+                                             v_gathered=v_gathered, scale=scale, mask=mask, num_splits=num_splits)
     else:
         tok = _ref.chunks_to_tokens(idx, chunk_size, N)
         out, lse = _ref.lowrank_decode_ref(q4, U, SV, v, tok, inv_freq, scale=scale, positions=positions,

@@ -297,17 +297,21 @@ class CakeStore(SlotStore):
         total = (self.budget - self.window) * len(stores)
         evict = real > self.budget + self.window  # [B] rows long enough to evict anything
         cap = (real - w).clamp(min=0)
-        alloc = allocate(torch.stack([st["pref"][i] for i in layers], dim=-1), total, cap)
+        # Layers may live on different devices (device_map="auto"): the allocation runs on this layer's
+        # device, and each store's budget and size are kept on that store's own device.
+        dev = real.device
+        alloc = allocate(torch.stack([st["pref"][i].to(dev) for i in layers], dim=-1), total, cap)
         for j, i in enumerate(layers):
+            store = stores[i]
             b = torch.where(evict, alloc[:, j], cap)
             prev = st["budgets"].get(i)
             if prev is not None:
-                b = b.minimum(prev)
-            st["budgets"][i] = b
-            store = stores[i]
-            if prev is None or bool((b < prev).any()):
-                store._evict_to(store.score, b + w)
-            store.size = torch.where(evict, b + w, real.clamp(min=self.budget))
+                b = b.minimum(prev.to(dev))
+            sdev = store.pos.device
+            st["budgets"][i] = b.to(sdev)
+            if prev is None or bool((b < prev.to(dev)).any()):
+                store._evict_to(store.score, (b + w).to(sdev))
+            store.size = torch.where(evict, b + w, real.clamp(min=self.budget)).to(sdev)
         st["history"].append({i: st["budgets"][i] for i in layers})
         if m == max(stores):  # cascade done: the prefill indicators are no longer needed
             for store in stores.values():

@@ -192,6 +192,11 @@ class TidalStore(SlotStore):
         idx, valid = sel["idx"], sel["valid"]  # [B, Hs, T, k]
         Hs = idx.shape[1]
         dev = query.device
+        if idx.device != dev:  # the selection layer sits on another device (device_map): copy once per device
+            moved = sel.setdefault("on", {})
+            if dev not in moved:
+                moved[dev] = (idx.to(dev), valid.to(dev))
+            idx, valid = moved[dev]
         cur = torch.arange(n - T, n, device=dev).view(1, 1, T, 1).expand(B, Hs, T, 1)
         cur_ok = (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
         idx = torch.cat([idx, cur], dim=-1)
