@@ -14,6 +14,7 @@ previous attention implementation.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ class PatchState:
     old_impl: object
     handles: list = field(default_factory=list)
     attn_modules: list = field(default_factory=list)
+    allow_beyond_context: bool = False
+    warned_beyond_context: bool = False
 
 
 def _register() -> None:
@@ -103,11 +106,64 @@ def _check_inputs(args, kwargs) -> None:
             raise ValueError("inputs_embeds contains NaN or inf values")
 
 
+def context_limit(model) -> int | None:
+    """The model's trained context (``max_position_embeddings`` of its text config), or None if unknown."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = getattr(tc, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def check_context(model, cached: int, new: int, where: str = "this forward") -> None:
+    """Refuse ``cached + new`` tokens beyond the model's trained context, unless the patch allowed it (warn then).
+
+    Positions past ``max_position_embeddings`` were never trained: RoPE extrapolates and the output degrades
+    silently, whatever the policy keeps in its cache (it still uses the true positions).
+    """
+    limit = context_limit(model)
+    total = cached + new
+    if limit is None or total <= limit:
+        return
+    state = getattr(model, "_kvkit_state", None)
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    if state is not None and state.allow_beyond_context:
+        if not state.warned_beyond_context:
+            state.warned_beyond_context = True
+            warnings.warn(
+                f"kvkit: {total} tokens exceed the trained context of {limit} tokens of {name} "
+                "(config.max_position_embeddings); running anyway because of allow_beyond_context=True, "
+                "expect degraded output beyond it",
+                stacklevel=3,
+            )
+        return
+    have = f"the cache holds {cached} tokens and {where} adds {new}" if cached else f"{where} has {new} tokens"
+    raise ValueError(
+        f"{total} tokens exceed the trained context of {limit} tokens of {name} (config.max_position_embeddings): "
+        f"{have}. Positions beyond it were never trained and output degrades silently. Shorten the prompt so "
+        f"prompt + max_new_tokens <= {limit} (e.g. keep its last tokens), or opt in with "
+        "kvkit.patch(model, policy, allow_beyond_context=True, ...) to run anyway (a warning is issued)"
+    )
+
+
+def _new_tokens(args, kwargs) -> int:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+        return ids.shape[-1]
+    emb = kwargs.get("inputs_embeds")
+    if isinstance(emb, torch.Tensor) and emb.dim() >= 2:
+        return emb.shape[1]
+    return 0
+
+
 def _model_pre_hook(model_ref, module, args, kwargs):
-    """Check the inputs; swap an absent or empty transformers cache for a ``KVCache``."""
+    """Check the inputs and the context length; swap an absent or empty transformers cache for a ``KVCache``."""
     model = model_ref()
     _check_inputs(args, kwargs)
     pkv = kwargs.get("past_key_values")
+    cached = pkv.get_seq_length() if isinstance(pkv, Cache) else 0
+    check_context(model, cached, _new_tokens(args, kwargs))
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
@@ -125,19 +181,25 @@ def _attn_pre_hook(module, args, kwargs):
     return None
 
 
-def patch(model, policy="full", **options):
+def patch(model, policy="full", *, allow_beyond_context: bool = False, **options):
     """Install a kvkit policy on ``model`` (in place) and return the model.
 
     ``kvkit.patch(model, "streaming", budget=512)``; afterwards ``model.generate`` and
     ``model(..., use_cache=True)`` use a ``kvkit.KVCache`` without extra arguments. Patching an
     already-patched model replaces the previous policy.
+
+    A forward whose cached + new tokens exceed the model's trained context (``max_position_embeddings``)
+    raises a ``ValueError``; ``allow_beyond_context=True`` runs it anyway with a warning.
     """
+    if not isinstance(allow_beyond_context, bool):
+        raise ValueError(f"allow_beyond_context must be True or False, got {allow_beyond_context!r}")
     pol = get_policy(policy, **options)
     check_model(model, pol)
     if getattr(model, "_kvkit_state", None) is not None:
         unpatch(model)
     _register()
-    state = PatchState(policy=pol, old_impl=model.config._attn_implementation)
+    state = PatchState(policy=pol, old_impl=model.config._attn_implementation,
+                       allow_beyond_context=allow_beyond_context)
     model.set_attn_implementation(ATTN_NAME)
     hook = functools.partial(_model_pre_hook, weakref.ref(model))
     state.handles.append(model.base_model.register_forward_pre_hook(hook, with_kwargs=True))
@@ -169,4 +231,4 @@ def patched_policy(model) -> Policy | None:
     return None if state is None else state.policy
 
 
-__all__ = ["patch", "unpatch", "patched_policy", "check_model", "Cache"]
+__all__ = ["patch", "unpatch", "patched_policy", "check_model", "check_context", "context_limit", "Cache"]

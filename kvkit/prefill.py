@@ -13,12 +13,17 @@ from __future__ import annotations
 import torch
 
 from kvkit.cache import KVCache
+from kvkit.patch import check_context
 
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk_size: int = 2048,
             cache: KVCache | None = None):
-    """Feed ``input_ids [B, T]`` in chunks of ``chunk_size``; returns ``(cache, logits of the last token [B, V])``."""
+    """Feed ``input_ids [B, T]`` in chunks of ``chunk_size``; returns ``(cache, logits of the last token [B, V])``.
+
+    Cached + prompt tokens beyond the model's trained context (``max_position_embeddings``) raise a
+    ``ValueError`` unless the model was patched with ``allow_beyond_context=True``.
+    """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if input_ids.shape[-1] == 0:
@@ -26,6 +31,8 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     cache = cache if cache is not None else KVCache(model)
     start = cache.get_seq_length()
     T = input_ids.shape[1]
+    # refuse before the first chunk runs, not at the chunk that crosses the limit
+    check_context(model, start, T, where="the prompt given to kvkit.prefill")
     if attention_mask is not None and attention_mask.shape[1] != start + T:
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[1]} positions, expected cached {start} + prompt {T}"
