@@ -1,6 +1,11 @@
 """``kvkit bench``: prefill time, decode tokens/s, peak memory and ``KVCache.nbytes()`` for a policy
 and the full-cache baseline, measured in the same run on the same prompts.
 
+With ``prefill_chunk`` (``kvkit bench --prefill-chunk N``) the policy and the full cache are also run with
+chunked prefill (:func:`kvkit.prefill`, ``N`` tokens per forward) next to the one-shot prefill, so the
+peak prefill memory of both modes is measured in the same run; ``*_vs_full`` ratios are always relative
+to the full cache with one-shot prefill.
+
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each phase); on CPU the peak
 resident-set size above the level before the phase, sampled every few milliseconds (torch's CPU
 allocator is invisible to tracemalloc). Absolute times only mean something on the same machine.
@@ -77,6 +82,7 @@ class BenchRow:
     kv_bytes_prefill: int
     kv_bytes_decode: int
     kv_offloaded_bytes: int
+    prefill_chunk: int = 0  # 0: one forward over the whole prompt; N: kvkit.prefill in chunks of N tokens
 
 
 def _sync(device):
@@ -86,8 +92,10 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup: bool = True) -> BenchRow:
-    """Patch, prefill ``ids [1, T]`` (timed), decode ``decode_tokens`` greedily (timed), unpatch."""
+def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup: bool = True,
+              prefill_chunk: int = 0) -> BenchRow:
+    """Patch, prefill ``ids [1, T]`` (timed; one forward, or :func:`kvkit.prefill` in chunks of
+    ``prefill_chunk`` tokens), decode ``decode_tokens`` greedily (timed), unpatch."""
     import torch
 
     import kvkit
@@ -105,11 +113,15 @@ def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup
             with PeakMemory(device) as mp:
                 _sync(device)
                 t0 = time.perf_counter()
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                if prefill_chunk:
+                    cache, last = kvkit.prefill(model, ids, chunk_size=prefill_chunk, cache=cache)
+                else:
+                    last = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
                 _sync(device)
                 prefill = time.perf_counter() - t0
             kv_prefill = cache.nbytes()
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            nxt = last.argmax(-1, keepdim=True)
+            del last
             with PeakMemory(device) as md:
                 _sync(device)
                 t0 = time.perf_counter()
@@ -123,6 +135,7 @@ def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup
             decode_tok_s=round(decode_tokens / max(decode, 1e-9), 2), decode_tokens=decode_tokens,
             peak_prefill_bytes=int(mp.peak), peak_decode_bytes=int(md.peak), kv_bytes_prefill=int(kv_prefill),
             kv_bytes_decode=int(cache.nbytes()), kv_offloaded_bytes=int(cache.offloaded_nbytes()),
+            prefill_chunk=int(prefill_chunk or 0),
         )
     finally:
         kvkit.unpatch(model)
@@ -143,26 +156,34 @@ def bench_prompt(tokenizer, length: int):
     return torch.tensor([ids[:length]], dtype=torch.long)
 
 
-def run(model, tokenizer, policy: str, options: dict, lengths: list[int], decode_tokens: int = 32) -> list[dict]:
+def run(model, tokenizer, policy: str, options: dict, lengths: list[int], decode_tokens: int = 32,
+        prefill_chunk: int | None = None) -> list[dict]:
+    """Rows for the full cache and ``policy`` at each length (one-shot prefill; with ``prefill_chunk`` also
+    chunked prefill of both)."""
     from kvkit.evals.common import check_length, progress
 
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk <= 0):
+        raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {prefill_chunk!r}")
     for L in lengths:
         check_length(model, L + decode_tokens, "--lengths")
     rows = []
     configs = [("full", {})] + ([] if policy == "full" else [(policy, options)])
-    bar = progress(total=len(lengths) * len(configs), desc="bench")
+    modes = [0] + ([prefill_chunk] if prefill_chunk else [])
+    bar = progress(total=len(lengths) * len(configs) * len(modes), desc="bench")
     for L in lengths:
         ids = bench_prompt(tokenizer, L)
-        for name, opts in configs:
-            rows.append(asdict(bench_one(model, ids, name, opts, decode_tokens)))
-            bar.update(1)
+        for chunk in modes:
+            for name, opts in configs:
+                rows.append(asdict(bench_one(model, ids, name, opts, decode_tokens, prefill_chunk=chunk)))
+                bar.update(1)
     bar.close()
     return rows
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
     """Add ``*_vs_full`` ratios (policy / full) to each row."""
-    full = {r["length"]: r for r in rows if r["policy"] == "full"}
+    full = {r["length"]: r for r in rows if r["policy"] == "full" and not r.get("prefill_chunk")}
     for r in rows:
         f = full.get(r["length"])
         if f is None:

@@ -244,15 +244,20 @@ def cmd_bench(args) -> int:
     lengths = _ints(args.lengths, "--lengths")
     if args.decode_tokens < 1:
         raise ValueError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
+        raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
     model, tok = _load(args)
-    rows = bench.with_ratios(bench.run(model, tok, policy, options, lengths, args.decode_tokens))
+    rows = bench.with_ratios(bench.run(model, tok, policy, options, lengths, args.decode_tokens,
+                                       prefill_chunk=args.prefill_chunk))
     out = _out(args, "bench", run_label(args.model, policy, options, max(lengths)))
-    cfg = _config(args, "bench", policy, options, lengths=lengths, decode_tokens=args.decode_tokens)
+    cfg = _config(args, "bench", policy, options, lengths=lengths, decode_tokens=args.decode_tokens,
+                  prefill_chunk=args.prefill_chunk)
     atomic_write_json(out / "config.json", cfg)
     atomic_write_jsonl(out / "samples.jsonl", rows)
-    header = ["policy", "length", "prefill s", "decode tok/s", "peak prefill", "peak decode", "KV after prefill",
+    header = ["policy", "length", "prefill", "prefill s", "decode tok/s", "peak prefill", "peak decode", "KV after prefill",
               "KV after decode", "KV vs full", "prefill vs full", "decode vs full"]
-    table = [[r["policy"] + (f" {r['options']}" if r["options"] else ""), r["length"], r["prefill_s"],
+    table = [[r["policy"] + (f" {r['options']}" if r["options"] else ""), r["length"],
+              f"chunks of {r['prefill_chunk']}" if r.get("prefill_chunk") else "one-shot", r["prefill_s"],
               r["decode_tok_s"], fmt_bytes(r["peak_prefill_bytes"]), fmt_bytes(r["peak_decode_bytes"]),
               fmt_bytes(r["kv_bytes_prefill"]), fmt_bytes(r["kv_bytes_decode"]), r.get("kv_bytes_decode_vs_full"),
               r.get("prefill_s_vs_full"), r.get("decode_tok_s_vs_full")] for r in rows]
@@ -335,5 +340,8 @@ def add_commands(sub) -> None:
     _common(b, with_out=False)
     b.add_argument("--lengths", default="2048,4096,8192", help="comma-separated prompt lengths")
     b.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after the prefill")
+    b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="also run chunked prefill (kvkit.prefill, N tokens per forward) for the policy and the "
+                        "full cache, next to the one-shot prefill: peak prefill memory of both modes")
     b.add_argument("--out", default=None, help="output folder (default results/bench/<model>-<policy>-<len>)")
     b.set_defaults(func=cmd_bench)
