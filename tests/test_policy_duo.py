@@ -327,3 +327,59 @@ def test_default_model_shipped_pattern(default_model):
         assert tok.decode(toks[0]).strip()  # decodes real text
     finally:
         kvkit.unpatch(model)
+
+
+def test_calibration_teacher_matches_model_on_hybrid_gemma3():
+    """Gemma 3's local layers keep the model's own sliding window in calibration: the teacher pass is the
+    model's own forward (a full-causal teacher on sliding layers would distill towards a different model)."""
+    from transformers import AttentionInterface
+
+    from kvkit.calibrate.duo import ATTN_NAME, CalibrationState, duo_calibration_attention, sliding_windows
+
+    model = tiny_model("gemma3_text")
+    windows = sliding_windows(model.config)
+    assert windows == {0: 8, 2: 8}
+    ids = _ids(40)
+    with torch.no_grad():
+        ref = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        AttentionInterface.register(ATTN_NAME, duo_calibration_attention)
+        old = model.config._attn_implementation
+        model.set_attn_implementation(ATTN_NAME)
+        try:
+            gates = torch.ones(3, 2)
+            state = CalibrationState(gates, sink=2, recent=4, windows=windows)
+            teacher = model.model(input_ids=ids, use_cache=False, duo_calibration=state).last_hidden_state
+            state.mode = "mixed"  # all gates 1: the mixed pass is the teacher on the global layer too
+            mixed = model.model(input_ids=ids, use_cache=False, duo_calibration=state).last_hidden_state
+            state.gates = torch.zeros(3, 2)  # streaming global layer: differs, sliding layers unaffected
+            stream = model.model(input_ids=ids, use_cache=False, duo_calibration=state).last_hidden_state
+        finally:
+            model.set_attn_implementation(old)
+    torch.testing.assert_close(teacher, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(stream, ref, atol=1e-3)
+    assert set(state.full) == {1}  # only the global layer is recorded / gated
+
+
+def test_calibration_gemma3_gates_only_global_layers(tmp_path):
+    model = tiny_model("gemma3_text")
+    out = tmp_path / "pattern.json"
+    res = calibrate(model, WordTokenizer(), steps=3, out=out, progress=False, length=200, min_length=180,
+                    sink=4, recent=16, num_passkeys=3, passkey_words=4, model_name="tiny-gemma3")
+    alpha = res["alpha"]
+    assert alpha.shape == (3, 2)
+    assert bool((alpha[[0, 2]] == 1.0).all())  # sliding layers: never gated, no regulariser pull
+    assert bool((alpha[1] < 1.0).all())  # the global layer's gates moved
+    assert res["gated_layers"] == [1]
+    meta = json.loads(out.read_text())["calibration"]
+    assert meta["gated_layers"] == [1] and meta["sliding_layers"] == {"0": 8, "2": 8}
+    kvkit.patch(model, "duo", pattern=str(out), sink=2, recent=8, tail=4)
+    greedy(model, _ids(30), 3)
+    kvkit.unpatch(model)
+
+
+def test_calibration_refuses_all_sliding_model():
+    model = tiny_model("mistral")  # every layer has the model's own window: nothing for duo to do
+    with pytest.raises(ValueError, match="no full-attention layers"):
+        calibrate(model, WordTokenizer(), steps=1, progress=False, length=200, min_length=180,
+                  sink=4, recent=16, num_passkeys=2, passkey_words=4)

@@ -184,15 +184,29 @@ def streaming_mask(T: int, sink: int, recent: int, device=None) -> torch.Tensor:
     return (j <= i) & ((j < sink) | (j > i - recent))
 
 
-class CalibrationState:
-    """Per-forward state handed to :func:`duo_calibration_attention` through the forward's kwargs."""
+def sliding_mask(T: int, window: int, device=None) -> torch.Tensor:
+    """``[T, T]`` bool: the model's own sliding window (query i reads key j when i - window < j <= i)."""
+    i = torch.arange(T, device=device).view(T, 1)
+    j = torch.arange(T, device=device).view(1, T)
+    return (j <= i) & (j > i - window)
 
-    def __init__(self, gates: torch.Tensor, sink: int, recent: int):
+
+class CalibrationState:
+    """Per-forward state handed to :func:`duo_calibration_attention` through the forward's kwargs.
+
+    ``windows`` maps the layers the model itself runs with a sliding window (Gemma 2/3 local layers,
+    Mistral) to their window: those layers are not gated (kvkit leaves them to the model's own window),
+    so teacher and mixed pass both run them with exactly that window.
+    """
+
+    def __init__(self, gates: torch.Tensor, sink: int, recent: int, windows: dict[int, int] | None = None):
         self.gates = gates  # [L, Hkv]
         self.sink, self.recent = sink, recent
+        self.windows = dict(windows or {})
         self.mode = "teacher"
         self.full: dict[int, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None
+        self.window_masks: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def duo_calibration_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -203,16 +217,35 @@ def duo_calibration_attention(module, query, key, value, attention_mask, scaling
     G = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, G), repeat_kv(value, G)
     layer = module.layer_idx
+    T = query.shape[2]
+    window = state.windows.get(layer)
+    if window is not None:  # the model's own sliding-window layer: never gated, same in both passes
+        if window >= T:
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling).transpose(1, 2), None
+        if (window, T) not in state.window_masks:
+            state.window_masks[(window, T)] = sliding_mask(T, window, query.device)
+        mask = state.window_masks[(window, T)]
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2), None
     if state.mode == "teacher":
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling).transpose(1, 2)
         state.full[layer] = out.detach()
         return out, None
-    T = query.shape[2]
     if state.mask is None or state.mask.shape[0] != T:
         state.mask = streaming_mask(T, state.sink, state.recent, query.device)
     stream = F.scaled_dot_product_attention(query, key, value, attn_mask=state.mask, scale=scaling).transpose(1, 2)
     alpha = state.gates[layer].clamp(0, 1).repeat_interleave(G).to(stream.dtype).view(1, 1, -1, 1)
     return (1 - alpha) * stream + alpha * state.full[layer], None
+
+
+def sliding_windows(config) -> dict[int, int]:
+    """``{layer: window}`` for the layers the model runs with its own sliding window (as ``KVCache`` does)."""
+    from kvkit.cache import layer_infos
+
+    return {
+        info.layer_idx: int(info.sliding_window)
+        for info in layer_infos(config)
+        if info.layer_type == "sliding_attention" and info.sliding_window
+    }
 
 
 def _lr_lambda(steps: int):
@@ -239,13 +272,20 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
     ident = model_identity(model.config, model_name)
     L, H = ident["num_layers"], ident["num_kv_heads"]
     device = next(model.parameters()).device
+    windows = sliding_windows(model.config)
+    gated = [i for i in range(L) if i not in windows]  # the layers the duo policy applies to
+    if not gated:
+        raise ValueError(
+            "duo calibration: every attention layer of this model runs with its own sliding window, which kvkit "
+            "keeps as it is; there are no full-attention layers to calibrate (duo would change nothing)"
+        )
     data = PasskeyData(tokenizer, cfg)
     torch.manual_seed(cfg.seed)
 
     gates = torch.nn.Parameter(torch.ones(L, H, device=device, dtype=torch.float32))
     opt = torch.optim.AdamW([gates], lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.steps))
-    state = CalibrationState(gates, cfg.sink, cfg.recent)
+    state = CalibrationState(gates, cfg.sink, cfg.recent, windows)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
 
     flags = [p.requires_grad for p in model.parameters()]
@@ -275,7 +315,7 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
             state.mode = "mixed"
             hidden = base(input_ids=ids, use_cache=False, duo_calibration=state).last_hidden_state
             distill = (hidden[labels].float() - target[labels].float()).pow(2).mean(-1).mean()
-            reg = gates.abs().mean()
+            reg = gates[gated].abs().mean()  # sliding layers' gates are unused and stay at 1
             loss = distill + cfg.reg * reg
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -306,7 +346,7 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
         model.train(was_training)
     alpha = gates.detach().clamp(0, 1).cpu().double()
     wall = time.time() - t0
-    retrieval_default = binarize(alpha, 0.75 if H == tc.num_attention_heads else 0.5)
+    retrieval_default = binarize(alpha, 0.75 if H == tc.num_attention_heads else 0.5, gated)
     result = {
         "alpha": alpha,
         "history": history,
@@ -314,6 +354,7 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
         "settings": asdict(cfg),
         "steps_run": len(history),
         "model": ident,
+        "gated_layers": gated,
         "retrieval_heads_at_default_sparsity": retrieval_default.sum(1).tolist(),
     }
     if out is not None:
@@ -323,6 +364,8 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
             "wall_s": round(wall, 1),
             "steps_run": len(history),
             "time_limit_s": time_limit,
+            "gated_layers": gated,
+            "sliding_layers": {str(k): v for k, v in windows.items()},
             "device": str(device),
             "final": history[-1] if history else None,
             "history": history,
