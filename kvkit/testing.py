@@ -64,17 +64,22 @@ def left_padded_batch(lengths, vocab: int = 128, pad_id: int = 0, seed: int = 0)
 @torch.no_grad()
 def greedy(model, ids, steps: int, attention_mask=None, cache=None):
     """Plain greedy decoding with an explicit loop: returns (tokens [B, steps], logits list, cache)."""
-    out = model(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    mask = attention_mask
+    # as generate() does: with a padding mask, RoPE positions count real tokens only (a left-padded row
+    # sees the same positions as its prompt alone; policies that quantise post-RoPE keys depend on it)
+    posf = (lambda m: (m.long().cumsum(-1) - 1).clamp(min=0)) if mask is not None else None
+    out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                position_ids=None if mask is None else posf(mask))
     cache = out.past_key_values
     logits = [out.logits[:, -1]]
     toks = []
-    mask = attention_mask
     for _ in range(steps):
         nxt = logits[-1].argmax(-1, keepdim=True)
         toks.append(nxt)
         if mask is not None:
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-        out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True,
+                    position_ids=None if mask is None else posf(mask)[:, -1:])
         logits.append(out.logits[:, -1])
     return torch.cat(toks, dim=1), logits, cache
 

@@ -8,7 +8,7 @@ from kvkit.testing import MATRIX_ARCHS
 
 REFUSED = {"gemma2": "soft-capping"}  # architecture -> why every policy refuses it
 #: known bugs, reported in the README matrix as FAIL; strict, so fixing one makes this test fail
-KNOWN_FAIL = {("qwen3", "zipcache"): "left-padded batch row differs from the prompt alone (open bug)"}
+KNOWN_FAIL: dict = {}  # e.g. {("qwen3", "zipcache"): "why"}
 
 
 @pytest.mark.parametrize("policy", kvkit.available_policies())
