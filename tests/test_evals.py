@@ -215,3 +215,38 @@ def test_bench_policy_and_full(tiny_dir, tmp_path):
     assert rows["full"]["kv_bytes_decode"] > rows["full"]["kv_bytes_prefill"]
     assert rows["streaming"]["kv_bytes_decode_vs_full"] < 1
     assert {"summary.md", "summary.csv", "samples.jsonl"} <= _files(out)
+
+
+def test_sweep_shares_prefill_and_matches_single_runs(tiny_dir, tmp_path, capsys):
+    f = tmp_path / "prompts.jsonl"
+    run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_1,qa_1", "--samples", 1,
+        "--dump-prompts", f)
+    singles = {}
+    for name, pol, opts in (("cake", "cake", ["--budget", 256]), ("zip", "zipcache", []), ("tidal", "tidal",
+                            ["--budget", 128, "--opt", "selection=kv_head"])):
+        out = tmp_path / f"single-{name}"
+        assert run("eval", "ruler", "--model", tiny_dir, "--prompts", f, "--policy", pol, *opts, "--out", out,
+                   "--max-new-tokens", 6) == 0
+        singles[name] = common.read_jsonl(out / "samples.jsonl")
+    root = tmp_path / "sweep"
+    argv = ["eval", "sweep", "--model", tiny_dir, "--prompts", f, "--out-root", root, "--max-new-tokens", 6,
+            "--run", "cake=cake:budget=256", "--run", "zip=zipcache", "--run", "tidal=tidal:budget=128,selection=kv_head"]
+    assert run(*argv) == 0
+    for name, rows in singles.items():
+        swept = common.read_jsonl(root / name / "samples.jsonl")
+        assert [r["id"] for r in swept] == [r["id"] for r in rows] == ["niah_single_1/0", "qa_1/0"]
+        for a, b in zip(swept, rows):
+            assert a["prediction"] == b["prediction"] and a["kv_bytes"] == b["kv_bytes"] and a["score"] == b["score"]
+            assert a["shared_prefill_seconds"] > 0
+        cfg = json.loads((root / name / "config.json").read_text())
+        single_cfg = json.loads((tmp_path / f"single-{name}" / "config.json").read_text())
+        for k in ("policy", "options", "prompts", "length", "chat", "full_prompt_prefill", "max_new_tokens"):
+            assert cfg[k] == single_cfg[k], k
+        assert (root / name / "summary.md").exists()
+    # a single run's folder can be resumed by a sweep (same configuration) and nothing is redone
+    assert run(*argv, "--resume") == 0
+    assert len(common.read_jsonl(root / "cake" / "samples.jsonl")) == 2
+    assert run("eval", "sweep", "--model", tiny_dir, "--prompts", f, "--out-root", root, "--run", "cake") != 0
+    assert "NAME=POLICY" in capsys.readouterr().err
+    assert run("eval", "sweep", "--model", tiny_dir, "--prompts", f, "--out-root", root, "--run", "x=cake:budgett=3") != 0
+    assert "budgett" in capsys.readouterr().err

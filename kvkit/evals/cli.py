@@ -135,13 +135,66 @@ def cmd_ruler(args) -> int:
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
                        lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER {policy}",
                        full_prompt_prefill=args.full_prompt_prefill)
+    _ruler_summary(run, rows, names, length, args.model, policy, options)
+    print((run.path / "summary.md").read_text())
+    return 0
+
+
+def _ruler_summary(run, rows, names, length, model, policy, options) -> None:
+    from kvkit.evals.common import task_scores
+    from kvkit.evals.report import write_summary
+
     scores = task_scores(rows, names)
     summary = _summary(run.config, rows, scores)
     table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
     table.append(["average", scores["average"], len(rows)])
     write_summary(run.path, summary, ["task", "score", "samples"], table,
-                  title=f"RULER {length} - {args.model} - {policy} {options or ''}".strip())
-    print((run.path / "summary.md").read_text())
+                  title=f"RULER {length} - {model} - {policy} {options or ''}".strip())
+
+
+def _parse_run(spec: str) -> tuple[str, str, dict]:
+    """``NAME=POLICY[:KEY=VALUE,...]`` -> (name, policy, options)."""
+    from kvkit.evals.common import resolve_policy_options
+
+    name, sep, rest = spec.partition("=")
+    policy, _, opts = rest.partition(":")
+    if not sep or not name.strip() or not policy.strip() or "/" in name:
+        raise ValueError(f"--run {spec!r} must look like NAME=POLICY or NAME=POLICY:key=value,key=value "
+                         f"(NAME is a folder name under --out-root)")
+    return name.strip(), policy.strip(), resolve_policy_options(policy.strip(), parse_opts([opts] if opts else None))
+
+
+def cmd_sweep(args) -> int:
+    """RULER prompts through several policies, one shared (recorded, replayed) context prefill per sample."""
+    from kvkit.evals import ruler
+    from kvkit.evals.common import RunDir, run_sweep
+
+    if not args.run:
+        raise ValueError("kvkit eval sweep needs at least one --run NAME=POLICY[:options]")
+    specs = [_parse_run(r) for r in args.run]
+    names_seen = [n for n, _, _ in specs]
+    if len(set(names_seen)) != len(names_seen):
+        raise ValueError(f"--run names must be unique, got {names_seen}")
+    samples = _read_prompts(args.prompts)
+    tasks = ruler.parse_tasks(args.tasks) if args.tasks != "all" else list(dict.fromkeys(s["task"] for s in samples))
+    samples = [s for s in samples if s["task"] in tasks and (args.samples is None or s["index"] < args.samples)]
+    if not samples:
+        raise ValueError(f"{args.prompts}: no prompts for tasks {', '.join(tasks)}")
+    length = max(s.get("target_length", 0) for s in samples)
+    model, tok = _load(args)
+    _check_prompt_lengths(model, tok, samples, "prompt length")
+    runs = []
+    for name, policy, options in specs:
+        cfg = _config(args, "ruler", policy, options, length=length, tasks=tasks, chat=True, prompts=str(args.prompts))
+        cfg["full_prompt_prefill"] = False
+        runs.append((RunDir(Path(args.out_root) / name, cfg, resume=args.resume), policy, options))
+    run_sweep(model, tok, _cap(args, samples), runs, lambda s, p: ruler.score(s["metric"], p, s["outputs"]),
+              desc=f"RULER sweep x{len(runs)}")
+    order = {s["id"]: i for i, s in enumerate(samples)}
+    for (run, policy, options), (name, _, _) in zip(runs, specs):
+        rows = sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])
+        _ruler_summary(run, rows, tasks, length, args.model, policy, options)
+        print(f"== {name}\n" + (run.path / "summary.md").read_text())
     return 0
 
 
@@ -312,6 +365,21 @@ def add_commands(sub) -> None:
     r.add_argument("--dump-prompts", default=None, metavar="FILE", help="write the prompts as jsonl and stop")
     r.add_argument("--prompts", default=None, metavar="FILE", help="run the prompts of a --dump-prompts file")
     r.set_defaults(func=cmd_ruler)
+
+    sw = esub.add_parser("sweep", help="RULER prompts through several policies sharing one exact prefill per sample")
+    sw.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    sw.add_argument("--run", action="append", metavar="NAME=POLICY[:KEY=VALUE,...]",
+                    help="one policy setting, written to OUT_ROOT/NAME like `kvkit eval ruler --out` (repeatable)")
+    sw.add_argument("--prompts", required=True, metavar="FILE", help="a `kvkit eval ruler --dump-prompts` file")
+    sw.add_argument("--out-root", required=True, help="folder holding one run folder per --run")
+    sw.add_argument("--resume", action="store_true", help="continue interrupted runs (each run folder separately)")
+    sw.add_argument("--tasks", default="all", help="all | comma-separated task names")
+    sw.add_argument("--samples", type=int, default=None, help="first N samples per task")
+    sw.add_argument("--max-new-tokens", type=int, default=None, help="cap the generation length (quick checks only)")
+    sw.add_argument("--seed", type=int, default=42, help="recorded in each run's config")
+    sw.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    sw.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    sw.set_defaults(func=cmd_sweep)
 
     n = esub.add_parser("niah", help="needle in a haystack: depth x length grid and heatmap")
     _common(n)

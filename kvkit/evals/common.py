@@ -137,13 +137,18 @@ class Generation:
     kv_offloaded: int
 
 
-def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: int | None = None) -> Generation:
+def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: int | None = None,
+             replay=None) -> Generation:
     """Greedy ``model.generate`` on one prompt with an explicit ``kvkit.KVCache`` (when patched).
 
     With ``context_end`` (a character offset), the context ``prompt[:context_end]`` is prefilled first
     and compressed by the policy; the rest (question, answer prefix) is then fed on top of what the
     policy kept, as kvpress evaluates (question-agnostic compression). Without the split, the
     question would be read with full attention during prefill and eviction would cost nothing.
+
+    ``replay``: a :class:`kvkit.evals.shared_prefill.PrefillRecording` of the context (``prompt[:context_end]``):
+    the policy's cache is rebuilt from it instead of running the context through the model again
+    (policy sweeps; identical result, see ``shared_prefill``). ``seconds`` then excludes the shared prefill.
     """
     import torch
 
@@ -163,7 +168,14 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
     with torch.no_grad():
         if patched:
             cache = kvkit.KVCache(model)
-            if ctx is not None:
+            if ctx is not None and replay is not None:
+                from kvkit.evals.shared_prefill import replay_prefill
+
+                if replay.tokens != ctx.shape[1]:
+                    raise ValueError(f"replay: the recording holds {replay.tokens} context tokens, this prompt's "
+                                     f"context has {ctx.shape[1]}")
+                cache = replay_prefill(model, replay, cache=cache)
+            elif ctx is not None:
                 n = ctx.shape[1]
                 cache, _ = kvkit.prefill(model, ids[:, :n], chunk_size=n, cache=cache)
             kwargs["past_key_values"] = cache
@@ -292,27 +304,75 @@ def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str,
         for s in todo:
             g = generate(model, tokenizer, s["prompt"], s["tokens_to_generate"],
                          None if full_prompt_prefill else s.get("context_end"))
-            row = {k: s[k] for k in ("id", "task", "index") if k in s}
-            row.update(
-                prediction=g.text,
-                reference=s["outputs"],
-                score=float(score_fn(s, g.text)),
-                prompt_tokens=g.prompt_tokens,
-                new_tokens=g.new_tokens,
-                seconds=round(g.seconds, 4),
-                kv_bytes=g.kv_bytes,
-                kv_offloaded=g.kv_offloaded,
-            )
-            for k in ("length", "depth", "target_length"):
-                if k in s:
-                    row[k] = s[k]
-            run.add(row)
+            run.add(_row(s, g, score_fn(s, g.text)))
             bar.update(1)
         bar.close()
     finally:
         kvkit.unpatch(model)
     order = {s["id"]: i for i, s in enumerate(samples)}
     return sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def _row(s: dict, g: Generation, score: float) -> dict:
+    row = {k: s[k] for k in ("id", "task", "index") if k in s}
+    row.update(
+        prediction=g.text,
+        reference=s["outputs"],
+        score=float(score),
+        prompt_tokens=g.prompt_tokens,
+        new_tokens=g.new_tokens,
+        seconds=round(g.seconds, 4),
+        kv_bytes=g.kv_bytes,
+        kv_offloaded=g.kv_offloaded,
+    )
+    for k in ("length", "depth", "target_length"):
+        if k in s:
+            row[k] = s[k]
+    return row
+
+
+def run_sweep(model, tokenizer, samples: list[dict], runs: list, score_fn, desc: str = "sweep") -> None:
+    """Several (``RunDir``, policy, options) runs over the same samples, one shared context prefill per sample.
+
+    For each sample that some run has not finished, the context is prefilled once with exact attention
+    (:func:`kvkit.evals.shared_prefill.record_prefill`) and replayed into each policy's cache, then the
+    question and the answer are decoded by that policy as in :func:`run_samples`. Rows are the same as
+    a run of that policy alone (``seconds`` excludes the shared prefill; ``shared_prefill_seconds`` has it).
+    """
+    import kvkit
+    from kvkit.evals.shared_prefill import record_prefill, replayable
+
+    for _, policy, _ in runs:
+        if not replayable(policy):
+            raise ValueError(f"policy {policy!r} cannot share a replayed prefill; run it alone with `kvkit eval ruler`")
+    done = [run.done() for run, _, _ in runs]
+    todo = [s for s in samples if any(s["id"] not in d for d in done)]
+    # index-major (every task's sample 0, then every task's sample 1, ...): a sweep stopped early still
+    # covers every task with the same number of samples
+    todo.sort(key=lambda s: s.get("index", 0))
+    bar = progress(total=len(samples), desc=desc)
+    bar.update(len(samples) - len(todo))
+    try:
+        for s in todo:
+            ce = s.get("context_end")
+            if not ce or not 0 < ce < len(s["prompt"]):
+                raise ValueError(f"sample {s['id']}: no context/question split (context_end); a sweep needs one")
+            kvkit.patch(model, "full")
+            ctx = encode(tokenizer, s["prompt"][:ce]).to(model.device)
+            rec = record_prefill(model, ctx)
+            for (run, policy, options), d in zip(runs, done):
+                if s["id"] in d:
+                    continue
+                kvkit.patch(model, policy, **options)
+                g = generate(model, tokenizer, s["prompt"], s["tokens_to_generate"], ce, replay=rec)
+                row = _row(s, g, score_fn(s, g.text))
+                row["shared_prefill_seconds"] = round(rec.seconds, 4)
+                run.add(row)
+            del rec
+            bar.update(1)
+    finally:
+        kvkit.unpatch(model)
+        bar.close()
 
 
 def task_scores(rows: list[dict], tasks: list[str]) -> dict:

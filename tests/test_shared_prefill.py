@@ -1,0 +1,58 @@
+"""A replayed prefill (kvkit.evals.shared_prefill) leaves exactly the cache the policy's own prefill leaves."""
+
+import pytest
+import torch
+
+import kvkit
+from kvkit.doctor import small_options
+from kvkit.evals.shared_prefill import REPLAYABLE, record_prefill, replay_prefill
+from kvkit.testing import greedy, random_ids, tiny_model
+
+
+def _stores_equal(a, b):
+    assert a.get_seq_length() == b.get_seq_length()
+    assert a.nbytes() == b.nbytes()
+    for la, lb in zip(a.layers, b.layers):
+        for name in ("keys", "values", "pos"):
+            ta, tb = getattr(la, name, None), getattr(lb, name, None)
+            if isinstance(ta, torch.Tensor):
+                assert torch.equal(ta, tb), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("policy", REPLAYABLE)
+def test_replay_equals_own_prefill(arch, policy):
+    model = tiny_model(arch)
+    ids = random_ids(60, seed=3)
+    ctx, question = ids[:, :48], ids[:, 48:]
+    kvkit.patch(model, policy, **small_options(policy))
+    try:
+        own, _ = kvkit.prefill(model, ctx, chunk_size=48)
+        rec = record_prefill(model, ctx)
+        replayed = replay_prefill(model, rec)
+        _stores_equal(own, replayed)
+        # the recording is reusable: a second replay gives the same cache again
+        _stores_equal(own, replay_prefill(model, rec))
+        t_own, l_own, _ = greedy(model, question, 6, cache=own)
+        t_rep, l_rep, _ = greedy(model, question, 6, cache=replayed)
+        assert torch.equal(t_own, t_rep)
+        for a, b in zip(l_own, l_rep):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        kvkit.unpatch(model)
+
+
+def test_replay_refuses_non_exact_prefill_and_unpatched():
+    model = tiny_model("llama")
+    ids = random_ids(30, seed=1)
+    with pytest.raises(ValueError, match="kvkit.patch"):
+        record_prefill(model, ids)
+    kvkit.patch(model, "full")
+    rec = record_prefill(model, ids)
+    kvkit.patch(model, "streaming", **small_options("streaming"))
+    try:
+        if "streaming" not in REPLAYABLE:
+            with pytest.raises(ValueError, match="cannot be replayed"):
+                replay_prefill(model, rec)
+    finally:
+        kvkit.unpatch(model)
