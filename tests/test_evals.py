@@ -8,7 +8,7 @@ import pytest
 
 from kvkit.cli import main
 from kvkit.evals import common, longbench
-from kvkit.evals.report import compare
+from kvkit.evals.report import compare, compare_matched
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 
@@ -250,3 +250,24 @@ def test_sweep_shares_prefill_and_matches_single_runs(tiny_dir, tmp_path, capsys
     assert "NAME=POLICY" in capsys.readouterr().err
     assert run("eval", "sweep", "--model", tiny_dir, "--prompts", f, "--out-root", root, "--run", "x=cake:budgett=3") != 0
     assert "budgett" in capsys.readouterr().err
+
+
+def test_compare_matched_scores_runs_on_the_full_runs_samples(tmp_path):
+    def fake(name, policy, rows):
+        d = tmp_path / name
+        common.atomic_write_json(d / "config.json", dict(benchmark="ruler", model="m", length=4096, policy=policy,
+                                                         options={} if policy == "full" else {"budget": 8}))
+        common.atomic_write_jsonl(d / "samples.jsonl", [dict(id=f"{t}/{i}", task=t, score=sc, kv_bytes=kv)
+                                                       for t, i, sc, kv in rows])
+        return d
+
+    full = fake("full", "full", [("vt", 0, 1.0, 100), ("vt", 1, 0.0, 100), ("cwe", 0, 1.0, 100), ("cwe", 1, 1.0, 100)])
+    # the policy run stopped early: only sample 0 of each task
+    part = fake("part", "streaming", [("vt", 0, 1.0, 25), ("cwe", 0, 0.0, 25)])
+    md = compare_matched([part, full], out=tmp_path / "cmp")
+    # full on all 4 samples: vt 50, cwe 100 -> 75; on the shared samples (vt/0, cwe/0): 100, 100 -> 100
+    assert "| 4096 | full | - | 4 | 2 | 50.00 | 100.00 | 75.00 | 75.00 | 1.00 | 100 | 1.00 |" in md
+    assert "| 4096 | streaming | budget=8 | 2 | 1 | 100.00 | 0.00 | 50.00 | 100.00 | 0.50 | 25 | 0.25 |" in md
+    assert (tmp_path / "cmp" / "compare.csv").exists()
+    with pytest.raises(ValueError, match="full"):
+        compare_matched([part])

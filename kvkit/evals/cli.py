@@ -278,9 +278,10 @@ def cmd_longbench(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from kvkit.evals.report import compare
+    from kvkit.evals.report import compare, compare_matched
 
-    print(compare(args.dirs, Path(args.out) if args.out else None))
+    fn = compare_matched if args.matched else compare
+    print(fn(args.dirs, Path(args.out) if args.out else None))
     return 0
 
 
@@ -402,6 +403,8 @@ def add_commands(sub) -> None:
     c = esub.add_parser("compare", help="join eval summaries into one policy x budget table with retention")
     c.add_argument("dirs", nargs="+", help="eval output folders (or summary.json files)")
     c.add_argument("--out", default=None, help="also write compare.md / compare.csv here")
+    c.add_argument("--matched", action="store_true",
+                   help="score every run only on the samples it shares with the full run (from samples.jsonl)")
     c.set_defaults(func=cmd_compare)
 
     b = sub.add_parser("bench", help="prefill time, decode tok/s, peak memory, KV bytes: policy vs full")

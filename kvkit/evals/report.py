@@ -103,6 +103,73 @@ def budget_of(options: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "-"
 
 
+def _matched_summary(d, keep: set | None) -> tuple[dict, set, list]:
+    """The run in ``d`` re-scored from its samples.jsonl on the sample ids in ``keep`` (all when None)."""
+    from kvkit.evals.common import read_jsonl
+
+    p = Path(d)
+    cfg_path, rows_path = p / "config.json", p / "samples.jsonl"
+    if not cfg_path.is_file() or not rows_path.is_file():
+        raise ValueError(f"{d}: --matched needs run folders with config.json and samples.jsonl")
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    rows = read_jsonl(rows_path, required=("id", "task", "score"))
+    if keep is not None:
+        rows = [r for r in rows if r["id"] in keep]
+    per: dict = {}
+    for r in rows:
+        per.setdefault(r["task"], []).append(float(r["score"]))
+    scores = {t: round(100 * sum(v) / len(v), 2) for t, v in per.items()}
+    avg = round(sum(scores.values()) / len(scores), 2) if scores else None
+    kv = [r["kv_bytes"] for r in rows if "kv_bytes" in r]
+    summary = dict(cfg, scores=scores, average=avg, samples_scored=len(rows),
+                   per_task_samples={t: len(v) for t, v in per.items()},
+                   mean_kv_bytes=round(sum(kv) / len(kv)) if kv else None)
+    return summary, {r["id"] for r in rows}, rows
+
+
+def compare_matched(dirs: list, out: Path | None = None) -> str:
+    """Like :func:`compare`, but every run is scored only on the samples it shares with the ``full`` run
+    of its benchmark/length (retention on identical prompts), with per-run sample counts and KV bytes.
+    Runs stopped early, or made from different sample counts, are then compared fairly."""
+    first = [_matched_summary(d, None) for d in dirs]
+    fulls = {}
+    for s, ids, _ in first:
+        if s["policy"] == "full":
+            fulls[(s["benchmark"], s.get("model"), s.get("length"))] = ids
+    if not fulls:
+        raise ValueError("--matched needs a `full` run among the folders (the baseline the samples are matched to)")
+    tasks = list(dict.fromkeys(t for s, _, _ in first for t in s["scores"]))
+    header = ["length", "policy", "options", "samples", "min/task", *tasks, "average", "full (same samples)",
+              "retention", "KV bytes", "KV vs full"]
+    rows = []
+    for d, (s, ids, _) in zip(dirs, first):
+        key = (s["benchmark"], s.get("model"), s.get("length"))
+        full_ids = fulls.get(key)
+        if full_ids is None:
+            continue
+        common = ids & full_ids
+        ms, _, _ = _matched_summary(d, common)
+        full_dir = next(dd for dd, (fs, _, _) in zip(dirs, first) if fs["policy"] == "full"
+                        and (fs["benchmark"], fs.get("model"), fs.get("length")) == key)
+        fm, _, _ = _matched_summary(full_dir, common)
+        ret = round(ms["average"] / fm["average"], 4) if ms["average"] is not None and fm["average"] else None
+        kvr = (round(ms["mean_kv_bytes"] / fm["mean_kv_bytes"], 3)
+               if ms["mean_kv_bytes"] and fm["mean_kv_bytes"] else None)
+        opts = ",".join(f"{k}={v}" for k, v in sorted(ms.get("options", {}).items())) or "-"
+        counts = ms["per_task_samples"]
+        rows.append([s.get("length"), s["policy"], opts, ms["samples_scored"],
+                     min(counts.values()) if len(counts) == len(tasks) else 0,
+                     *[ms["scores"].get(t) for t in tasks], ms["average"], fm["average"], ret,
+                     ms["mean_kv_bytes"], kvr])
+    rows.sort(key=lambda r: (str(r[0]), r[1] != "full", r[1], r[2]))
+    md = markdown_table(header, rows)
+    if out is not None:
+        out = Path(out)
+        atomic_write_text(out / "compare.md", md)
+        atomic_write_text(out / "compare.csv", csv_text(header, rows))
+    return md
+
+
 def compare(dirs: list, out: Path | None = None) -> str:
     """One policy x budget table over several eval summaries, with retention = score / full score."""
     sums = [load_summary(d) for d in dirs]
