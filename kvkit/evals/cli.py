@@ -106,19 +106,11 @@ def _summary(config: dict, rows: list[dict], scores: dict) -> dict:
 
 def cmd_ruler(args) -> int:
     from kvkit.evals import ruler
-    from kvkit.evals.common import RunDir, check_length, run_label, run_samples, task_scores
-    from kvkit.evals.report import write_summary
+    from kvkit.evals.common import RunDir, check_length, run_label, run_samples
 
     policy, options = _policy(args)
     if args.prompts:
-        samples = _read_prompts(args.prompts)
-        names = ruler.parse_tasks(args.tasks) if args.tasks != "all" else list(dict.fromkeys(s["task"] for s in samples))
-        samples = [s for s in samples if s["task"] in names and (args.samples is None or s["index"] < args.samples)]
-        if not samples:
-            raise ValueError(f"{args.prompts}: no prompts for tasks {', '.join(names)}")
-        length = max(s.get("target_length", 0) for s in samples)
-        model, tok = _load(args)
-        _check_prompt_lengths(model, tok, samples, "prompt length")
+        samples, names, length, model, tok = _ruler_prompts(args)
     else:
         names = ruler.parse_tasks(args.tasks)
         length = args.length
@@ -138,6 +130,22 @@ def cmd_ruler(args) -> int:
     _ruler_summary(run, rows, names, length, args.model, policy, options)
     print((run.path / "summary.md").read_text())
     return 0
+
+
+def _ruler_prompts(args):
+    """The RULER samples of ``--prompts`` (filtered by ``--tasks`` / ``--samples``), their tasks and length,
+    and the model, checked against the prompts' length and tokenizer."""
+    from kvkit.evals import ruler
+
+    samples = _read_prompts(args.prompts)
+    names = ruler.parse_tasks(args.tasks) if args.tasks != "all" else list(dict.fromkeys(s["task"] for s in samples))
+    samples = [s for s in samples if s["task"] in names and (args.samples is None or s["index"] < args.samples)]
+    if not samples:
+        raise ValueError(f"{args.prompts}: no prompts for tasks {', '.join(names)}")
+    length = max(s.get("target_length", 0) for s in samples)
+    model, tok = _load(args)
+    _check_prompt_lengths(model, tok, samples, "prompt length")
+    return samples, names, length, model, tok
 
 
 def _ruler_summary(run, rows, names, length, model, policy, options) -> None:
@@ -175,14 +183,7 @@ def cmd_sweep(args) -> int:
     names_seen = [n for n, _, _ in specs]
     if len(set(names_seen)) != len(names_seen):
         raise ValueError(f"--run names must be unique, got {names_seen}")
-    samples = _read_prompts(args.prompts)
-    tasks = ruler.parse_tasks(args.tasks) if args.tasks != "all" else list(dict.fromkeys(s["task"] for s in samples))
-    samples = [s for s in samples if s["task"] in tasks and (args.samples is None or s["index"] < args.samples)]
-    if not samples:
-        raise ValueError(f"{args.prompts}: no prompts for tasks {', '.join(tasks)}")
-    length = max(s.get("target_length", 0) for s in samples)
-    model, tok = _load(args)
-    _check_prompt_lengths(model, tok, samples, "prompt length")
+    samples, tasks, length, model, tok = _ruler_prompts(args)
     runs = []
     for name, policy, options in specs:
         cfg = _config(args, "ruler", policy, options, length=length, tasks=tasks, chat=True, prompts=str(args.prompts))
