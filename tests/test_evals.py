@@ -271,3 +271,15 @@ def test_compare_matched_scores_runs_on_the_full_runs_samples(tmp_path):
     assert (tmp_path / "cmp" / "compare.csv").exists()
     with pytest.raises(ValueError, match="full"):
         compare_matched([part])
+
+
+def test_bench_several_policies_one_full_baseline(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "bench-many"
+    assert run("bench", "--model", tiny_dir, "--policy", "streaming", "--budget", 64, "--lengths", "256",
+               "--decode-tokens", 3, "--add", "tidal:budget=32", "--add", "cake:budget=64", "--out", out) == 0
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["full", "streaming", "tidal", "cake"]  # full measured once
+    assert rows[3]["options"] == {"budget": 64} and rows[3]["kv_bytes_prefill_vs_full"] < 1
+    assert all("decode_tok_s_vs_full" in r for r in rows)
+    assert run("bench", "--model", tiny_dir, "--lengths", "256", "--add", ":budget=3", "--out", out) != 0
+    assert "--add" in capsys.readouterr().err

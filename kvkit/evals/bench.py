@@ -157,9 +157,10 @@ def bench_prompt(tokenizer, length: int):
 
 
 def run(model, tokenizer, policy: str, options: dict, lengths: list[int], decode_tokens: int = 32,
-        prefill_chunk: int | None = None) -> list[dict]:
+        prefill_chunk: int | None = None, more: list | None = None) -> list[dict]:
     """Rows for the full cache and ``policy`` at each length (one-shot prefill; with ``prefill_chunk`` also
-    chunked prefill of both)."""
+    chunked prefill of both). ``more``: further ``(policy, options)`` pairs measured in the same run, on the
+    same prompts, against the same full-cache rows."""
     from kvkit.evals.common import check_length, progress
 
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
@@ -169,6 +170,9 @@ def run(model, tokenizer, policy: str, options: dict, lengths: list[int], decode
         check_length(model, L + decode_tokens, "--lengths")
     rows = []
     configs = [("full", {})] + ([] if policy == "full" else [(policy, options)])
+    for name, opts in more or []:
+        if (name, opts) not in configs:
+            configs.append((name, opts))
     modes = [0] + ([prefill_chunk] if prefill_chunk else [])
     bar = progress(total=len(lengths) * len(configs) * len(modes), desc="bench")
     for L in lengths:

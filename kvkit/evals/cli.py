@@ -292,7 +292,7 @@ def cmd_compare(args) -> int:
 def cmd_bench(args) -> int:
     from kvkit.cli import fmt_bytes
     from kvkit.evals import bench
-    from kvkit.evals.common import atomic_write_json, atomic_write_jsonl, run_label
+    from kvkit.evals.common import atomic_write_json, atomic_write_jsonl, resolve_policy_options, run_label
     from kvkit.evals.report import write_summary
 
     policy, options = _policy(args)
@@ -301,9 +301,15 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:
         raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
+    more = []
+    for spec in args.add or []:
+        name, _, opts = spec.partition(":")
+        if not name.strip():
+            raise ValueError(f"--add {spec!r} must look like POLICY or POLICY:key=value,key=value")
+        more.append((name.strip(), resolve_policy_options(name.strip(), parse_opts([opts] if opts else None))))
     model, tok = _load(args)
     rows = bench.with_ratios(bench.run(model, tok, policy, options, lengths, args.decode_tokens,
-                                       prefill_chunk=args.prefill_chunk))
+                                       prefill_chunk=args.prefill_chunk, more=more))
     out = _out(args, "bench", run_label(args.model, policy, options, max(lengths)))
     cfg = _config(args, "bench", policy, options, lengths=lengths, decode_tokens=args.decode_tokens,
                   prefill_chunk=args.prefill_chunk)
@@ -415,5 +421,7 @@ def add_commands(sub) -> None:
     b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="also run chunked prefill (kvkit.prefill, N tokens per forward) for the policy and the "
                         "full cache, next to the one-shot prefill: peak prefill memory of both modes")
+    b.add_argument("--add", action="append", metavar="POLICY[:KEY=VALUE,...]",
+                   help="another policy setting measured in the same run against the same full-cache rows (repeatable)")
     b.add_argument("--out", default=None, help="output folder (default results/bench/<model>-<policy>-<len>)")
     b.set_defaults(func=cmd_bench)
