@@ -168,17 +168,26 @@ class SlotStore(StoreMixin, CacheLayerMixin):
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        n = self.seen - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
+        """``crop(-n)`` removes the newest n tokens; ``crop(m > 0)`` keeps the first m; ``crop(0)`` is a no-op
+        (transformers' assisted decoding calls ``crop(-0)`` when every candidate was accepted)."""
+        if tokens_to_remove == 0:
+            return
+        n = self.seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
         if n <= 0 or self.keys is None:
             return
-        if self.seen - n < self.committed:
+        floor = self.crop_floor()
+        if self.seen - n < floor:
             raise ValueError(
-                f"{type(self).__name__} (layer {self.info.layer_idx}) cannot crop {n} tokens exactly: only the "
-                f"{self.seen - self.committed} tokens added since the last compression are uncompressed. "
+                f"{type(self).__name__} (layer {self.info.layer_idx}) cannot crop {n} tokens exactly: it can only "
+                f"go back to {floor} tokens ({self.seen - floor} of the {self.seen} seen), the rest was compressed. "
                 "Crop right after the forward that added them (as speculative decoding does)."
             )
         self._drop_last(n)
         self.seen -= n
+
+    def crop_floor(self) -> int:
+        """The shortest length ``crop`` can go back to exactly: the last compression point by default."""
+        return self.committed
 
     def _drop_last(self, n: int) -> None:
         self.keys = self.keys[..., :-n, :]

@@ -5,6 +5,15 @@ Each layer keeps the first ``sink`` tokens of every sequence plus the most recen
 sinks and the window of positions ``(p - window, p]``, whatever the eviction timing: evicted tokens
 are removed in bulk once ``tail`` extra tokens have accumulated, so a layer holds at most
 ``budget + tail`` tokens, and ``crop`` (speculative rollback) stays exact.
+
+Rollback (transformers' assisted decoding with a streaming-patched assistant): what a query reads
+depends only on positions, not on when eviction ran, so the store may compress at any time as long
+as every crop leaves the window of the next query held. After a compression at length ``s`` the
+store holds positions ``[s - window, s)``; a query at ``s - 1`` reads ``[s - window, s - 1]``, so
+``crop`` may go back one token below the compression point (HF re-feeds the last prompt token after
+the assistant's prefill). And the first ``update`` after a ``crop`` (the start of a speculative
+round) compresses early whenever more than ``budget`` tokens are held, so a round that adds fewer
+than ``tail`` tokens never compresses in its middle and its rollback is always exact.
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ class StreamingStore(SlotStore):
         super().__init__(info, num_heads)
         self.budget, self.sink, self.tail = budget, sink, tail
         self.window = budget - sink
+        self.rolled_back = False  # a crop happened since the last update: a speculative round starts
 
     def _is_sink(self) -> torch.Tensor:
         # [B, Hp, n]: the first `sink` real (non-padding) tokens of each row
@@ -69,7 +79,26 @@ class StreamingStore(SlotStore):
         return (self.pos >= first) & (self.pos < first + self.sink)
 
     def should_compress(self) -> bool:
-        return self.keys.shape[-2] >= self.budget + self.tail
+        held = self.keys.shape[-2]
+        return held >= self.budget + self.tail or (self.rolled_back and held > self.budget)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        out = super().update(key_states, value_states, *args, **kwargs)
+        self.rolled_back = False
+        return out
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.rolled_back = True  # also on crop(0): every rollback call ends a round
+
+    def crop_floor(self) -> int:
+        # held after a compression at length `committed`: positions >= committed - window (+ sinks);
+        # the next query after a crop to c reads (c - window, c], all held iff c >= committed - 1
+        return max(self.committed - 1, 0)
+
+    def reset(self) -> None:
+        super().reset()
+        self.rolled_back = False
 
     def compress(self) -> None:
         # Score: sinks first, then recency; padding never kept (evict_by_score).

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import time
 
 
 def add_commands(subparsers) -> None:
     s = subparsers.add_parser("speculate", help="self-speculative decoding: acceptance rate and speedup vs plain")
     s.add_argument("--model", default="default", help="target model: default | packaged name | local dir | .gguf")
-    s.add_argument("--length", type=int, default=4096, help="prompt length in tokens (essay haystack + question)")
+    s.add_argument("--length", type=int, default=4096, help="prompt length in tokens (essay haystack + question + chat template)")
     s.add_argument("--task", default="needle", choices=["needle", "continue"],
                    help="needle: question about a fact deep in the prompt; continue: continue raw essay text (PG-19 style)")
     s.add_argument("--new-tokens", type=int, default=64)
@@ -30,6 +31,7 @@ def add_commands(subparsers) -> None:
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     s.add_argument("--json", default=None, help="append one JSON line per setting to this file")
     s.set_defaults(func=cmd_speculate)
 
@@ -58,6 +60,16 @@ def plain_decode(model, cache, ids, new_tokens: int, device):
     return toks, time.perf_counter() - t0
 
 
+def _int_list(flag: str, text) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes integers >= 1, got {text!r}")
+    return values
+
+
 def cmd_speculate(args) -> int:
     import torch
 
@@ -69,9 +81,16 @@ def cmd_speculate(args) -> int:
 
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
-    gammas = [int(g) for g in str(args.gamma).split(",") if g]
+    gammas = _int_list("--gamma", args.gamma)
     policies = [p for p in args.draft_policy.split(",") if p]
-    budgets = [int(b) for b in args.budget.split(",")] if args.budget else [None]
+    budgets = _int_list("--budget", args.budget) if args.budget else [None]
+    for name, value in (("--length", args.length), ("--new-tokens", args.new_tokens), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} but torch sees no CUDA device")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     opts = parse_options(args.draft_opt)
     print(f"loading model {args.model!r} ...", flush=True)
     model, tok = load(args.model, dtype=dtype, device=args.device)
@@ -79,12 +98,21 @@ def cmd_speculate(args) -> int:
     if args.assistant:
         print(f"loading assistant {args.assistant!r} ...", flush=True)
         assistant, _ = load(args.assistant, dtype=dtype, device=args.device)
-    if args.task == "needle":
+    if args.task == "needle":  # --length counts the whole chat prompt, question and template included
         ids, _ = needle_prompt(tok, context_tokens=args.length, seed=args.seed)
+        extra = ids.shape[1] - args.length
+        if 0 < extra < args.length:
+            ids, _ = needle_prompt(tok, context_tokens=args.length - extra, seed=args.seed)
     else:
         text_ids = tok(essay_text(), add_special_tokens=False)["input_ids"]
         start = (args.seed * 7919) % max(1, len(text_ids) - args.length)
         ids = torch.tensor([text_ids[start : start + args.length]])
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit and ids.shape[1] + args.new_tokens > limit:
+        raise ValueError(
+            f"prompt ({ids.shape[1]} tokens) + --new-tokens {args.new_tokens} exceeds the model's trained context of "
+            f"{limit} tokens; use --length {limit - args.new_tokens - 8} or less"
+        )
     ids = ids.to(args.device)
     print(f"prompt: {ids.shape[1]} tokens; prefilling once ...", flush=True)
     kvkit.patch(model, "full")
@@ -127,5 +155,6 @@ def cmd_speculate(args) -> int:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps(dict(r, model=args.model, task=args.task, prompt_tokens=ids.shape[1], new_tokens=args.new_tokens,
-                                        device=args.device)) + "\n")
+                                        device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
+                                        assistant=args.assistant, command=" ".join(sys.argv))) + "\n")
     return 0 if all(r["same"] for r in rows) else 1

@@ -247,7 +247,10 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         self.begin_round()
 
     def crop(self, tokens_to_remove: int) -> None:
-        n = self.get_seq_length() - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
+        # crop(-n) drops n draft tokens, crop(m > 0) keeps m tokens, crop(0) is a no-op (as in transformers)
+        if tokens_to_remove == 0:
+            return
+        n = self.get_seq_length() - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
         if n <= 0:
             return
         if n > self.tail_len():

@@ -396,10 +396,12 @@ def generate(
         run = _Run(logits_processor, do_sample, gamma, assistant_gamma, threshold,
                    stats if stats is not None else SpeculativeStats())
 
+        _sync(model)
         t0 = time.perf_counter()
         logits = process(logits_processor, prompt, target.feed(prompt, keep=1))[0]
         first = pick(logits.softmax(-1) if do_sample else logits, do_sample)
         seq = torch.cat([prompt, prompt.new_tensor([first])])
+        _sync(model)
         t1 = time.perf_counter()
         run.stats.prefill_seconds += t1 - t0
         new = [first]
@@ -418,6 +420,7 @@ def generate(
                     break
             seq = torch.cat([prompt, torch.tensor(new, dtype=torch.long)])
         target.crop_to(seq.shape[0] - 1)  # the state plain decoding leaves: the last token not yet fed
+        _sync(model)
         run.stats.decode_seconds += time.perf_counter() - t1
         run.stats.new_tokens += len(new)
     finally:
@@ -431,6 +434,13 @@ def generate(
     if getattr(gc, "return_dict_in_generate", False):
         return SpeculativeOutput(sequences=sequences, past_key_values=cache, stats=run.stats)
     return sequences
+
+
+def _sync(model) -> None:
+    """Wait for queued CUDA work so the stats' wall-clock timings are right."""
+    dev = getattr(model, "device", None)
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def _stop(stopping_criteria, input_ids, new) -> bool:
