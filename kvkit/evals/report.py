@@ -156,6 +156,8 @@ def compare_matched(dirs: list, out: Path | None = None) -> str:
         kvr = (round(ms["mean_kv_bytes"] / fm["mean_kv_bytes"], 3)
                if ms["mean_kv_bytes"] and fm["mean_kv_bytes"] else None)
         opts = ",".join(f"{k}={v}" for k, v in sorted(ms.get("options", {}).items())) or "-"
+        if ms.get("full_prompt_prefill"):
+            opts += " (question in prefill)"
         counts = ms["per_task_samples"]
         rows.append([s.get("length"), s["policy"], opts, ms["samples_scored"],
                      min(counts.values()) if len(counts) == len(tasks) else 0,
