@@ -438,3 +438,26 @@ def test_gemma3_270m_duo_generates_text():
         assert tok.decode(toks[0]).strip()
     finally:
         kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("kind", ["random", "copy"])
+def test_hf_assisted_decoding_with_duo_assistant_past_its_window(kind):
+    """transformers' assisted decoding crops the assistant's cache one token below its prefill compression
+    and calls crop(-0) after fully accepted rounds: both must be exact for a duo-patched assistant."""
+    import copy
+
+    m = tiny_model("llama")
+    if kind == "random":
+        small = tiny_model("llama", seed=5)
+        small.generation_config.assistant_confidence_threshold = 0.0  # rounds of 20 candidates, many rejected
+    else:
+        small = copy.deepcopy(m)  # long accepted runs: crop(-0)
+        small.generation_config.num_assistant_tokens = 3
+    ids = _ids(64)
+    ref = m.generate(ids, max_new_tokens=30, do_sample=False)
+    kvkit.patch(small, "duo", pattern=MIXED, sparsity=0.5, sink=2, recent=8, tail=32)
+    try:
+        out = m.generate(ids, assistant_model=small, max_new_tokens=30, do_sample=False)
+    finally:
+        kvkit.unpatch(small)
+    assert torch.equal(out, ref)

@@ -322,6 +322,13 @@ class Duo(Policy):
 
 
 # ---- the store -----------------------------------------------------------------------------------------
+class _RetrievalStore(SlotStore):
+    """The retrieval heads' store: it never drops a token, so every crop is exact."""
+
+    def crop_floor(self) -> int:
+        return 0
+
+
 class DuoStore(StoreMixin, CacheLayerMixin):
     """Retrieval KV heads in a full :class:`SlotStore`, streaming KV heads in a :class:`StreamingStore`.
 
@@ -341,7 +348,7 @@ class DuoStore(StoreMixin, CacheLayerMixin):
         G = info.groups
         r_heads = [h for h, r in enumerate(self.retrieval) if r]
         s_heads = [h for h, r in enumerate(self.retrieval) if not r]
-        self.full = SlotStore(info, num_heads=len(r_heads)) if r_heads else None
+        self.full = _RetrievalStore(info, num_heads=len(r_heads)) if r_heads else None
         self.stream = (
             StreamingStore(info, sink + recent, sink, tail, num_heads=len(s_heads)) if s_heads else None
         )
@@ -434,12 +441,14 @@ class DuoStore(StoreMixin, CacheLayerMixin):
         # latest compression point of *any* duo layer of the cache: a refused crop then leaves every
         # layer untouched, not only this one.
         key = ("duo", "committed")
-        c = max(store.committed for store, _, _ in self.parts)
+        c = max(store.crop_floor() for store, _, _ in self.parts)
         if c > self.info.shared.get(key, 0):
             self.info.shared[key] = c
 
     def crop(self, tokens_to_remove: int) -> None:
-        n = self.seen - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
+        if tokens_to_remove == 0:  # transformers' crop(-0): nothing to remove
+            return
+        n = self.seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
         if n <= 0 or not self.is_initialized:
             return
         committed = self.info.shared.get(("duo", "committed"), 0)
