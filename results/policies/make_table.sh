@@ -1,0 +1,5 @@
+#!/bin/bash
+# Regenerates compare.md / compare.csv: every run scored on the samples it shares with the full run.
+cd "$(dirname "$0")/../.."
+.venv/bin/kvkit eval compare --matched results/ruler/full-4k results/ruler/streaming2048-4k \
+  results/ruler/streaming1024-4k results/policies/*-4k results/policies/cake1024-4k-qaware --out results/policies
