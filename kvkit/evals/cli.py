@@ -148,7 +148,8 @@ def _ruler_prompts(args):
     return samples, names, length, model, tok
 
 
-def _ruler_summary(run, rows, names, length, model, policy, options) -> None:
+def _task_summary(run, rows, names, title: str) -> None:
+    """summary.json/.md/.csv of a per-task benchmark run (RULER, LongBench): score and samples per task."""
     from kvkit.evals.common import task_scores
     from kvkit.evals.report import write_summary
 
@@ -156,8 +157,11 @@ def _ruler_summary(run, rows, names, length, model, policy, options) -> None:
     summary = _summary(run.config, rows, scores)
     table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
     table.append(["average", scores["average"], len(rows)])
-    write_summary(run.path, summary, ["task", "score", "samples"], table,
-                  title=f"RULER {length} - {model} - {policy} {options or ''}".strip())
+    write_summary(run.path, summary, ["task", "score", "samples"], table, title=title)
+
+
+def _ruler_summary(run, rows, names, length, model, policy, options) -> None:
+    _task_summary(run, rows, names, f"RULER {length} - {model} - {policy} {options or ''}".strip())
 
 
 def _parse_run(spec: str) -> tuple[str, str, dict]:
@@ -251,8 +255,7 @@ def cmd_niah(args) -> int:
 
 def cmd_longbench(args) -> int:
     from kvkit.evals import longbench
-    from kvkit.evals.common import RunDir, model_context, run_label, run_samples, task_scores
-    from kvkit.evals.report import write_summary
+    from kvkit.evals.common import RunDir, model_context, run_label, run_samples
 
     policy, options = _policy(args)
     names = longbench.parse_tasks(args.tasks)
@@ -268,12 +271,7 @@ def cmd_longbench(args) -> int:
                          data_dir=str(args.data_dir)), resume=args.resume)
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options, longbench.score, desc=f"LongBench {policy}",
                        full_prompt_prefill=args.full_prompt_prefill)
-    scores = task_scores(rows, names)
-    summary = _summary(run.config, rows, scores)
-    table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
-    table.append(["average", scores["average"], len(rows)])
-    write_summary(run.path, summary, ["task", "score", "samples"], table,
-                  title=f"LongBench {length} - {args.model} - {policy} {options or ''}".strip())
+    _task_summary(run, rows, names, f"LongBench {length} - {args.model} - {policy} {options or ''}".strip())
     print((run.path / "summary.md").read_text())
     return 0
 
