@@ -108,6 +108,14 @@ class SlidingStore(StoreMixin, DynamicSlidingWindowLayer):
         return hf_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
+def crop_count(seen: int, tokens_to_remove: int) -> int:
+    """Tokens a ``crop(tokens_to_remove)`` removes from ``seen``: ``-n`` removes n, ``m > 0`` keeps the first m,
+    0 removes nothing (transformers' assisted decoding calls ``crop(-0)`` when every candidate was accepted)."""
+    if tokens_to_remove == 0:
+        return 0
+    return seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+
+
 class SlotStore(StoreMixin, CacheLayerMixin):
     """Tokens held as slots, each with its absolute position.
 
@@ -170,9 +178,7 @@ class SlotStore(StoreMixin, CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-n)`` removes the newest n tokens; ``crop(m > 0)`` keeps the first m; ``crop(0)`` is a no-op
         (transformers' assisted decoding calls ``crop(-0)`` when every candidate was accepted)."""
-        if tokens_to_remove == 0:
-            return
-        n = self.seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        n = crop_count(self.seen, tokens_to_remove)
         if n <= 0 or self.keys is None:
             return
         floor = self.crop_floor()

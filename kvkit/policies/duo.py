@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
-from kvkit.cache import LayerInfo, SlotStore, StoreMixin, _text_config
+from kvkit.cache import LayerInfo, SlotStore, StoreMixin, _text_config, crop_count
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.policies.streaming import StreamingStore
 from kvkit.registry import register
@@ -446,9 +446,7 @@ class DuoStore(StoreMixin, CacheLayerMixin):
             self.info.shared[key] = c
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:  # transformers' crop(-0): nothing to remove
-            return
-        n = self.seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        n = crop_count(self.seen, tokens_to_remove)
         if n <= 0 or not self.is_initialized:
             return
         committed = self.info.shared.get(("duo", "committed"), 0)

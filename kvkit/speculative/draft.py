@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvkit.attention import attend_slots
-from kvkit.cache import KVCache, SlotStore, StoreMixin
+from kvkit.cache import KVCache, SlotStore, StoreMixin, crop_count
 from kvkit.policies.base import check_positive_int
 
 
@@ -247,10 +247,7 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         self.begin_round()
 
     def crop(self, tokens_to_remove: int) -> None:
-        # crop(-n) drops n draft tokens, crop(m > 0) keeps m tokens, crop(0) is a no-op (as in transformers)
-        if tokens_to_remove == 0:
-            return
-        n = self.get_seq_length() - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        n = crop_count(self.get_seq_length(), tokens_to_remove)
         if n <= 0:
             return
         if n > self.tail_len():
