@@ -103,72 +103,66 @@ def budget_of(options: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "-"
 
 
-def _matched_summary(d, keep: set | None) -> tuple[dict, set, list]:
-    """The run in ``d`` re-scored from its samples.jsonl on the sample ids in ``keep`` (all when None)."""
+def _load_run(d) -> tuple[dict, list[dict]]:
+    """``config.json`` and the rows of ``samples.jsonl`` of the run folder ``d``."""
     from kvkit.evals.common import read_jsonl
 
     p = Path(d)
     cfg_path, rows_path = p / "config.json", p / "samples.jsonl"
     if not cfg_path.is_file() or not rows_path.is_file():
         raise ValueError(f"{d}: --matched needs run folders with config.json and samples.jsonl")
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    rows = read_jsonl(rows_path, required=("id", "task", "score"))
-    if keep is not None:
-        rows = [r for r in rows if r["id"] in keep]
-    per: dict = {}
-    for r in rows:
-        per.setdefault(r["task"], []).append(float(r["score"]))
-    scores = {t: round(100 * sum(v) / len(v), 2) for t, v in per.items()}
-    avg = round(sum(scores.values()) / len(scores), 2) if scores else None
+    return json.loads(cfg_path.read_text(encoding="utf-8")), read_jsonl(rows_path, required=("id", "task", "score"))
+
+
+def _score(rows: list[dict], keep: set) -> dict:
+    """Task scores, average, per-task counts and mean KV bytes of the rows whose id is in ``keep``."""
+    from kvkit.evals.common import task_scores
+
+    rows = [r for r in rows if r["id"] in keep]
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
     kv = [r["kv_bytes"] for r in rows if "kv_bytes" in r]
-    summary = dict(cfg, scores=scores, average=avg, samples_scored=len(rows),
-                   per_task_samples={t: len(v) for t, v in per.items()},
-                   mean_kv_bytes=round(sum(kv) / len(kv)) if kv else None)
-    return summary, {r["id"] for r in rows}, rows
+    return dict(task_scores(rows, tasks), samples=len(rows),
+                per_task={t: sum(r["task"] == t for r in rows) for t in tasks},
+                kv=round(sum(kv) / len(kv)) if kv else None)
 
 
 def compare_matched(dirs: list, out: Path | None = None) -> str:
     """Like :func:`compare`, but every run is scored only on the samples it shares with the ``full`` run
     of its benchmark/length (retention on identical prompts), with per-run sample counts and KV bytes.
     Runs stopped early, or made from different sample counts, are then compared fairly."""
-    first = [_matched_summary(d, None) for d in dirs]
-    fulls = {}
-    for s, ids, _ in first:
-        if s["policy"] == "full":
-            fulls[(s["benchmark"], s.get("model"), s.get("length"))] = ids
+    runs = [_load_run(d) for d in dirs]
+
+    def key(cfg):
+        return cfg["benchmark"], cfg.get("model"), cfg.get("length")
+
+    fulls = {key(cfg): rows for cfg, rows in runs if cfg["policy"] == "full"}
     if not fulls:
         raise ValueError("--matched needs a `full` run among the folders (the baseline the samples are matched to)")
-    tasks = list(dict.fromkeys(t for s, _, _ in first for t in s["scores"]))
+    tasks = list(dict.fromkeys(r["task"] for _, rows in runs for r in rows))
     header = ["length", "policy", "options", "samples", "min/task", *tasks, "average", "full (same samples)",
               "retention", "KV bytes", "KV vs full"]
-    rows = []
-    for d, (s, ids, _) in zip(dirs, first):
-        key = (s["benchmark"], s.get("model"), s.get("length"))
-        full_ids = fulls.get(key)
-        if full_ids is None:
+    table = []
+    for cfg, rows in runs:
+        full_rows = fulls.get(key(cfg))
+        if full_rows is None:
             continue
-        common = ids & full_ids
-        ms, _, _ = _matched_summary(d, common)
-        full_dir = next(dd for dd, (fs, _, _) in zip(dirs, first) if fs["policy"] == "full"
-                        and (fs["benchmark"], fs.get("model"), fs.get("length")) == key)
-        fm, _, _ = _matched_summary(full_dir, common)
+        common = {r["id"] for r in rows} & {r["id"] for r in full_rows}
+        ms, fm = _score(rows, common), _score(full_rows, common)
         ret = round(ms["average"] / fm["average"], 4) if ms["average"] is not None and fm["average"] else None
-        kvr = (round(ms["mean_kv_bytes"] / fm["mean_kv_bytes"], 3)
-               if ms["mean_kv_bytes"] and fm["mean_kv_bytes"] else None)
-        opts = ",".join(f"{k}={v}" for k, v in sorted(ms.get("options", {}).items())) or "-"
-        if ms.get("full_prompt_prefill"):
+        kvr = round(ms["kv"] / fm["kv"], 3) if ms["kv"] and fm["kv"] else None
+        opts = ",".join(f"{k}={v}" for k, v in sorted(cfg.get("options", {}).items())) or "-"
+        if cfg.get("full_prompt_prefill"):
             opts += " (question in prefill)"
-        counts = ms["per_task_samples"]
-        rows.append([s.get("length"), s["policy"], opts, ms["samples_scored"],
-                     min(counts.values()) if len(counts) == len(tasks) else 0,
-                     *[ms["scores"].get(t) for t in tasks], ms["average"], fm["average"], ret,
-                     ms["mean_kv_bytes"], kvr])
-    rows.sort(key=lambda r: (str(r[0]), r[1] != "full", r[1], r[2]))
-    md = markdown_table(header, rows)
+        counts = ms["per_task"]
+        table.append([cfg.get("length"), cfg["policy"], opts, ms["samples"],
+                      min(counts.values()) if len(counts) == len(tasks) else 0,
+                      *[ms["scores"].get(t) for t in tasks], ms["average"], fm["average"], ret, ms["kv"], kvr])
+    table.sort(key=lambda r: (str(r[0]), r[1] != "full", r[1], r[2]))
+    md = markdown_table(header, table)
     if out is not None:
         out = Path(out)
         atomic_write_text(out / "compare.md", md)
-        atomic_write_text(out / "compare.csv", csv_text(header, rows))
+        atomic_write_text(out / "compare.csv", csv_text(header, table))
     return md
 
 
