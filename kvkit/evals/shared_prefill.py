@@ -57,14 +57,6 @@ class PrefillRecording:
     logits: torch.Tensor  # [B, V] logits of the last prompt token
     seconds: float
 
-    def nbytes(self) -> int:
-        n = 0
-        for c in self.calls.values():
-            for t in (c.key, c.value, c.query):
-                if t is not None:
-                    n += t.numel() * t.element_size()
-        return n
-
 
 class _RecordingCache(KVCache):
     """A full-attention ``KVCache`` that keeps what each layer's update and attention were called with."""
