@@ -283,3 +283,21 @@ def test_bench_several_policies_one_full_baseline(tiny_dir, tmp_path, capsys):
     assert all("decode_tok_s_vs_full" in r for r in rows)
     assert run("bench", "--model", tiny_dir, "--lengths", "256", "--add", ":budget=3", "--out", out) != 0
     assert "--add" in capsys.readouterr().err
+
+
+def test_two_writers_on_one_run_folder_keep_each_others_rows(tmp_path):
+    # two sweep processes split by --tasks share the run folders: each add() merges what the other wrote
+    cfg = {"benchmark": "ruler", "policy": "full"}
+    a = common.RunDir(tmp_path / "run", cfg, resume=True)
+    b = common.RunDir(tmp_path / "run", cfg, resume=True)
+    a.add({"id": "t1/0", "score": 1.0})
+    b.add({"id": "t2/0", "score": 0.0})
+    a.add({"id": "t1/1", "score": 0.5})
+    b.add({"id": "t2/1", "score": 1.0})
+    on_disk = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert sorted(r["id"] for r in on_disk) == ["t1/0", "t1/1", "t2/0", "t2/1"]
+    assert {r["id"] for r in b.rows} == {"t1/0", "t1/1", "t2/0", "t2/1"}
+    # a row re-added under an id already on disk replaces it instead of duplicating it
+    a.add({"id": "t2/0", "score": 1.0})
+    on_disk = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(on_disk) == 4 and [r["score"] for r in on_disk if r["id"] == "t2/0"] == [1.0]

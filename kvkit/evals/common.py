@@ -235,8 +235,42 @@ class RunDir:
         return {r["id"] for r in self.rows}
 
     def add(self, row: dict) -> None:
-        self.rows.append(row)
-        atomic_write_jsonl(self.path / "samples.jsonl", self.rows)
+        """Append ``row`` and rewrite ``samples.jsonl``. Rows another process wrote to the same folder
+        since (e.g. a second ``kvkit eval sweep --resume --tasks ...`` splitting the work) are merged
+        in under a lock instead of being overwritten; a row id already on disk is replaced by ours."""
+        samples = self.path / "samples.jsonl"
+        with _folder_lock(self.path):
+            mine = {r["id"] for r in self.rows} | {row["id"]}
+            theirs = [r for r in read_jsonl(samples, required=("id",)) if r["id"] not in mine] if samples.exists() else []
+            self.rows = [r for r in self.rows if r["id"] != row["id"]] + theirs + [row]
+            atomic_write_jsonl(samples, self.rows)
+
+
+class _folder_lock:
+    """An exclusive ``fcntl`` lock on the folder itself (leaves no lock file behind; no-op where fcntl
+    is missing)."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder)
+        self.fd = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return self
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 _FREE_KEYS = {"device", "dtype", "samples", "command", "tasks", "kvkit_version", "resume"}
