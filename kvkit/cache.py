@@ -62,6 +62,12 @@ class StoreMixin:
         """Bytes this layer keeps off-device (e.g. ShadowKV's value store)."""
         return 0
 
+    def read_nbytes(self) -> int:
+        """K/V bytes one single-token decode step's attention reads from this layer (on-device data plus
+        what it fetches from an offload store). Default: everything held on the device; policies that
+        read a subset (TidalDecode's selected tokens, ShadowKV's chunks) override it."""
+        return self.nbytes()
+
     def num_slots(self) -> int:
         """Token slots held (max over heads)."""
         raise NotImplementedError
@@ -411,6 +417,12 @@ class KVCache(Cache):
 
     def offloaded_nbytes(self, per_layer: bool = False):
         sizes = [layer.offloaded_nbytes() for layer in self.layers]
+        return sizes if per_layer else sum(sizes)
+
+    def read_nbytes(self, per_layer: bool = False):
+        """K/V bytes a single-token decode step reads (total, or a list per layer); see
+        ``StoreMixin.read_nbytes``. For TidalDecode: the last decode forward's reads."""
+        sizes = [layer.read_nbytes() if hasattr(layer, "read_nbytes") else layer.nbytes() for layer in self.layers]
         return sizes if per_layer else sum(sizes)
 
     def num_slots(self) -> list[int]:

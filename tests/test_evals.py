@@ -281,6 +281,11 @@ def test_bench_several_policies_one_full_baseline(tiny_dir, tmp_path, capsys):
     assert [r["policy"] for r in rows] == ["full", "streaming", "tidal", "cake"]  # full measured once
     assert rows[3]["options"] == {"budget": 64} and rows[3]["kv_bytes_prefill_vs_full"] < 1
     assert all("decode_tok_s_vs_full" in r for r in rows)
+    # per-step reads: full and streaming read what they hold; tidal holds everything and reads at most that
+    # (this tiny model's layers are all full/selection layers; test_policy_tidal checks fewer reads deeper)
+    assert rows[0]["kv_read_step"] == rows[0]["kv_bytes_decode"] and rows[1]["kv_read_step"] == rows[1]["kv_bytes_decode"]
+    assert rows[2]["kv_bytes_decode"] >= rows[0]["kv_bytes_decode"] >= rows[2]["kv_read_step"] > 0
+    assert "reads vs full" in (out / "summary.md").read_text()
     assert run("bench", "--model", tiny_dir, "--lengths", "256", "--add", ":budget=3", "--out", out) != 0
     assert "--add" in capsys.readouterr().err
 

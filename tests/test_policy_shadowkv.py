@@ -117,6 +117,32 @@ def test_nbytes_formula():
     assert cache.nbytes() == layers * (per_layer + 4 * (2 * B * H * D * f + B * 4))
 
 
+def test_read_nbytes_formula():
+    # a decode step reads: landmarks, the selected chunks' U rows (per KV head) + their offloaded values,
+    # S*V^T, outliers and the exact local/generated slots - not the whole low-rank store
+    model = tiny_model("llama")
+    B, S, H, D, r, c, budget = 2, 83, 2, 16, 5, 8, 16
+    kvkit.patch(model, "shadowkv", budget=budget, outliers=1, **SMALL)
+    cache = kvkit.KVCache(model)
+    with torch.no_grad():
+        model(_ids(S, batch=B), past_key_values=cache, use_cache=True)
+        model(_ids(1, seed=6, batch=B), past_key_values=cache, use_cache=True)  # compresses, then decodes
+    kvkit.unpatch(model)
+    C = S // c - 4
+    n_out, Cl, Tt = 1, C - 1, S - C * c + 1  # local window + the decoded token
+    f = 4
+    per_layer = (
+        B * H * budget * (r * f + D * f)  # gathered U rows and offloaded values of budget // c chunks
+        + B * H * r * D * f  # S*V^T
+        + B * H * Cl * D * f + B * H * Cl * 4  # landmarks and their chunk ids
+        + 2 * B * H * n_out * c * D * f + B * H * n_out * c * 4  # outliers
+        + 2 * B * H * Tt * D * f + B * Tt * 4  # local + generated K, V, positions
+    )
+    layers = model.config.num_hidden_layers
+    assert cache.read_nbytes(per_layer=True) == [per_layer] * layers
+    assert cache.read_nbytes() < cache.nbytes() + cache.offloaded_nbytes()
+
+
 def test_crop_and_multitoken_exact():
     model = tiny_model("qwen2")
     kvkit.patch(model, "shadowkv", budget=16, outliers=1, **SMALL)

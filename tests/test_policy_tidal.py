@@ -181,6 +181,7 @@ def test_small_budget_differs_from_full_and_reads_less():
     torch.testing.assert_close(logits[:, 0], ref_logits[:, 0])  # prefill is exact
     r = decode_read_bytes(cache)
     assert r["ratio"] > 1.4
+    assert cache.read_nbytes() == r["read"] < cache.nbytes()  # what `kvkit bench` reports per step
 
 
 def test_long_chunk_is_exact_full_attention():

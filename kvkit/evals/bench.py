@@ -83,6 +83,7 @@ class BenchRow:
     kv_bytes_decode: int
     kv_offloaded_bytes: int
     prefill_chunk: int = 0  # 0: one forward over the whole prompt; N: kvkit.prefill in chunks of N tokens
+    kv_read_step: int = 0  # K/V bytes the last decode step's attention read (KVCache.read_nbytes)
 
 
 def _sync(device):
@@ -135,7 +136,7 @@ def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup
             decode_tok_s=round(decode_tokens / max(decode, 1e-9), 2), decode_tokens=decode_tokens,
             peak_prefill_bytes=int(mp.peak), peak_decode_bytes=int(md.peak), kv_bytes_prefill=int(kv_prefill),
             kv_bytes_decode=int(cache.nbytes()), kv_offloaded_bytes=int(cache.offloaded_nbytes()),
-            prefill_chunk=int(prefill_chunk or 0),
+            prefill_chunk=int(prefill_chunk or 0), kv_read_step=int(cache.read_nbytes()),
         )
     finally:
         kvkit.unpatch(model)
@@ -193,6 +194,6 @@ def with_ratios(rows: list[dict]) -> list[dict]:
         if f is None:
             continue
         for k in ("prefill_s", "decode_tok_s", "peak_prefill_bytes", "peak_decode_bytes", "kv_bytes_prefill",
-                  "kv_bytes_decode"):
+                  "kv_bytes_decode", "kv_read_step"):
             r[f"{k}_vs_full"] = round(r[k] / f[k], 4) if f[k] else None
     return rows

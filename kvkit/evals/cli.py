@@ -314,11 +314,12 @@ def cmd_bench(args) -> int:
     atomic_write_json(out / "config.json", cfg)
     atomic_write_jsonl(out / "samples.jsonl", rows)
     header = ["policy", "length", "prefill", "prefill s", "decode tok/s", "peak prefill", "peak decode", "KV after prefill",
-              "KV after decode", "KV vs full", "prefill vs full", "decode vs full"]
+              "KV after decode", "KV vs full", "KV read/step", "reads vs full", "prefill vs full", "decode vs full"]
     table = [[r["policy"] + (f" {r['options']}" if r["options"] else ""), r["length"],
               f"chunks of {r['prefill_chunk']}" if r.get("prefill_chunk") else "one-shot", r["prefill_s"],
               r["decode_tok_s"], fmt_bytes(r["peak_prefill_bytes"]), fmt_bytes(r["peak_decode_bytes"]),
               fmt_bytes(r["kv_bytes_prefill"]), fmt_bytes(r["kv_bytes_decode"]), r.get("kv_bytes_decode_vs_full"),
+              fmt_bytes(r.get("kv_read_step", 0)), r.get("kv_read_step_vs_full"),
               r.get("prefill_s_vs_full"), r.get("decode_tok_s_vs_full")] for r in rows]
     write_summary(out, dict(cfg, rows=rows, device_name=_device_name(args.device)), header, table,
                   title=f"kvkit bench - {args.model} - {policy} {options or ''} - {_device_name(args.device)}")

@@ -213,6 +213,19 @@ class ShadowKVStore(SlotStore):
     def offloaded_nbytes(self) -> int:
         return _tensor_bytes(self.v_off)
 
+    def read_nbytes(self) -> int:
+        """Bytes one decode step reads once compressed: all landmarks, the selected chunks' rows of U
+        (gathered per KV head) and SV, their values from the offload store, outliers and the exact
+        local/generated slots. Before compression: everything held, as full attention."""
+        if not self.compressed:
+            return self.nbytes()
+        B, H = self.keys.shape[:2]
+        D = self.keys.shape[-1]
+        k_tok = min(self.budget // self.chunk, self.lm_ids.shape[-1]) * self.chunk
+        gathered = B * H * k_tok * (self.U.shape[-1] * self.U.element_size() + D * self.v_off.element_size())
+        return gathered + _tensor_bytes(self.landmarks, self.lm_ids, self.SV, self.out_k, self.out_v, self.out_pos,
+                                        self.keys, self.values, self.pos)
+
     def num_slots(self) -> int:
         n = super().num_slots()
         if self.compressed:
