@@ -301,3 +301,30 @@ def test_default_model_greedy_ten_long_prompts(default_model):
     assert len(results) == 10 and len({r.setting for r in results}) == len(SETTINGS)
     # the drafts are sparse but not useless: otherwise identity would be trivially easy
     assert 0.2 < sum(r.acceptance for r in results) / len(results) < 1.0
+
+
+def test_speculate_cli_self_draft_and_hierarchy_in_one_run(tmp_path):
+    # `kvkit speculate --assistant`: plain, self-draft alone and self-draft under the assistant share one
+    # prefill, every row is lossless, and the json marks which rows used the assistant
+    import json
+
+    from kvkit.cli import main
+    from kvkit.models import load_tokenizer
+
+    tok = load_tokenizer("default")
+    dirs = {}
+    for name, kw in (("target", {}), ("small", {"seed": 5, "num_hidden_layers": 1})):
+        d = tmp_path / name
+        tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048, **kw).save_pretrained(d)
+        tok.save_pretrained(d)
+        dirs[name] = str(d)
+    out = tmp_path / "spec.jsonl"
+    code = main(["speculate", "--model", dirs["target"], "--assistant", dirs["small"], "--length", "300",
+                 "--new-tokens", "8", "--gamma", "3", "--assistant-gamma", "2", "--draft-policy", "streaming",
+                 "--budget", "64", "--json", str(out)])
+    assert code == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["setting"].endswith("assistant " + dirs["small"]) for r in rows] == [False, False, True]
+    assert [r["assistant"] for r in rows] == [None, None, dirs["small"]]
+    assert all(r["same"] for r in rows) and rows[2]["assistant_acceptance"] is not None
+    assert rows[1]["assistant_acceptance"] is None and rows[1]["acceptance"] is not None
