@@ -330,7 +330,8 @@ def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str,
     import kvkit
 
     done = run.done()
-    todo = [s for s in samples if s["id"] not in done]
+    # index-major, as run_sweep: a run stopped early still covers every task with the same count
+    todo = sorted((s for s in samples if s["id"] not in done), key=lambda s: s.get("index", 0))
     kvkit.patch(model, policy, **options)
     try:
         bar = progress(total=len(samples), desc=desc)
