@@ -72,6 +72,23 @@ def test_hierarchical_greedy_with_assistant():
     assert getattr(small, "_kvkit_state", None) is None
 
 
+@pytest.mark.parametrize("n,gamma,assistant_gamma", [(200, 6, 4), (120, 5, 3)])
+def test_hierarchical_assistant_cache_past_its_budget(n, gamma, assistant_gamma):
+    # the assistant's StreamingLLM cache is far past its budget and is rolled back after every assistant
+    # round inside a top-level round; it must not compress there (it used to, then the top-level
+    # rejection asked it to crop tokens it had already evicted: "cannot crop 7 tokens exactly")
+    m = tiny_model("llama")
+    small = tiny_model("llama", seed=5, num_hidden_layers=1)
+    ids = _prompt(n, seed=n)
+    ref, _, _ = greedy(m, ids, 40)
+    st = SpeculativeStats()
+    out = generate(m, ids, gamma=gamma, assistant=small, assistant_gamma=assistant_gamma, draft_policy="retrieval",
+                   draft_options={"budget": 48, "chunk": 8}, assistant_cache={"policy": "streaming", "budget": 32, "sink": 4},
+                   max_new_tokens=40, eos_token_id=None, stats=st)
+    assert torch.equal(out[0, n:], ref[0])
+    assert st.assistant_drafted > 0 and st.rounds > 1
+
+
 def test_adaptive_gamma_stays_lossless():
     m = tiny_model("qwen2")
     ids = _prompt(80)

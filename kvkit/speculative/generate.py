@@ -150,6 +150,16 @@ class ViewLevel(Level):
 class AssistantLevel(Level):
     """The tiny assistant with its StreamingLLM cache."""
 
+    def crop_to(self, n: int) -> None:
+        super().crop_to(n)
+        # Rollbacks *inside* a top-level round (after each assistant round the self-draft keeps a prefix)
+        # must not trigger a store's "compress at the next update after a rollback" rule (meant for HF's
+        # assisted decoding): it would commit assistant tokens that the top-level verification may still
+        # reject. make_room already evicted for the whole round at its start.
+        for layer in self.cache.layers:
+            if getattr(layer, "rolled_back", False):
+                layer.rolled_back = False
+
     def make_room(self, headroom: int) -> None:
         """Evict now so no eviction happens during the next round: its tokens stay exactly croppable."""
         for layer in self.cache.layers:
