@@ -411,6 +411,8 @@ def generate(
         logits = process(logits_processor, prompt, target.feed(prompt, keep=1))[0]
         first = pick(logits.softmax(-1) if do_sample else logits, do_sample)
         seq = torch.cat([prompt, prompt.new_tensor([first])])
+        if drafter_of_view is not None:  # the assistant reads the prompt here, as part of the prefill
+            drafter_of_view.feed(prompt, keep=1)
         _sync(model)
         t1 = time.perf_counter()
         run.stats.prefill_seconds += t1 - t0
