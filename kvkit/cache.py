@@ -422,7 +422,7 @@ class KVCache(Cache):
     def read_nbytes(self, per_layer: bool = False):
         """K/V bytes a single-token decode step reads (total, or a list per layer); see
         ``StoreMixin.read_nbytes``. For TidalDecode: the last decode forward's reads."""
-        sizes = [layer.read_nbytes() if hasattr(layer, "read_nbytes") else layer.nbytes() for layer in self.layers]
+        sizes = [layer.read_nbytes() for layer in self.layers]
         return sizes if per_layer else sum(sizes)
 
     def num_slots(self) -> list[int]:

@@ -124,7 +124,8 @@ def cmd_speculate(args) -> int:
 
     plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.new_tokens, args.device)
     plain_tps = len(plain) / plain_s
-    rows = [dict(setting="plain greedy", acceptance=None, tokens_per_round=1.0, tok_s=plain_tps, speedup=1.0, same=True)]
+    rows = [dict(setting="plain greedy", acceptance=None, tokens_per_round=1.0, tok_s=plain_tps, speedup=1.0, same=True,
+                 assistant=None, assistant_acceptance=None)]
     # with --assistant every setting runs twice, self-draft alone and under the assistant (TriForce's
     # hierarchy), so the hierarchy's gain over the plain self-draft is measured on the same prefill
     helpers = [None, assistant] if assistant is not None else [None]
@@ -143,7 +144,8 @@ def cmd_speculate(args) -> int:
             name += f" + assistant {args.assistant}"
         rows.append(dict(setting=name, acceptance=st.acceptance_rate, tokens_per_round=st.tokens_per_round,
                          tok_s=st.decode_tokens_per_second, speedup=st.decode_tokens_per_second / plain_tps,
-                         same=new == plain, assistant_acceptance=st.assistant_acceptance_rate if helper is not None else None))
+                         same=new == plain, assistant=args.assistant if helper is not None else None,
+                         assistant_acceptance=st.assistant_acceptance_rate if helper is not None else None))
         print(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s", flush=True)
     kvkit.unpatch(model)
 
@@ -159,6 +161,5 @@ def cmd_speculate(args) -> int:
             for r in rows:
                 f.write(json.dumps(dict(r, model=args.model, task=args.task, prompt_tokens=ids.shape[1], new_tokens=args.new_tokens,
                                         device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
-                                        assistant=args.assistant if "assistant" in r["setting"] else None,
                                         command=" ".join(sys.argv))) + "\n")
     return 0 if all(r["same"] for r in rows) else 1
