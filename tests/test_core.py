@@ -230,3 +230,29 @@ def test_unsupported_models_are_refused():
         kvkit.patch(t5, "full")
     with pytest.raises(ValueError, match="PreTrainedModel"):
         kvkit.patch(torch.nn.Linear(2, 2), "full")
+
+
+@pytest.mark.parametrize("T,n,D,per_head", [(2, 37, 64, False), (5, 1000, 64, False), (64, 300, 128, False),
+                                             (9, 4096, 64, False), (5, 200, 64, True)])
+def test_cpu_masked_gqa_matches_transformers_bitwise(T, n, D, per_head):
+    # hf_sdpa's CPU shortcut (native masked GQA instead of transformers' repeat_kv copy) gives the same bits
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvkit.attention import hf_sdpa
+
+    g = torch.Generator().manual_seed(T * n)
+    B, H, G = 2, 3, 3
+    q = torch.randn(B, H * G, T, D, generator=g)
+    k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+    mask = torch.ones(T, n, dtype=torch.bool).tril(n - T)[None, None].expand(B, 1, T, n).clone()
+    mask[1, :, :, : n // 3] = False  # left padding in the second row
+    if per_head:  # a mask per query head takes torch's own masked GQA
+        mask = mask.expand(B, H * G, T, n).clone()
+        mask[0, 4, :, 5] = False
+    module = SimpleNamespace(num_key_value_groups=G, is_causal=True, training=False)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=D**-0.5)
+    out = hf_sdpa(module, q, k, v, mask, D**-0.5)
+    assert out.shape == ref.shape == (B, T, H * G, D)
+    assert torch.equal(out, ref)

@@ -345,3 +345,53 @@ def test_speculate_cli_self_draft_and_hierarchy_in_one_run(tmp_path):
     assert [r["assistant"] for r in rows] == [None, None, dirs["small"]]
     assert all(r["same"] for r in rows) and rows[2]["assistant_acceptance"] is not None
     assert rows[1]["assistant_acceptance"] is None and rows[1]["acceptance"] is not None
+
+
+def test_speculate_cli_repeat_reports_medians_and_phase_costs(tmp_path, capsys):
+    # --repeat 2: plain and each setting run twice, interleaved; the row holds both runs, the median and the
+    # per-repeat speedups; draft/verify costs are positive and in plain-step units
+    import json
+    import statistics
+
+    from kvkit.cli import main
+    from kvkit.models import load_tokenizer
+
+    tok = load_tokenizer("default")
+    d = tmp_path / "target"
+    tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048).save_pretrained(d)
+    tok.save_pretrained(d)
+    out = tmp_path / "spec.jsonl"
+    assert main(["speculate", "--model", str(d), "--length", "200", "--new-tokens", "6", "--gamma", "2",
+                 "--draft-policy", "retrieval", "--budget", "64", "--repeat", "2", "--json", str(out)]) == 0
+    plain, spec = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(plain["tok_s_runs"]) == len(spec["tok_s_runs"]) == 2
+    assert plain["tok_s"] == pytest.approx(statistics.median(plain["tok_s_runs"]))
+    ratios = [s / p for s, p in zip(spec["tok_s_runs"], plain["tok_s_runs"])]
+    assert spec["speedup_runs"] == pytest.approx(ratios) and spec["speedup"] == pytest.approx(statistics.median(ratios))
+    assert spec["draft_step_vs_plain"] > 0 and spec["verify_vs_plain"] > 0 and spec["same"]
+    assert main(["speculate", "--model", str(d), "--length", "200", "--new-tokens", "1"]) != 0
+    assert "--new-tokens must be >= 2" in capsys.readouterr().err
+
+
+def test_stats_count_decode_tokens_without_the_prefill_token():
+    m = tiny_model("llama", seed=3)
+    ids = torch.randint(0, m.config.vocab_size, (1, 40))
+    st = SpeculativeStats()
+    generate(m, ids, draft_options={"budget": 16, "sink": 4}, gamma=3, max_new_tokens=10, eos_token_id=None, stats=st)
+    assert st.new_tokens == 10 and st.decode_tokens == 9
+    assert st.tokens_per_round == pytest.approx(9 / st.rounds)
+    assert 0 < st.draft_seconds + st.verify_seconds <= st.decode_seconds
+
+
+def test_tall_lm_head_same_logits_and_restored():
+    from kvkit.speculative.generate import tall_lm_head
+
+    m = tiny_model("llama", seed=4)
+    ids = torch.randint(0, m.config.vocab_size, (1, 30))
+    with torch.no_grad():
+        ref = m(input_ids=ids, logits_to_keep=5).logits
+        with tall_lm_head(m, 5):
+            assert "forward" in vars(m.get_output_embeddings())
+            out = m(input_ids=ids, logits_to_keep=5).logits
+    assert "forward" not in vars(m.get_output_embeddings())
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)

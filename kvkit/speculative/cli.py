@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import sys
 import time
 
@@ -32,6 +33,9 @@ def add_commands(subparsers) -> None:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    s.add_argument("--repeat", type=int, default=1,
+                   help="run plain decoding and every setting this many times, interleaved; report medians "
+                        "(speedup: median of the per-repeat ratios, each against the plain run of the same repeat)")
     s.add_argument("--json", default=None, help="append one JSON line per setting to this file")
     s.set_defaults(func=cmd_speculate)
 
@@ -44,15 +48,21 @@ def _sync(device) -> None:
 
 
 def plain_decode(model, cache, ids, new_tokens: int, device):
-    """Greedy decoding continuing ``cache`` (which holds ``ids[:, :-1]``): (tokens, decode seconds)."""
+    """Greedy decoding continuing ``cache`` (which holds ``ids[:, :-1]``): (tokens, decode seconds).
+
+    The first forward (the prompt's last token, which gives the first new token) is not timed, as in
+    :func:`kvkit.speculative.generate`, which counts it as prefill: the decode seconds cover the
+    ``new_tokens - 1`` one-token steps after it.
+    """
     import torch
 
     toks = []
     nxt = ids[:, -1:]
-    _sync(device)
-    t0 = time.perf_counter()
     with torch.no_grad():
-        for _ in range(new_tokens):
+        for i in range(new_tokens):
+            if i == 1:
+                _sync(device)
+                t0 = time.perf_counter()
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             toks.append(int(nxt))
@@ -84,9 +94,11 @@ def cmd_speculate(args) -> int:
     gammas = _int_list("--gamma", args.gamma)
     policies = [p for p in args.draft_policy.split(",") if p]
     budgets = _int_list("--budget", args.budget) if args.budget else [None]
-    for name, value in (("--length", args.length), ("--new-tokens", args.new_tokens), ("--threads", args.threads)):
+    for name, value in (("--length", args.length), ("--threads", args.threads), ("--repeat", args.repeat)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (the first one comes from the prefill), got {args.new_tokens}")
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device} but torch sees no CUDA device")
     if args.threads:
@@ -122,40 +134,67 @@ def cmd_speculate(args) -> int:
     _sync(args.device)
     print(f"prefill {time.perf_counter() - t0:.1f}s", flush=True)
 
-    plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.new_tokens, args.device)
-    plain_tps = len(plain) / plain_s
-    rows = [dict(setting="plain greedy", acceptance=None, tokens_per_round=1.0, tok_s=plain_tps, speedup=1.0, same=True,
-                 assistant=None, assistant_acceptance=None)]
     # with --assistant every setting runs twice, self-draft alone and under the assistant (TriForce's
     # hierarchy), so the hierarchy's gain over the plain self-draft is measured on the same prefill
     helpers = [None, assistant] if assistant is not None else [None]
     settings = [(p, g, b, a) for p in policies for b in budgets for g in gammas for a in helpers]
-    for policy, gamma, budget, helper in settings:
-        o = dict(opts)
-        if budget is not None:
-            o["budget"] = budget
-        st = SpeculativeStats()
-        out = generate(model, ids, past_key_values=copy.deepcopy(base), draft_policy=policy, draft_options=o,
-                       gamma=gamma, assistant=helper, assistant_gamma=args.assistant_gamma if helper is not None else None,
-                       adaptive=args.adaptive or False, max_new_tokens=args.new_tokens, eos_token_id=None, stats=st)
-        new = out[0, ids.shape[1]:].tolist()
-        name = f"{policy}({', '.join(f'{k}={v}' for k, v in o.items())}) gamma={gamma}"
-        if helper is not None:
-            name += f" + assistant {args.assistant}"
+    plain_runs, runs = [], [[] for _ in settings]
+    for rep in range(args.repeat):
+        if args.repeat > 1:
+            print(f"repeat {rep + 1}/{args.repeat}", flush=True)
+        plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.new_tokens, args.device)
+        plain_runs.append((len(plain) - 1) / plain_s)
+        print(f"  plain greedy: {plain_runs[-1]:.2f} tok/s ({1e3 * plain_s / (len(plain) - 1):.0f} ms/step)", flush=True)
+        for i, (policy, gamma, budget, helper) in enumerate(settings):
+            o = dict(opts)
+            if budget is not None:
+                o["budget"] = budget
+            st = SpeculativeStats()
+            out = generate(model, ids, past_key_values=copy.deepcopy(base), draft_policy=policy, draft_options=o,
+                           gamma=gamma, assistant=helper, assistant_gamma=args.assistant_gamma if helper is not None else None,
+                           adaptive=args.adaptive or False, max_new_tokens=args.new_tokens, eos_token_id=None, stats=st)
+            new = out[0, ids.shape[1]:].tolist()
+            name = f"{policy}({', '.join(f'{k}={v}' for k, v in o.items())}) gamma={gamma}"
+            if helper is not None:
+                name += f" + assistant {args.assistant}"
+            runs[i].append((name, st, new == plain, helper))
+            print(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s", flush=True)
+
+    plain_med = statistics.median(plain_runs)
+    plain_step = 1.0 / plain_med
+    rows = [dict(setting="plain greedy", acceptance=None, tokens_per_round=1.0, tok_s=plain_med, speedup=1.0, same=True,
+                 assistant=None, assistant_acceptance=None, tok_s_runs=plain_runs, speedup_runs=[1.0] * args.repeat,
+                 draft_step_vs_plain=None, verify_vs_plain=None)]
+    for reps in runs:
+        name, st, _, helper = reps[-1]
+        tps = [r[1].decode_tokens_per_second for r in reps]
+        ratios = [t / p for t, p in zip(tps, plain_runs)]
+        # cost of one draft step and of one verification forward, in plain decode steps (all repeats pooled)
+        drafted = sum(r[1].drafted for r in reps)
+        rounds = sum(r[1].rounds for r in reps)
+        draft_step = sum(r[1].draft_seconds for r in reps) / drafted if drafted else None
+        verify = sum(r[1].verify_seconds for r in reps) / rounds if rounds else None
         rows.append(dict(setting=name, acceptance=st.acceptance_rate, tokens_per_round=st.tokens_per_round,
-                         tok_s=st.decode_tokens_per_second, speedup=st.decode_tokens_per_second / plain_tps,
-                         same=new == plain, assistant=args.assistant if helper is not None else None,
-                         assistant_acceptance=st.assistant_acceptance_rate if helper is not None else None))
-        print(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s", flush=True)
+                         tok_s=statistics.median(tps), speedup=statistics.median(ratios), same=all(r[2] for r in reps),
+                         assistant=args.assistant if helper is not None else None,
+                         assistant_acceptance=st.assistant_acceptance_rate if helper is not None else None,
+                         tok_s_runs=tps, speedup_runs=ratios,
+                         draft_step_vs_plain=None if draft_step is None or helper is not None else draft_step / plain_step,
+                         verify_vs_plain=None if verify is None else verify / plain_step))
     kvkit.unpatch(model)
 
     print()
     print(f"model {args.model}, task {args.task}, prompt {ids.shape[1]} tokens, {args.new_tokens} new tokens, device {args.device}")
-    print(f"{'setting':<58} {'accept':>7} {'tok/round':>9} {'tok/s':>7} {'speedup':>8}  same as plain")
+    if args.repeat > 1:
+        print(f"medians of {args.repeat} interleaved repeats; speedup = median of per-repeat ratios to plain")
+    print(f"{'setting':<58} {'accept':>7} {'tok/round':>9} {'tok/s':>7} {'speedup':>8} {'draft':>6} {'verify':>6}  same as plain")
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        d = "-" if r["draft_step_vs_plain"] is None else f"{r['draft_step_vs_plain']:.2f}"
+        v = "-" if r["verify_vs_plain"] is None else f"{r['verify_vs_plain']:.2f}"
         print(f"{r['setting'][:58]:<58} {acc:>7} {r['tokens_per_round']:>9.2f} {r['tok_s']:>7.2f} "
-              f"{r['speedup']:>7.2f}x  {'yes' if r['same'] else 'NO'}")
+              f"{r['speedup']:>7.2f}x {d:>6} {v:>6}  {'yes' if r['same'] else 'NO'}")
+    print("draft / verify: seconds of one draft step / one verification forward, in plain decode steps")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in rows:
