@@ -1,5 +1,7 @@
 #!/bin/bash
-# Regenerates compare.md / compare.csv: every run scored on the samples it shares with the full run.
+# Regenerates compare.md / compare.csv (every run scored on the samples it shares with the full run)
+# and the short table in README.md.
 cd "$(dirname "$0")/../.."
 .venv/bin/kvkit eval compare --matched results/ruler/full-4k results/ruler/streaming2048-4k \
   results/ruler/streaming1024-4k results/policies/*-4k results/policies/cake1024-4k-qaware --out results/policies
+.venv/bin/python results/policies/short_table.py
