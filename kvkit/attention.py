@@ -33,6 +33,39 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
     return out
 
 
+def causal_suffix_attention(query, keys, values, attention_mask, scaling):
+    """Attention of the T newest tokens of a cache over all n held, as prefix + suffix; CPU only.
+
+    query ``[B, Hq, T, D]`` are the queries of the last T of the n keys ``[B, H, n, D]``; the mask must be
+    the plain causal one (every prefix key visible to every query; no padding, no sliding window),
+    otherwise this returns None and the caller uses the masked kernel. The prefix (n - T keys) runs
+    through torch's CPU flash kernel with no mask and the query heads of each K/V head folded into one
+    block (K/V read once per K/V head), the T x T causal suffix in plain torch, and the two merge by
+    their log-sum-exp. For speculative verification (T = gamma + 1): ~2.5x cheaper than the masked GQA
+    kernel at 8K. Same math as sdpa, different rounding (~1e-6). Returns ``[B, T, Hq, D]``.
+    """
+    B, Hq, T, D = query.shape
+    H, n = keys.shape[1], keys.shape[2]
+    if query.device.type != "cpu" or T < 2 or n <= T or Hq % H or values.shape[-1] != D:
+        return None
+    causal = torch.ones(T, n, dtype=torch.bool, device=query.device).tril(n - T)
+    if attention_mask is not None:
+        m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        if m.dim() != 4 or m.shape[-2:] != (T, n) or not torch.equal(m, causal.expand_as(m)):
+            return None
+    G = Hq // H
+    q = query.reshape(B, H, G * T, D)  # query head h * G + g reads K/V head h; row g * T + t
+    out_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys[:, :, : n - T], values[:, :, : n - T], scale=scaling)
+    s = (q @ keys[:, :, n - T :].transpose(-1, -2)) * scaling  # [B, H, G*T, T]
+    s = s.masked_fill(~causal[:, n - T :].repeat(G, 1), float("-inf"))
+    lse_s = s.logsumexp(-1)
+    out_s = s.softmax(-1) @ values[:, :, n - T :]
+    lse = torch.logaddexp(lse_p, lse_s)
+    out = out_p * (lse_p - lse).exp().unsqueeze(-1) + out_s * (lse_s - lse).exp().unsqueeze(-1)
+    return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+
+
 def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None):
     """Attention over held slots with a mask built from the slots' own positions.
 

@@ -21,7 +21,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from kvkit.attention import attend_slots, hf_sdpa
+from kvkit.attention import attend_slots, causal_suffix_attention, hf_sdpa
 
 
 @dataclass
@@ -78,7 +78,13 @@ class StoreMixin:
 
 
 class FullStore(StoreMixin, DynamicLayer):
-    """No compression: exactly transformers' ``DynamicLayer`` (bit-identical attention), plus accounting."""
+    """No compression: exactly transformers' ``DynamicLayer`` (bit-identical attention), plus accounting.
+
+    ``suffix_attention`` (set by :func:`kvkit.speculative` around its verification forwards only):
+    multi-token forwards use :func:`kvkit.attention.causal_suffix_attention` (same math, not the same bits).
+    """
+
+    suffix_attention = False
 
     def __init__(self, info: LayerInfo, **kwargs):
         super().__init__(**kwargs)
@@ -91,6 +97,10 @@ class FullStore(StoreMixin, DynamicLayer):
         return self.get_seq_length()
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        if self.suffix_attention and not dropout and not any(kwargs.get(k) is not None for k in ("softcap", "position_bias")):
+            out = causal_suffix_attention(query, key, value, attention_mask, scaling)
+            if out is not None:
+                return out
         return hf_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 

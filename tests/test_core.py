@@ -256,3 +256,25 @@ def test_cpu_masked_gqa_matches_transformers_bitwise(T, n, D, per_head):
     out = hf_sdpa(module, q, k, v, mask, D**-0.5)
     assert out.shape == ref.shape == (B, T, H * G, D)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("T,n,G", [(2, 40, 3), (5, 700, 3), (9, 300, 1), (4, 5, 2)])
+def test_causal_suffix_attention_matches_masked_sdpa(T, n, G):
+    # prefix (flash, no mask) + causal suffix merged by log-sum-exp == masked attention, up to rounding
+    import torch.nn.functional as F
+
+    from kvkit.attention import causal_suffix_attention
+
+    g = torch.Generator().manual_seed(T + n)
+    B, H, D = 2, 2, 32
+    q = torch.randn(B, H * G, T, D, generator=g)
+    k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+    causal = torch.ones(T, n, dtype=torch.bool).tril(n - T)[None, None].expand(B, 1, T, n)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=0.2, enable_gqa=True).transpose(1, 2)
+    for mask in (causal, None, torch.zeros(B, 1, T, n).masked_fill(~causal, float("-inf"))):
+        out = causal_suffix_attention(q, k, v, mask, 0.2)
+        assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    padded = causal.clone()
+    padded[1, :, :, :2] = False  # left padding: not the plain causal mask -> the caller's masked kernel
+    assert causal_suffix_attention(q, k, v, padded, 0.2) is None
+    assert causal_suffix_attention(q[:, :, :1], k, v, None, 0.2) is None  # one query: nothing to split

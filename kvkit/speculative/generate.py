@@ -39,7 +39,7 @@ from transformers.generation import (
 )
 from transformers.utils import ModelOutput
 
-from kvkit.cache import KVCache, SlotStore
+from kvkit.cache import FullStore, KVCache, SlotStore
 from kvkit.speculative.draft import DraftCache, make_view
 from kvkit.speculative.verify import accept_greedy, accept_sample, pick, process
 
@@ -105,6 +105,20 @@ class SpeculativeOutput(ModelOutput):
 
 # ---- levels -------------------------------------------------------------------------------------
 @contextmanager
+def suffix_attention(cache, on: bool):
+    """Verification forwards on CPU: ``FullStore`` layers attend as prefix + causal suffix (see
+    :func:`kvkit.attention.causal_suffix_attention`) instead of the masked kernel, for the duration."""
+    layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, FullStore)] if on else []
+    for layer in layers:
+        layer.suffix_attention = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.suffix_attention = False
+
+
+@contextmanager
 def tall_lm_head(model, rows: int):
     """On CPU, compute a few-row logits projection as ``(W @ h.T).T`` for the duration.
 
@@ -167,7 +181,7 @@ class Level:
         """Run the tokens of ``seq`` the cache lacks; returns the logits of the last ``keep`` of them ``[keep, V]``."""
         new = seq[self.tokens.shape[0] :]
         dev = self.model.device
-        with tall_lm_head(self.model, keep):
+        with tall_lm_head(self.model, keep), suffix_attention(self.cache, keep > 1):
             out = self.model(input_ids=new[None].to(dev), past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
         self.tokens = seq.clone()
         return out.logits[0, -keep:].to(seq.device)
