@@ -278,3 +278,44 @@ def test_causal_suffix_attention_matches_masked_sdpa(T, n, G):
     padded[1, :, :, :2] = False  # left padding: not the plain causal mask -> the caller's masked kernel
     assert causal_suffix_attention(q, k, v, padded, 0.2) is None
     assert causal_suffix_attention(q[:, :, :1], k, v, None, 0.2) is None  # one query: nothing to split
+
+
+def test_full_store_appends_in_place_and_crops_exactly():
+    # decode steps write into the preallocated buffer (no copy of the whole layer); a crop + update overwrites
+    # the cropped slots; a deepcopy is independent; the values always equal DynamicLayer's concatenation
+    import copy
+
+    from transformers.cache_utils import DynamicLayer
+
+    from kvkit.cache import FullStore, LayerInfo
+
+    g = torch.Generator().manual_seed(0)
+    store, ref = FullStore(LayerInfo(0, 1, 4, 2, 8)), DynamicLayer()
+    chunks = [torch.randn(1, 2, t, 8, generator=g) for t in (10, 1, 1, 3, 1)]
+    ptrs = []
+    for c in chunks:
+        k, v = store.update(c, c + 1)
+        rk, rv = ref.update(c, c + 1)
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+        ptrs.append(k.data_ptr())
+    assert len(set(ptrs)) == 1  # 16 tokens fit in the first buffer (10 + headroom)
+    assert store.nbytes() == 2 * 16 * 2 * 8 * 4 and store.allocated_nbytes() == 2 * (10 + store.headroom) * 2 * 8 * 4
+    snap = copy.deepcopy(store)
+    store.crop(-4)
+    ref.crop(-4)
+    new = torch.randn(1, 2, 2, 8, generator=g)
+    k, _ = store.update(new, new)
+    rk, _ = ref.update(new, new)
+    assert torch.equal(k, rk) and k.data_ptr() == ptrs[0] and store.get_seq_length() == 14
+    assert snap.get_seq_length() == 16 and torch.equal(snap.keys[:, :, 12:], torch.cat(chunks, 2)[:, :, 12:])
+    big = torch.randn(1, 2, store.headroom + 1, 8, generator=g)  # past the buffer: re-allocated, values kept
+    k, _ = store.update(big, big)
+    rk, _ = ref.update(big, big)
+    assert torch.equal(k, rk) and k.data_ptr() != ptrs[0]
+    store.keys = store.keys.index_select(0, torch.tensor([0]))  # replaced from outside (beam reorder)
+    store.values = store.values.index_select(0, torch.tensor([0]))
+    k, _ = store.update(new, new)
+    rk, _ = ref.update(new, new)
+    assert torch.equal(k, rk)
+    store.reset()
+    assert store.get_seq_length() == 0 and store._kbuf is None

@@ -362,12 +362,13 @@ def test_speculate_cli_repeat_reports_medians_and_phase_costs(tmp_path, capsys):
     tok.save_pretrained(d)
     out = tmp_path / "spec.jsonl"
     assert main(["speculate", "--model", str(d), "--length", "200", "--new-tokens", "6", "--gamma", "2",
-                 "--draft-policy", "retrieval", "--budget", "64", "--repeat", "2", "--static-baseline",
+                 "--draft-policy", "retrieval", "--budget", "64", "--repeat", "2", "--baselines", "static,dynamic",
                  "--json", str(out)]) == 0
-    plain, static, spec = [json.loads(line) for line in out.read_text().splitlines()]
-    # the StaticCache baseline decodes the same tokens (exit status 0 checks it) and gets its own speedups
-    assert static["setting"] == "plain greedy (StaticCache)" and static["same"] and len(static["tok_s_runs"]) == 2
-    assert spec["speedup_vs_static"] > 0
+    plain, static, dynamic, spec = [json.loads(line) for line in out.read_text().splitlines()]
+    # the transformers-cache baselines decode the same tokens (exit status 0 checks it) and gets its own speedups
+    assert static["setting"] == "plain greedy (transformers StaticCache)" and static["same"] and len(static["tok_s_runs"]) == 2
+    assert dynamic["setting"] == "plain greedy (transformers DynamicCache)" and dynamic["same"]
+    assert spec["speedup_vs_static"] > 0 and spec["speedup_vs_dynamic"] > 0
     assert len(plain["tok_s_runs"]) == len(spec["tok_s_runs"]) == 2
     assert plain["tok_s"] == pytest.approx(statistics.median(plain["tok_s_runs"]))
     ratios = [s / p for s, p in zip(spec["tok_s_runs"], plain["tok_s_runs"])]

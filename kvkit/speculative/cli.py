@@ -36,9 +36,10 @@ def add_commands(subparsers) -> None:
     s.add_argument("--repeat", type=int, default=1,
                    help="run plain decoding and every setting this many times, interleaved; report medians "
                         "(speedup: median of the per-repeat ratios, each against the plain run of the same repeat)")
-    s.add_argument("--static-baseline", action="store_true",
-                   help="also time plain greedy decoding over a preallocated transformers StaticCache (no per-step "
-                        "copy of the whole KV, which the default DynamicCache makes) and report speedups against it")
+    s.add_argument("--baselines", default="",
+                   help="extra plain greedy baselines over transformers caches, comma separated: dynamic (DynamicCache, "
+                        "transformers' default: copies the whole KV at every step) and/or static (preallocated StaticCache); "
+                        "kvkit's own plain decoding appends in place. Speedups are also reported against each")
     s.add_argument("--json", default=None, help="append one JSON line per setting to this file")
     s.set_defaults(func=cmd_speculate)
 
@@ -73,14 +74,17 @@ def plain_decode(model, cache, ids, new_tokens: int, device):
     return toks, time.perf_counter() - t0
 
 
-def plain_decode_static(model, base, ids, new_tokens: int, device):
-    """:func:`plain_decode` over a transformers ``StaticCache`` holding a copy of ``base``'s prompt KV."""
-    from transformers import StaticCache
+def plain_decode_hf(kind: str, model, base, ids, new_tokens: int, device):
+    """:func:`plain_decode` over a transformers ``DynamicCache`` / ``StaticCache`` holding a copy of ``base``'s prompt KV."""
+    from transformers import DynamicCache, StaticCache
 
-    static = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
-    for src, dst in zip(base.layers, static.layers):
-        dst.update(src.keys, src.values)
-    return plain_decode(model, static, ids, new_tokens, device)
+    if kind == "static":
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+    else:
+        cache = DynamicCache(config=model.config)
+    for src, dst in zip(base.layers, cache.layers):
+        dst.update(src.keys.clone(), src.values.clone())
+    return plain_decode(model, cache, ids, new_tokens, device)
 
 
 def _int_list(flag: str, text) -> list[int]:
@@ -107,6 +111,10 @@ def cmd_speculate(args) -> int:
     gammas = _int_list("--gamma", args.gamma)
     policies = [p for p in args.draft_policy.split(",") if p]
     budgets = _int_list("--budget", args.budget) if args.budget else [None]
+    baselines = [b for b in args.baselines.split(",") if b]
+    for b in baselines:
+        if b not in ("dynamic", "static"):
+            raise ValueError(f"--baselines takes dynamic and/or static, got {b!r}")
     for name, value in (("--length", args.length), ("--threads", args.threads), ("--repeat", args.repeat)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -151,17 +159,17 @@ def cmd_speculate(args) -> int:
     # hierarchy), so the hierarchy's gain over the plain self-draft is measured on the same prefill
     helpers = [None, assistant] if assistant is not None else [None]
     settings = [(p, g, b, a) for p in policies for b in budgets for g in gammas for a in helpers]
-    plain_runs, static_runs, runs = [], [], [[] for _ in settings]
+    plain_runs, extra_runs, runs = [], {b: [] for b in baselines}, [[] for _ in settings]
     for rep in range(args.repeat):
         if args.repeat > 1:
             print(f"repeat {rep + 1}/{args.repeat}", flush=True)
         plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.new_tokens, args.device)
         plain_runs.append((len(plain) - 1) / plain_s)
         print(f"  plain greedy: {plain_runs[-1]:.2f} tok/s ({1e3 * plain_s / (len(plain) - 1):.0f} ms/step)", flush=True)
-        if args.static_baseline:
-            toks, secs = plain_decode_static(model, base, ids, args.new_tokens, args.device)
-            static_runs.append(((len(toks) - 1) / secs, toks == plain))
-            print(f"  plain greedy, StaticCache: {static_runs[-1][0]:.2f} tok/s", flush=True)
+        for b in baselines:
+            toks, secs = plain_decode_hf(b, model, base, ids, args.new_tokens, args.device)
+            extra_runs[b].append(((len(toks) - 1) / secs, toks == plain))
+            print(f"  plain greedy, transformers {b} cache: {extra_runs[b][-1][0]:.2f} tok/s", flush=True)
         for i, (policy, gamma, budget, helper) in enumerate(settings):
             o = dict(opts)
             if budget is not None:
@@ -182,12 +190,12 @@ def cmd_speculate(args) -> int:
     rows = [dict(setting="plain greedy", acceptance=None, tokens_per_round=1.0, tok_s=plain_med, speedup=1.0, same=True,
                  assistant=None, assistant_acceptance=None, tok_s_runs=plain_runs, speedup_runs=[1.0] * args.repeat,
                  draft_step_vs_plain=None, verify_vs_plain=None)]
-    static_med = statistics.median(r[0] for r in static_runs) if static_runs else None
-    if static_runs:
-        rows.append(dict(setting="plain greedy (StaticCache)", acceptance=None, tokens_per_round=1.0, tok_s=static_med,
-                         speedup=statistics.median(r[0] / p for r, p in zip(static_runs, plain_runs)),
-                         same=all(r[1] for r in static_runs), assistant=None, assistant_acceptance=None,
-                         tok_s_runs=[r[0] for r in static_runs], speedup_runs=[r[0] / p for r, p in zip(static_runs, plain_runs)],
+    names = {"dynamic": "plain greedy (transformers DynamicCache)", "static": "plain greedy (transformers StaticCache)"}
+    for b, reps in extra_runs.items():
+        ratios = [r[0] / p for r, p in zip(reps, plain_runs)]
+        rows.append(dict(setting=names[b], acceptance=None, tokens_per_round=1.0, tok_s=statistics.median(r[0] for r in reps),
+                         speedup=statistics.median(ratios), same=all(r[1] for r in reps), assistant=None,
+                         assistant_acceptance=None, tok_s_runs=[r[0] for r in reps], speedup_runs=ratios,
                          draft_step_vs_plain=None, verify_vs_plain=None))
     for reps in runs:
         name, st, _, helper = reps[-1]
@@ -205,8 +213,8 @@ def cmd_speculate(args) -> int:
                          tok_s_runs=tps, speedup_runs=ratios,
                          draft_step_vs_plain=None if draft_step is None or helper is not None else draft_step / plain_step,
                          verify_vs_plain=None if verify is None else verify / plain_step))
-        if static_runs:
-            rows[-1]["speedup_vs_static"] = statistics.median(t / r[0] for t, r in zip(tps, static_runs))
+        for b, reps in extra_runs.items():
+            rows[-1][f"speedup_vs_{b}"] = statistics.median(t / r[0] for t, r in zip(tps, reps))
     kvkit.unpatch(model)
 
     print()
@@ -221,9 +229,9 @@ def cmd_speculate(args) -> int:
         print(f"{r['setting'][:58]:<58} {acc:>7} {r['tokens_per_round']:>9.2f} {r['tok_s']:>7.2f} "
               f"{r['speedup']:>7.2f}x {d:>6} {v:>6}  {'yes' if r['same'] else 'NO'}")
     print("draft / verify: seconds of one draft step / one verification forward, in plain decode steps")
-    if static_runs:
-        print("speedup vs plain over a StaticCache (no per-step KV copy): "
-              + ", ".join(f"{r['setting'].split(' + ')[0]} {r['speedup_vs_static']:.2f}x" for r in rows if "speedup_vs_static" in r))
+    for b in extra_runs:
+        print(f"speedup vs plain greedy over transformers' {b} cache: "
+              + ", ".join(f"{r['setting'].split(' + ')[0]} {r[f'speedup_vs_{b}']:.2f}x" for r in rows if f"speedup_vs_{b}" in r))
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in rows:
