@@ -16,7 +16,8 @@ case ${1:-6} in
  --run cake2048-4k=cake:budget=2048 --run cake1024-4k=cake:budget=1024" ;;
 7) RUNS="--run chelsea50-4k=chelsea:ratio=0.5 --run chelsea20-4k=chelsea:ratio=0.2 --run chelsea25-4k=chelsea:ratio=0.25
  --run zipcache-4k=zipcache --run zipcache84-4k=zipcache:high_bits=8,low_bits=4
- --run shadowkv1024-4k=shadowkv:budget=1024,min_prompt=2048" ;;
+ --run shadowkv1024-4k=shadowkv:budget=1024,min_prompt=2048
+ --run zipcache84r40-4k=zipcache:high_bits=8,low_bits=4,high_ratio=0.4" ;;
 *) echo "usage: $0 {6|7} {1|2|all}" >&2; exit 2 ;;
 esac
 S="nice -n 5 .venv/bin/kvkit eval sweep --model default --prompts results/policies/ruler-4096-s5.jsonl --out-root results/policies --resume $RUNS"
