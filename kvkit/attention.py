@@ -6,6 +6,14 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+_SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux", "sinks")
+
+
+def plain_sdpa_call(kwargs) -> bool:
+    """True when transformers passes none of the extras (position bias, softcap, paged cache, sinks) that only
+    its own ``sdpa_attention_forward`` handles: kvkit's CPU shortcuts may then replace it."""
+    return not any(kwargs.get(k) is not None for k in _SDPA_EXTRAS) and not torch.compiler.is_compiling()
+
 
 def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """transformers' own sdpa attention (bit-identical to an unpatched ``sdpa`` model).
@@ -21,8 +29,7 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
         and query.device.type == "cpu"
         and query.shape[2] > 1
         and getattr(module, "num_key_value_groups", 1) > 1
-        and not any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache", "s_aux", "sinks"))
-        and not torch.compiler.is_compiling()
+        and plain_sdpa_call(kwargs)
     ):
         # (folding each K/V head's query heads into one query block would read K/V once per K/V head, but
         # changes the flash kernel's blocking and so the bits; enable_gqa keeps them)

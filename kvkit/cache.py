@@ -21,7 +21,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from kvkit.attention import attend_slots, causal_suffix_attention, hf_sdpa
+from kvkit.attention import attend_slots, causal_suffix_attention, hf_sdpa, plain_sdpa_call
 
 
 @dataclass
@@ -137,7 +137,7 @@ class FullStore(StoreMixin, DynamicLayer):
         return self.get_seq_length()
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        if self.suffix_attention and not dropout and not any(kwargs.get(k) is not None for k in ("softcap", "position_bias")):
+        if self.suffix_attention and not dropout and plain_sdpa_call(kwargs):
             out = causal_suffix_attention(query, key, value, attention_mask, scaling)
             if out is not None:
                 return out

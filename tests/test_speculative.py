@@ -400,3 +400,25 @@ def test_tall_lm_head_same_logits_and_restored():
             out = m(input_ids=ids, logits_to_keep=5).logits
     assert "forward" not in vars(m.get_output_embeddings())
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_verification_forwards_take_the_suffix_attention_path(monkeypatch):
+    # the CPU verification shortcut must really run (a mask it does not recognise would silently fall back to
+    # the masked kernel), only in multi-token forwards, and greedy output stays equal to plain greedy
+    import kvkit.cache
+
+    calls = []
+    real = kvkit.cache.causal_suffix_attention
+
+    def spy(query, *args):
+        out = real(query, *args)
+        calls.append((query.shape[2], out is not None))
+        return out
+
+    monkeypatch.setattr(kvkit.cache, "causal_suffix_attention", spy)
+    m = tiny_model("llama")
+    ids = _prompt(90)
+    ref, _, _ = greedy(m, ids, 12)
+    out = generate(m, ids, draft_options={"budget": 16, "sink": 4}, gamma=3, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(out[0, 90:], ref[0])
+    assert calls and all(ok and t > 1 for t, ok in calls)

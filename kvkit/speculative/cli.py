@@ -83,7 +83,7 @@ def plain_decode_hf(kind: str, model, base, ids, new_tokens: int, device):
     else:
         cache = DynamicCache(config=model.config)
     for src, dst in zip(base.layers, cache.layers):
-        dst.update(src.keys.clone(), src.values.clone())
+        dst.update(src.keys, src.values)  # both copy: DynamicLayer concatenates, StaticLayer index_copy_s
     return plain_decode(model, cache, ids, new_tokens, device)
 
 
@@ -238,4 +238,4 @@ def cmd_speculate(args) -> int:
                 f.write(json.dumps(dict(r, model=args.model, task=args.task, prompt_tokens=ids.shape[1], new_tokens=args.new_tokens,
                                         device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
                                         command=" ".join(sys.argv))) + "\n")
-    return 0 if all(r["same"] for r in rows) else 1  # (the StaticCache row too: it must decode the same tokens)
+    return 0 if all(r["same"] for r in rows) else 1  # (the --baselines rows too: they must decode the same tokens)
