@@ -123,8 +123,9 @@ def tall_lm_head(model, rows: int):
     """On CPU, compute a few-row logits projection as ``(W @ h.T).T`` for the duration.
 
     The verification forward needs the logits of gamma + 1 positions. MKL runs ``h @ W.T`` with 2-16
-    rows of ``h`` against SmolLM2's 49152 x 576 head at a fraction of its memory bandwidth (~30 ms on
-    2 cores vs ~11 ms for one row), while the tall-skinny ``W @ h.T`` streams ``W`` once (~10-13 ms).
+    rows of ``h`` against SmolLM2's 49152 x 576 head at a fraction of its memory bandwidth, while the
+    tall-skinny ``W @ h.T`` streams ``W`` once (with the suffix attention: a 5-token forward at 8K in
+    1.27 instead of 1.60 decode steps, ``results/speculative/profile_verify.py``).
     Same math, different summation order (~5e-5 on the logits, like any multi-token forward vs
     one-token decoding). No-op on other devices, for one row, or when the head is not an ``nn.Linear``.
     """
