@@ -240,7 +240,7 @@ def test_cpu_masked_gqa_matches_transformers_bitwise(T, n, D, per_head):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kvkit.attention import hf_sdpa
+    from kvkit.stores import hf_sdpa
 
     g = torch.Generator().manual_seed(T * n)
     B, H, G = 2, 3, 3
@@ -263,7 +263,7 @@ def test_causal_suffix_attention_matches_masked_sdpa(T, n, G):
     # prefix (flash, no mask) + causal suffix merged by log-sum-exp == masked attention, up to rounding
     import torch.nn.functional as F
 
-    from kvkit.attention import causal_suffix_attention
+    from kvkit.stores import causal_suffix_attention
 
     g = torch.Generator().manual_seed(T + n)
     B, H, D = 2, 2, 32
@@ -287,7 +287,7 @@ def test_full_store_appends_in_place_and_crops_exactly():
 
     from transformers.cache_utils import DynamicLayer
 
-    from kvkit.cache import FullStore, LayerInfo
+    from kvkit.stores import FullStore, LayerInfo
 
     g = torch.Generator().manual_seed(0)
     store, ref = FullStore(LayerInfo(0, 1, 4, 2, 8)), DynamicLayer()

@@ -144,7 +144,7 @@ def test_stores_allocate_on_the_key_states_device(arch, policy):
 
 
 def test_rope_fn_returns_on_the_positions_device():
-    from kvkit.cache import make_rope_fn
+    from kvkit.model_info import make_rope_fn
 
     model = _model("llama")
     rope = make_rope_fn(model)

@@ -396,8 +396,8 @@ def _gemma3_270m_config():
 
 
 def test_gemma3_270m_shipped_pattern_gates_only_global_layers():
-    from kvkit.cache import SlidingStore
     from kvkit.policies.duo import shipped_pattern
+    from kvkit.stores import SlidingStore
 
     cfg = _gemma3_270m_config()
     path = shipped_pattern(cfg)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.attention import attend_slots
 from kvkit.policies.tidal import TidalStore, decode_read_bytes, gather_attend
+from kvkit.stores import attend_slots
 from kvkit.testing import greedy_stacked as _run
 from kvkit.testing import left_padded_batch, tiny_model
 from kvkit.testing import random_ids as _ids

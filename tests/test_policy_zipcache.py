@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.cache import LayerInfo
 from kvkit.policies.zipcache import ZipCache, ZipCacheStore, probe_positions
+from kvkit.stores import LayerInfo
 from kvkit.testing import greedy_stacked as _run
 from kvkit.testing import left_padded_batch, tiny_model
 from kvkit.testing import random_ids as _ids

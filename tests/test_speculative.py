@@ -405,17 +405,17 @@ def test_tall_lm_head_same_logits_and_restored():
 def test_verification_forwards_take_the_suffix_attention_path(monkeypatch):
     # the CPU verification shortcut must really run (a mask it does not recognise would silently fall back to
     # the masked kernel), only in multi-token forwards, and greedy output stays equal to plain greedy
-    import kvkit.cache
+    import kvkit.stores.full
 
     calls = []
-    real = kvkit.cache.causal_suffix_attention
+    real = kvkit.stores.full.causal_suffix_attention
 
     def spy(query, *args):
         out = real(query, *args)
         calls.append((query.shape[2], out is not None))
         return out
 
-    monkeypatch.setattr(kvkit.cache, "causal_suffix_attention", spy)
+    monkeypatch.setattr(kvkit.stores.full, "causal_suffix_attention", spy)
     m = tiny_model("llama")
     ids = _prompt(90)
     ref, _, _ = greedy(m, ids, 12)

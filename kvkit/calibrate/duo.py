@@ -239,7 +239,7 @@ def duo_calibration_attention(module, query, key, value, attention_mask, scaling
 
 def sliding_windows(config) -> dict[int, int]:
     """``{layer: window}`` for the layers the model runs with its own sliding window (as ``KVCache`` does)."""
-    from kvkit.cache import layer_infos
+    from kvkit.model_info import layer_infos
 
     return {
         info.layer_idx: int(info.sliding_window)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from kvkit.cache import LayerInfo
+from kvkit.stores import LayerInfo
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,9 +42,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvkit.cache import LayerInfo, SlotStore, _tensor_bytes
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
+from kvkit.stores import LayerInfo, SlotStore
+from kvkit.stores import tensor_bytes as _tensor_bytes
 
 #: CAKE's tau1/tau2 at cache size 1024 (paper / reference config): name fragment -> (tau1, tau2)
 TAU_TABLE = {

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvkit.cache import LayerInfo, SlotStore, _tensor_bytes
 from kvkit.kernels import merge_attn, weighted_decode
 from kvkit.policies.base import Policy, check_fraction, check_positive_int
 from kvkit.registry import register
+from kvkit.stores import LayerInfo, SlotStore
+from kvkit.stores import tensor_bytes as _tensor_bytes
 
 
 @register("chelsea")

@@ -6,7 +6,7 @@ needs the full context). The policy binarises it by a global quantile: the ``spa
 KV heads with the lowest alpha become *streaming heads*, the rest stay *retrieval heads*. Each layer
 then holds two stores, per head for real (nothing is simulated by masking):
 
-* a :class:`~kvkit.cache.SlotStore` over the retrieval KV heads (every token),
+* a :class:`~kvkit.stores.SlotStore` over the retrieval KV heads (every token),
 * a :class:`~kvkit.policies.streaming.StreamingStore` over the streaming KV heads
   (``sink`` first tokens + ``recent`` last tokens, bulk-evicted every ``tail`` tokens).
 
@@ -38,10 +38,11 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
-from kvkit.cache import LayerInfo, SlotStore, StoreMixin, _text_config, crop_count
+from kvkit.model_info import text_config as _text_config
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.policies.streaming import StreamingStore
 from kvkit.registry import register
+from kvkit.stores import LayerInfo, SlotStore, StoreMixin, crop_count
 
 PATTERN_FORMAT = "kvkit-duo-pattern"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvkit.cache import FullStore, LayerInfo
 from kvkit.policies.base import Policy
 from kvkit.registry import register
+from kvkit.stores import FullStore, LayerInfo
 
 
 @register("full")

@@ -50,10 +50,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvkit.attention import hf_sdpa
-from kvkit.cache import LayerInfo, SlotStore, _tensor_bytes
+from kvkit.model_info import apply_rope, inverse_rope
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
+from kvkit.stores import LayerInfo, SlotStore, hf_sdpa
+from kvkit.stores import tensor_bytes as _tensor_bytes
 
 PAPER_RANK, PAPER_WIDTH = 160, 1024  # ShadowKV: rank 160 for Llama-3-8B (8 KV heads x 128)
 PAPER_OUTLIERS, PAPER_BUDGET = 48, 2048  # ShadowKV: 48 outlier chunks at a 2048-token budget
@@ -132,29 +133,6 @@ class ShadowKV(Policy):
     def new_layer(self, info: LayerInfo):
         rank = self.rank_for(info.num_kv_heads * info.head_dim)
         return ShadowKVStore(info, self, rank)
-
-
-# ---- RoPE helpers (transformers' rotate_half convention) -------------------------------------------
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [..., D]`` rotated by ``cos/sin [..., Dr]`` (Dr <= D: partial rotary on the first Dr dims)."""
-    dr = cos.shape[-1]
-    if dr == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    rot, rest = x[..., :dr], x[..., dr:]
-    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
-
-
-def inverse_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Exact inverse of :func:`apply_rope`: ``k = a R(theta) x``  ->  ``x = R(-theta) k / a``."""
-    dr = cos.shape[-1]
-    rot, rest = k[..., :dr], k[..., dr:]
-    x = (rot * cos - _rotate_half(rot) * sin) / (cos * cos + sin * sin)
-    return x if dr == k.shape[-1] else torch.cat([x, rest], dim=-1)
 
 
 class ShadowKVStore(SlotStore):

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvkit.cache import LayerInfo, SlotStore
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
+from kvkit.stores import LayerInfo, SlotStore
 
 
 @register("streaming")

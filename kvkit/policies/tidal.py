@@ -40,11 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvkit.attention import attend_slots
-from kvkit.cache import LayerInfo, SlotStore
 from kvkit.kernels import sparse_decode
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
+from kvkit.stores import LayerInfo, SlotStore, attend_slots
 
 FULL_LAYERS = 2  # TidalDecode: layers 0 and 1 use full attention
 SELECT_LAYER = 2  # TidalDecode: the first token-selection layer

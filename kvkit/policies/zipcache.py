@@ -37,10 +37,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvkit.cache import LayerInfo, SlotStore, _tensor_bytes
 from kvkit.kernels import Packed, merge_attn, packed_nbytes, quant_decode, quantize
 from kvkit.policies.base import Policy, check_fraction, check_positive_int
 from kvkit.registry import register
+from kvkit.stores import LayerInfo, SlotStore
+from kvkit.stores import tensor_bytes as _tensor_bytes
 
 BITS = (2, 4, 8)
 

@@ -26,9 +26,9 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from kvkit.attention import attend_slots
-from kvkit.cache import KVCache, SlotStore, StoreMixin, crop_count
+from kvkit.cache import KVCache
 from kvkit.policies.base import check_positive_int
+from kvkit.stores import SlotStore, StoreMixin, attend_slots, crop_count
 
 
 # ---- views --------------------------------------------------------------------------------------

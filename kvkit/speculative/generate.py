@@ -39,9 +39,10 @@ from transformers.generation import (
 )
 from transformers.utils import ModelOutput
 
-from kvkit.cache import FullStore, KVCache, SlotStore
+from kvkit.cache import KVCache
 from kvkit.speculative.draft import DraftCache, make_view
 from kvkit.speculative.verify import accept_greedy, accept_sample, pick, process
+from kvkit.stores import FullStore, SlotStore
 
 #: adaptive=True stops drafting when the draft's top probability falls below this
 #: (transformers' default ``assistant_confidence_threshold``)
@@ -107,7 +108,7 @@ class SpeculativeOutput(ModelOutput):
 @contextmanager
 def suffix_attention(cache, on: bool):
     """Verification forwards on CPU: ``FullStore`` layers attend as prefix + causal suffix (see
-    :func:`kvkit.attention.causal_suffix_attention`) instead of the masked kernel, for the duration."""
+    :func:`kvkit.stores.attend.causal_suffix_attention`) instead of the masked kernel, for the duration."""
     layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, FullStore)] if on else []
     for layer in layers:
         layer.suffix_attention = True

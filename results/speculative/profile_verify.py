@@ -16,7 +16,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kvkit
-import kvkit.cache
+import kvkit.stores.full
 from kvkit.models import load
 from kvkit.speculative.draft import DraftCache, make_view
 from kvkit.speculative.generate import suffix_attention, tall_lm_head
@@ -39,14 +39,14 @@ def transformers_sdpa(module, query, key, value, attention_mask, scaling, dropou
 
 def forward(c, tokens: int, fast: bool, hf: bool = False) -> None:
     x = torch.randint(100, 20000, (1, tokens))
-    kvkit_sdpa = kvkit.cache.hf_sdpa
+    kvkit_sdpa = kvkit.stores.full.hf_sdpa
     if hf:
-        kvkit.cache.hf_sdpa = transformers_sdpa
+        kvkit.stores.full.hf_sdpa = transformers_sdpa
     try:
         with torch.no_grad(), tall_lm_head(model, tokens if fast else 1), suffix_attention(c, fast):
             model(input_ids=x, past_key_values=c, use_cache=True, logits_to_keep=tokens)
     finally:
-        kvkit.cache.hf_sdpa = kvkit_sdpa
+        kvkit.stores.full.hf_sdpa = kvkit_sdpa
     for layer in c.layers:
         layer.crop(-tokens)
 

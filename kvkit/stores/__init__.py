@@ -1,0 +1,10 @@
+"""Stores: what policies are built from (see DESIGN.md). Import from here, not from the submodules."""
+
+from kvkit.stores.attend import attend_slots, causal_suffix_attention, hf_sdpa, plain_sdpa_call
+from kvkit.stores.base import LayerInfo, SlotStore, StoreMixin, crop_count, tensor_bytes
+from kvkit.stores.full import FullStore, SlidingStore
+
+__all__ = [
+    "LayerInfo", "StoreMixin", "SlotStore", "FullStore", "SlidingStore", "tensor_bytes", "crop_count",
+    "attend_slots", "causal_suffix_attention", "hf_sdpa", "plain_sdpa_call",
+]

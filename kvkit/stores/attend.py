@@ -1,0 +1,98 @@
+"""The attention primitives every store calls: transformers' own sdpa (exact layers), the prefix + causal-suffix
+split for verification forwards, and :func:`attend_slots`, THE slot attention of compressed stores."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+_SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux", "sinks")
+
+
+def plain_sdpa_call(kwargs) -> bool:
+    """True when transformers passes none of the extras (position bias, softcap, paged cache, sinks) that only
+    its own ``sdpa_attention_forward`` handles: kvkit's CPU shortcuts may then replace it."""
+    return not any(kwargs.get(k) is not None for k in _SDPA_EXTRAS) and not torch.compiler.is_compiling()
+
+
+def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' own sdpa attention (bit-identical to an unpatched ``sdpa`` model).
+
+    One CPU shortcut: for a multi-token forward with a mask over a cache (chunked prefill, speculative
+    verification) on a GQA model, transformers repeats every K/V head ``num_key_value_groups`` times
+    (a full copy of the layer's KV per forward, because CUDA's masked GQA would fall back to the math
+    kernel). torch's CPU flash kernel runs masked GQA natively (``enable_gqa``) and gives the same
+    bits (``tests/test_core.py::test_cpu_masked_gqa_matches_transformers_bitwise``); a 5-token forward at
+    8K costs 1.60 instead of 2.43 decode steps (``results/speculative/profile_verify.py``).
+    """
+    if (
+        attention_mask is not None
+        and query.device.type == "cpu"
+        and query.shape[2] > 1
+        and getattr(module, "num_key_value_groups", 1) > 1
+        and plain_sdpa_call(kwargs)
+    ):
+        # (folding each K/V head's query heads into one query block would read K/V once per K/V head, but
+        # changes the flash kernel's blocking and so the bits; enable_gqa keeps them)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out
+
+
+def causal_suffix_attention(query, keys, values, attention_mask, scaling):
+    """Attention of the T newest tokens of a cache over all n held, as prefix + suffix; CPU only.
+
+    query ``[B, Hq, T, D]`` are the queries of the last T of the n keys ``[B, H, n, D]``; the mask must be
+    the plain causal one (every prefix key visible to every query; no padding, no sliding window),
+    otherwise this returns None and the caller uses the masked kernel. The prefix (n - T keys) runs
+    through torch's CPU flash kernel with no mask and the query heads of each K/V head folded into one
+    block (K/V read once per K/V head), the T x T causal suffix in plain torch, and the two merge by
+    their log-sum-exp. For speculative verification (T = gamma + 1); with the tall lm_head a 5-token forward
+    at 8K costs 1.27 instead of 1.60 decode steps (``results/speculative/profile_verify.py``). Same math as sdpa, different rounding (~1e-6). Returns ``[B, T, Hq, D]``.
+    """
+    B, Hq, T, D = query.shape
+    H, n = keys.shape[1], keys.shape[2]
+    if query.device.type != "cpu" or T < 2 or n <= T or Hq % H or values.shape[-1] != D:
+        return None
+    causal = torch.ones(T, n, dtype=torch.bool, device=query.device).tril(n - T)
+    if attention_mask is not None:
+        m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        if m.dim() != 4 or m.shape[-2:] != (T, n) or not torch.equal(m, causal.expand_as(m)):
+            return None
+    G = Hq // H
+    q = query.reshape(B, H, G * T, D)  # query head h * G + g reads K/V head h; row g * T + t
+    out_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys[:, :, : n - T], values[:, :, : n - T], scale=scaling)
+    s = (q @ keys[:, :, n - T :].transpose(-1, -2)) * scaling  # [B, H, G*T, T]
+    s = s.masked_fill(~causal[:, n - T :].repeat(G, 1), float("-inf"))
+    lse_s = s.logsumexp(-1)
+    out_s = s.softmax(-1) @ values[:, :, n - T :]
+    lse = torch.logaddexp(lse_p, lse_s)
+    out = out_p * (lse_p - lse).exp().unsqueeze(-1) + out_s * (lse_s - lse).exp().unsqueeze(-1)
+    return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+
+
+def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None):
+    """Attention over held slots with a mask built from the slots' own positions.
+
+    query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]`` (H divides Hq); pos ``[B, Hp, n]`` int
+    (Hp = 1 or H; -1 = padding); qpos ``[T]`` absolute positions of the queries; extra_mask
+    ``[B, Hp|1, T, n]`` bool or None. A slot is read when ``0 <= pos <= qpos`` (causal) and extra_mask.
+    Returns ``[B, T, Hq, D]``.
+    """
+    B, Hq, T, D = query.shape
+    H, n = keys.shape[1], keys.shape[2]
+    G = Hq // H
+    allowed = (pos[:, :, None, :] <= qpos.view(1, 1, T, 1)) & (pos[:, :, None, :] >= 0)  # [B, Hp, T, n]
+    if extra_mask is not None:
+        allowed = allowed & extra_mask
+    allowed = allowed.expand(B, H, T, n).unsqueeze(2).expand(B, H, G, T, n).reshape(B, H, G * T, n)
+    q = query.reshape(B, H, G * T, D)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scaling)
+    out = out.view(B, H, G, T, D).reshape(B, Hq, T, D)
+    if T > 1:  # a query with nothing visible (padding inside a chunk) gives NaN in sdpa
+        out = torch.nan_to_num(out, nan=0.0)
+    return out.transpose(1, 2)

@@ -1,0 +1,264 @@
+"""The store layer under the policies: ``LayerInfo`` (what a store knows about its layer), ``StoreMixin``
+(what every kvkit layer adds to transformers' ``CacheLayerMixin``) and ``SlotStore`` (tokens held as slots
+with their absolute positions). Stores import kernels, never policies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvkit.stores.attend import attend_slots, hf_sdpa
+
+
+@dataclass
+class LayerInfo:
+    """What a store needs to know about its layer."""
+
+    layer_idx: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    layer_type: str = "full_attention"
+    sliding_window: int | None = None
+    config: Any = None  # the decoder's text config
+    rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+    #: one dict shared by all layers of a KVCache (cross-layer state, e.g. TidalDecode's selection)
+    shared: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def tensor_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class StoreMixin:
+    """What every kvkit layer store adds to transformers' ``CacheLayerMixin``."""
+
+    info: LayerInfo
+
+    def nbytes(self) -> int:
+        """Bytes of KV data (and slot metadata) this layer holds on its device."""
+        raise NotImplementedError
+
+    def offloaded_nbytes(self) -> int:
+        """Bytes this layer keeps off-device (e.g. ShadowKV's value store)."""
+        return 0
+
+    def read_nbytes(self) -> int:
+        """K/V bytes one single-token decode step's attention reads from this layer (on-device data plus
+        what it fetches from an offload store). Default: everything held on the device; policies that
+        read a subset (TidalDecode's selected tokens, ShadowKV's chunks) override it."""
+        return self.nbytes()
+
+    def num_slots(self) -> int:
+        """Token slots held (max over heads)."""
+        raise NotImplementedError
+
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        """Attention of ``query [B, Hq, T, D]`` for this layer; returns ``[B, T, Hq, D]``."""
+        raise NotImplementedError
+
+
+def crop_count(seen: int, tokens_to_remove: int) -> int:
+    """Tokens a ``crop(tokens_to_remove)`` removes from ``seen``: ``-n`` removes n, ``m > 0`` keeps the first m,
+    0 removes nothing (transformers' assisted decoding calls ``crop(-0)`` when every candidate was accepted)."""
+    if tokens_to_remove == 0:
+        return 0
+    return seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+
+
+class SlotStore(StoreMixin, CacheLayerMixin):
+    """Tokens held as slots, each with its absolute position.
+
+    Tensors (B batch, H = the store's KV heads, n slots):
+      ``keys``/``values`` ``[B, H, n, D]``; ``pos`` ``[B, Hp, n]`` int32 with Hp = 1 (all heads hold the
+      same positions) or H; ``pos == -1`` marks padding. Slots are in increasing position order and
+      the newest tokens are appended at the end, uncompressed (the *tail*).
+
+    The policy hooks are ``should_compress()``, ``compress()`` (evict / merge the held slots),
+    ``on_prefill(query, module)`` (compress after exact prefill attention) and
+    ``visible(qpos)`` (extra read mask). Compression only runs at the start of ``update`` (all held
+    tokens are then committed) or right after the prefill, never inside a multi-token verification
+    step, so ``crop(-n)`` is exact for every n up to the tokens added since the last compression.
+    """
+
+    is_sliding = False
+    is_croppable = True
+    _batch_tensors = ("keys", "values", "pos", "first_pos")
+
+    def __init__(self, info: LayerInfo, num_heads: int | None = None):
+        super().__init__()
+        self.info = info
+        self.num_store_heads = num_heads if num_heads is not None else info.num_kv_heads
+        self.seen = 0
+        self.pos: torch.Tensor | None = None
+        self.first_pos: torch.Tensor | None = None  # [B] first non-padding position of each row
+        self.committed = 0  # seen at the last compression: crop may not go below it
+
+    # ---- transformers Cache API -------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store new tokens ``[B, H, T, D]``; returns them (the attention function reads the store)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.keys is not None and self.should_compress():
+            self.compress()
+            self.committed = self.seen
+        self.append(key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The generic mask stays position-indexed; kvkit only reads its padding information.
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.pos = self.first_pos = None
+        self.seen = 0
+        self.committed = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``crop(-n)`` removes the newest n tokens; ``crop(m > 0)`` keeps the first m; ``crop(0)`` is a no-op
+        (transformers' assisted decoding calls ``crop(-0)`` when every candidate was accepted)."""
+        n = crop_count(self.seen, tokens_to_remove)
+        if n <= 0 or self.keys is None:
+            return
+        floor = self.crop_floor()
+        if self.seen - n < floor:
+            raise ValueError(
+                f"{type(self).__name__} (layer {self.info.layer_idx}) cannot crop {n} tokens exactly: it can only "
+                f"go back to {floor} tokens ({self.seen - floor} of the {self.seen} seen), the rest was compressed. "
+                "Crop right after the forward that added them (as speculative decoding does)."
+            )
+        self._drop_last(n)
+        self.seen -= n
+
+    def crop_floor(self) -> int:
+        """The shortest length ``crop`` can go back to exactly: the last compression point by default."""
+        return self.committed
+
+    def _drop_last(self, n: int) -> None:
+        self.keys = self.keys[..., :-n, :]
+        self.values = self.values[..., :-n, :]
+        self.pos = self.pos[..., :-n]
+
+    def _apply_batch(self, fn) -> None:
+        for name in self._batch_tensors:
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor):
+                setattr(self, name, fn(t))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    # ---- storage -----------------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, _, T, _ = k.shape
+        new_pos = torch.arange(self.seen, self.seen + T, device=k.device, dtype=torch.int32)
+        hp = 1 if self.pos is None else self.pos.shape[1]
+        new_pos = new_pos.view(1, 1, T).expand(B, hp, T)
+        if self.keys is None:
+            self.keys, self.values, self.pos = k, v, new_pos.contiguous()
+        else:
+            self.keys = torch.cat([self.keys, k], dim=-2)
+            self.values = torch.cat([self.values, v], dim=-2)
+            self.pos = torch.cat([self.pos, new_pos], dim=-1)
+        self.seen += T
+
+    def mark_padding(self, attention_mask: torch.Tensor | None, T: int) -> None:
+        """Read which of the ``T`` newest tokens are padding from the model's mask ``[B, 1, T, kv]``."""
+        B = self.keys.shape[0]
+        if self.first_pos is None:
+            self.first_pos = torch.full((B,), self.seen - T, dtype=torch.int32, device=self.keys.device)
+        if attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
+            return
+        valid = attention_mask[:, 0, -1, self.seen - T : self.seen].to(self.keys.device)  # [B, T]
+        if bool(valid.all()):
+            return
+        tail = self.pos[..., -T:]
+        self.pos[..., -T:] = torch.where(valid[:, None, :], tail, torch.full_like(tail, -1))
+        if self.seen == T:  # prefill: first real token of each row (left padding)
+            first = torch.where(valid, torch.arange(T, device=valid.device), T).amin(dim=-1)
+            self.first_pos = first.to(torch.int32).to(self.keys.device)
+
+    def keep_slots(self, idx: torch.Tensor) -> None:
+        """Keep only slots ``idx [B, Hi, k]`` (Hi = 1 or H; sorted ascending) and drop the rest."""
+        H, D = self.keys.shape[1], self.keys.shape[-1]
+        kv_idx = idx.expand(idx.shape[0], H, idx.shape[-1]) if idx.shape[1] == 1 else idx
+        gidx = kv_idx.unsqueeze(-1).expand(*kv_idx.shape, D)
+        self.keys = self.keys.gather(2, gidx)
+        self.values = self.values.gather(2, gidx)
+        if self.pos.shape[1] == idx.shape[1]:
+            self.pos = self.pos.gather(2, idx)
+        else:
+            self.pos = self.pos.expand(-1, H, -1).gather(2, kv_idx)
+
+    def evict_by_score(self, scores: torch.Tensor, k: int) -> None:
+        """Keep the ``k`` best slots per (row, head) by ``scores [B, Hi, n]``; padding always goes first."""
+        n = self.keys.shape[-2]
+        if k >= n:
+            return
+        pos = self.pos if self.pos.shape[1] == scores.shape[1] else self.pos.expand(-1, scores.shape[1], -1)
+        scores = scores.float().masked_fill(pos < 0, float("-inf"))
+        idx = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+        self.keep_slots(idx)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys, self.values, self.pos)
+
+    def num_slots(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    # ---- policy hooks ------------------------------------------------------------------------
+    def should_compress(self) -> bool:
+        return False
+
+    def compress(self) -> None:
+        pass
+
+    def on_prefill(self, query: torch.Tensor, module) -> None:
+        pass
+
+    def visible(self, qpos: torch.Tensor) -> torch.Tensor | None:
+        """Extra read mask ``[B, Hp|1, T, n]`` for queries at positions ``qpos [T]`` (None: all held)."""
+        return None
+
+    # ---- attention ---------------------------------------------------------------------------
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        T = query.shape[2]
+        self.mark_padding(attention_mask, T)
+        if self.seen == T:
+            # Prefill: exact attention over the whole prompt, then compress what is kept.
+            out = hf_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            self.on_prefill(query, module)
+            self.committed = self.seen
+            return out
+        qpos = torch.arange(self.seen - T, self.seen, device=query.device, dtype=torch.int32)
+        return self.decode(query, qpos, scaling)
+
+    def decode(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Read the held slots for queries at ``qpos``; returns ``[B, T, Hq, D]``."""
+        return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, self.visible(qpos))
