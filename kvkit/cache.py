@@ -6,6 +6,8 @@ eviction, and reports the bytes it really holds (``nbytes``).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from transformers.cache_utils import Cache
 
 from kvkit.model_info import layer_infos, make_rope_fn
@@ -26,9 +28,10 @@ class KVCache(Cache):
             state = getattr(model, "_kvkit_state", None)
             policy = state.policy if state is not None and not options else "full"
         self.policy = get_policy(policy, **options)
+        self._model_config = getattr(model, "config", None)
         rope = make_rope_fn(model) if hasattr(model, "named_modules") else None
         self.infos = layer_infos(model, rope)
-        self.shared: dict = {}
+        self.shared = self.policy.new_shared(self.infos)
         for info in self.infos:
             info.shared = self.shared
         layers = []
@@ -43,6 +46,54 @@ class KVCache(Cache):
                     f"(layer {info.layer_idx}); supported: full_attention, sliding_attention"
                 )
         super().__init__(layers=layers)
+
+    # ---- guards ------------------------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"this KVCache has {len(self.layers)} layers but the model asked for layer {layer_idx}: it was built "
+                "for another model; build it with kvkit.KVCache(model, ...) for the model you run"
+            )
+        layer = self.layers[layer_idx]
+        if layer.needs_kvkit_attention:
+            impl = getattr(self._model_config, "_attn_implementation", "kvkit")
+            if impl != "kvkit":
+                raise RuntimeError(
+                    f"a {self.policy.name!r} KVCache is used by a model whose attention is {impl!r}, not kvkit's: its "
+                    "compressed layers need kvkit's attention (transformers' own would read only the new tokens). Call "
+                    f"kvkit.patch(model, {self.policy.name!r}) first (after kvkit.unpatch, start from a new cache)"
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # ---- rollback API (kvkit.speculative, transformers' assisted decoding) ------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' ``crop``, all layers or none: every layer is checked before any is cropped."""
+        from kvkit.stores.base import crop_count
+
+        self.rollback(crop_count(self.get_seq_length(), tokens_to_remove))
+
+    def rollback(self, n: int, ends_round: bool = True) -> None:
+        """Remove the newest ``n`` tokens from every layer exactly, or raise ``ValueError`` and change nothing."""
+        for layer in self.layers:
+            layer.check_rollback(n)
+        for layer in self.layers:
+            layer.rollback(n, ends_round=ends_round)
+
+    def reserve(self, n: int) -> None:
+        """Let every layer compress now so that the next ``n`` tokens stay exactly croppable."""
+        for layer in self.layers:
+            layer.reserve(n)
+
+    @contextmanager
+    def verification(self):
+        """Multi-token forwards inside are speculative verifications (see ``StoreMixin.set_verifying``)."""
+        for layer in self.layers:
+            layer.set_verifying(True)
+        try:
+            yield self
+        finally:
+            for layer in self.layers:
+                layer.set_verifying(False)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):

@@ -60,6 +60,27 @@ def cmd_policies(args) -> int:
     return 0
 
 
+def read_prompt_file(path) -> str:
+    """The text of ``--prompt-file``, or a one-line ValueError (missing, a directory, unreadable, not
+    UTF-8, empty); called before the model loads."""
+    import os
+
+    if not os.path.exists(path):
+        raise ValueError(f"--prompt-file {path}: no such file")
+    if os.path.isdir(path):
+        raise ValueError(f"--prompt-file {path} is a directory; pass a text file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path}: cannot read it ({e.strerror})") from None
+    if not text.strip():
+        raise ValueError(f"--prompt-file {path} is empty; put the prompt text in it")
+    return text
+
+
 def cmd_run(args) -> int:
     import torch
 
@@ -71,12 +92,11 @@ def cmd_run(args) -> int:
     options = parse_options(args.opt, args.options)
     if args.budget is not None:
         options["budget"] = args.budget
+    text = read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
     print(f"loading model {args.model!r} ...", flush=True)
     model, tok = load(args.model, device=args.device)
     expected = None
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
+    if text is not None:
         if args.question:
             text = f"{text}\n\n{args.question}"
         ids = chat_ids(tok, text)

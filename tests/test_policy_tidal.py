@@ -56,7 +56,7 @@ def test_sparse_path_with_covering_selection_equals_full(selection, monkeypatch)
     kvkit.patch(model, "tidal", budget=64, selection=selection)
     toks, logits, cache = _run(model, ids, steps=6)
     kvkit.unpatch(model)
-    assert cache.shared.get("tidal") is not None  # the selection really was shared
+    assert cache.shared.idx is not None  # the selection really was shared
     assert torch.equal(toks, ref_toks)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
@@ -65,8 +65,8 @@ def _decode_no_shortcut(self, query, qpos, scaling):
     """TidalStore.decode without the `budget >= n - 1` dense shortcut."""
     if self.role == "full":
         return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling)
-    sel = self.info.shared.get("tidal")
-    if self.role == "select" or sel is None or sel["seen"] != self.seen:
+    sel = self.info.shared
+    if self.role == "select" or sel.idx is None or sel.seen != self.seen:
         return self._select(query, qpos, scaling)
     return self._reuse(query, sel, scaling)
 

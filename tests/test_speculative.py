@@ -163,17 +163,17 @@ def test_hf_assisted_decoding_streaming_assistant_prompt_over_budget(assistant_k
     ids = _prompt(64)
     ref = m.generate(ids, max_new_tokens=40, do_sample=False)
     crops, compressions = [], []  # (tokens_to_remove, seen, committed) of every crop; seen at each compression
-    crop, compress = StreamingStore.crop, StreamingStore.compress
+    rollback, compress = StreamingStore.rollback, StreamingStore.compress
 
-    def crop_spy(self, tokens_to_remove):
-        crops.append((tokens_to_remove, self.seen, self.committed))
-        crop(self, tokens_to_remove)
+    def crop_spy(self, n, ends_round=True):  # every crop of a KVCache goes through its stores' rollback
+        crops.append((-n, self.seen, self.committed))
+        rollback(self, n, ends_round)
 
     def compress_spy(self):
         compressions.append(self.seen)
         compress(self)
 
-    monkeypatch.setattr(StreamingStore, "crop", crop_spy)
+    monkeypatch.setattr(StreamingStore, "rollback", crop_spy)
     monkeypatch.setattr(StreamingStore, "compress", compress_spy)
     kvkit.patch(small, "streaming", budget=16, sink=4)
     try:

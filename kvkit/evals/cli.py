@@ -25,6 +25,15 @@ def _ints(spec: str, what: str) -> list[int]:
     return xs
 
 
+def _check_counts(args) -> None:
+    """``--samples`` / ``--max-new-tokens``, when given, must be positive (checked before the model loads:
+    0 used to mean "the default" or "all", a negative count an empty run with an empty summary)."""
+    for flag in ("samples", "max_new_tokens"):
+        n = getattr(args, flag, None)
+        if n is not None and n < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number, got {n}")
+
+
 def _command() -> str:
     prog = os.path.basename(sys.argv[0]) if sys.argv else ""
     return "kvkit " + shlex.join(sys.argv[1:]) if prog in ("kvkit", "cli.py") else ""
@@ -108,6 +117,7 @@ def cmd_ruler(args) -> int:
     from kvkit.evals import ruler
     from kvkit.evals.common import RunDir, check_length, run_label, run_samples
 
+    _check_counts(args)
     policy, options = _policy(args)
     if args.prompts:
         samples, names, length, model, tok = _ruler_prompts(args)
@@ -116,7 +126,8 @@ def cmd_ruler(args) -> int:
         length = args.length
         model, tok = _load(args)
         check_length(model, length)
-        samples = ruler.generate_samples(tok, names, length, args.samples or 10, seed=args.seed, chat=not args.no_chat)
+        n = 10 if args.samples is None else args.samples
+        samples = ruler.generate_samples(tok, names, length, n, seed=args.seed, chat=not args.no_chat)
         if args.dump_prompts:
             _dump(args.dump_prompts, samples)
             return 0
@@ -137,6 +148,7 @@ def _ruler_prompts(args):
     and the model, checked against the prompts' length and tokenizer."""
     from kvkit.evals import ruler
 
+    _check_counts(args)
     samples = _read_prompts(args.prompts)
     names = ruler.parse_tasks(args.tasks) if args.tasks != "all" else list(dict.fromkeys(s["task"] for s in samples))
     samples = [s for s in samples if s["task"] in names and (args.samples is None or s["index"] < args.samples)]
@@ -212,6 +224,7 @@ def cmd_niah(args) -> int:
     from kvkit.evals.metrics import string_match_all
     from kvkit.evals.report import write_heatmap, write_summary
 
+    _check_counts(args)
     policy, options = _policy(args)
     if args.prompts:
         samples = _read_prompts(args.prompts)
@@ -257,9 +270,12 @@ def cmd_longbench(args) -> int:
     from kvkit.evals import longbench
     from kvkit.evals.common import RunDir, model_context, run_label, run_samples
 
+    _check_counts(args)
     policy, options = _policy(args)
     names = longbench.parse_tasks(args.tasks)
-    longbench.check_data_dir(args.data_dir, names)  # before the (slow) model load
+    if args.length is not None:
+        longbench.check_length(names, args.length)  # before the (slow) model load
+    longbench.check_data_dir(args.data_dir, names)
     model, tok = _load(args)
     length = args.length or model_context(model) or 4096
     from kvkit.evals.common import check_length
@@ -268,7 +284,7 @@ def cmd_longbench(args) -> int:
     samples = longbench.make_samples(tok, args.data_dir, names, length, limit=args.samples, chat=not args.no_chat)
     run = RunDir(_out(args, "longbench", run_label(args.model, policy, options, length)),
                  _config(args, "longbench", policy, options, length=length, tasks=names, chat=not args.no_chat,
-                         data_dir=str(args.data_dir)), resume=args.resume)
+                         data_dir=str(args.data_dir), sample_ids="task/line"), resume=args.resume)
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options, longbench.score, desc=f"LongBench {policy}",
                        full_prompt_prefill=args.full_prompt_prefill)
     _task_summary(run, rows, names, f"LongBench {length} - {args.model} - {policy} {options or ''}".strip())

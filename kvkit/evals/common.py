@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,22 @@ def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
                 raise ValueError(f"{path}, line {lineno}: missing field(s) {', '.join(missing)}")
             rows.append(row)
     return rows
+
+
+def read_rows(path, required: tuple[str, ...] = ("id",)) -> list[dict]:
+    """The rows of a run's ``samples.jsonl``, one per sample id: a repeated id (two writers, a hand-merged
+    file) is kept once, the last row winning, with a warning naming the ids, so no sample counts twice."""
+    rows = read_jsonl(path, required=tuple(dict.fromkeys(("id", *required))))
+    by_id: dict = {}
+    for r in rows:
+        by_id[r["id"]] = r
+    if len(by_id) != len(rows):
+        seen: set = set()
+        dup = list(dict.fromkeys(r["id"] for r in rows if r["id"] in seen or seen.add(r["id"])))
+        shown = ", ".join(map(str, dup[:5])) + (f" and {len(dup) - 5} more" if len(dup) > 5 else "")
+        warnings.warn(f"{path}: {len(rows) - len(by_id)} repeated row(s) for sample id(s) {shown}; "
+                      f"keeping the last row of each", UserWarning, stacklevel=2)
+    return list(by_id.values())
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -226,7 +243,7 @@ class RunDir:
                 shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
                 raise ValueError(f"--resume: {self.path} was made with a different configuration ({shown})")
             if samples.exists():
-                self.rows = read_jsonl(samples, required=("id",))
+                self.rows = read_rows(samples)
         elif not self.resume and samples.exists():
             raise ValueError(f"{self.path} already holds results; pass --resume to continue it or choose another --out")
         atomic_write_json(cfg_path, self.config)
@@ -241,7 +258,7 @@ class RunDir:
         samples = self.path / "samples.jsonl"
         with _folder_lock(self.path):
             mine = {r["id"] for r in self.rows} | {row["id"]}
-            theirs = [r for r in read_jsonl(samples, required=("id",)) if r["id"] not in mine] if samples.exists() else []
+            theirs = [r for r in read_rows(samples) if r["id"] not in mine] if samples.exists() else []
             self.rows = [r for r in self.rows if r["id"] != row["id"]] + theirs + [row]
             atomic_write_jsonl(samples, self.rows)
 
@@ -360,7 +377,7 @@ def _row(s: dict, g: Generation, score: float) -> dict:
         kv_bytes=g.kv_bytes,
         kv_offloaded=g.kv_offloaded,
     )
-    for k in ("length", "depth", "target_length"):
+    for k in ("length", "depth", "target_length", "source_id"):
         if k in s:
             row[k] = s[k]
     return row

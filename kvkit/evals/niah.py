@@ -18,6 +18,10 @@ def generate_samples(tokenizer, lengths: list[int], depths: list[float], samples
                      task: str = "niah_single_2", chat: bool = True) -> list[dict]:
     from kvkit.evals.common import progress
 
+    if samples < 1:
+        raise ValueError(f"samples (--samples) must be a positive number per cell, got {samples}")
+    if not lengths or not depths:
+        raise ValueError(f"NIAH needs at least one length and one depth, got lengths {lengths}, depths {depths}")
     if task not in ruler.TASKS or ruler.TASKS[task].kind != "niah":
         known = [t for t, v in ruler.TASKS.items() if v.kind == "niah"]
         raise ValueError(f"unknown NIAH task {task!r}; use one of {', '.join(known)}")

@@ -105,13 +105,13 @@ def budget_of(options: dict) -> str:
 
 def _load_run(d) -> tuple[dict, list[dict]]:
     """``config.json`` and the rows of ``samples.jsonl`` of the run folder ``d``."""
-    from kvkit.evals.common import read_jsonl
+    from kvkit.evals.common import read_rows
 
     p = Path(d)
     cfg_path, rows_path = p / "config.json", p / "samples.jsonl"
     if not cfg_path.is_file() or not rows_path.is_file():
         raise ValueError(f"{d}: --matched needs run folders with config.json and samples.jsonl")
-    return json.loads(cfg_path.read_text(encoding="utf-8")), read_jsonl(rows_path, required=("id", "task", "score"))
+    return json.loads(cfg_path.read_text(encoding="utf-8")), read_rows(rows_path, required=("id", "task", "score"))
 
 
 def _score(rows: list[dict], keep: set) -> dict:

@@ -467,8 +467,11 @@ def generate_sample(tokenizer, task_name: str, index: int, length: int, seed: in
 
 def generate_samples(tokenizer, tasks: list[str], length: int, samples: int, seed: int = 42, chat: bool = True,
                      show_progress: bool = True) -> list[dict]:
-    """All prompts of a RULER run (deterministic)."""
+    """All prompts of a RULER run (deterministic); ``samples`` per task, a positive count."""
     from kvkit.evals.common import progress
+
+    if samples < 1:
+        raise ValueError(f"samples (--samples) must be a positive number per task, got {samples}")
 
     out = []
     bar = progress(total=len(tasks) * samples, desc="RULER prompts") if show_progress else None

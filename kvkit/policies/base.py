@@ -29,6 +29,11 @@ class Policy:
         """Return the store for one full-attention layer."""
         raise NotImplementedError
 
+    def new_shared(self, infos: list[LayerInfo]):
+        """Cross-layer state of one cache (a typed object, e.g. TidalDecode's selection), created once per
+        ``KVCache`` before its stores and handed to every store as ``info.shared``; None when not needed."""
+        return None
+
     def validate(self, config) -> None:
         """Raise ValueError when the policy cannot run on this model config."""
 

@@ -37,7 +37,7 @@ unknown models). Options ``tau1``/``tau2`` override.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -148,8 +148,21 @@ class Cake(Policy):
         (t1, t2), _ = model_taus(config) if config is not None else (DEFAULT_TAU, "default")
         return (self.tau1 if self.tau1 is not None else t1, self.tau2 if self.tau2 is not None else t2)
 
+    def new_shared(self, infos):
+        return CakeCascade()
+
     def new_layer(self, info: LayerInfo):
         return CakeStore(info, self, *self.taus(info.config))
+
+
+@dataclass
+class CakeCascade:
+    """One cache's cascade state: every layer's store, preference and budget ``[B]`` so far."""
+
+    stores: dict = field(default_factory=dict)  # layer -> CakeStore
+    pref: dict = field(default_factory=dict)  # layer -> [B] preference
+    budgets: dict = field(default_factory=dict)  # layer -> [B] evictable budget
+    history: list = field(default_factory=list)  # budgets after each layer's prefill
 
 
 def allocate(pref: torch.Tensor, total: int, cap: torch.Tensor) -> torch.Tensor:
@@ -191,8 +204,7 @@ class CakeStore(SlotStore):
         self.size: torch.Tensor | None = None  # [B] live tokens a row keeps at decode (budget + window)
         self.qbuf: torch.Tensor | None = None  # [B, Hq, nq, D] last decode queries
         self.scaling = info.head_dim**-0.5
-        st = info.shared.setdefault("cake", {"stores": {}, "pref": {}, "budgets": {}, "history": []})
-        st["stores"][info.layer_idx] = self
+        info.shared.stores[info.layer_idx] = self
 
     def reset(self) -> None:
         super().reset()
@@ -286,34 +298,34 @@ class CakeStore(SlotStore):
         self._cascade(pref, real, w)
 
     def _cascade(self, pref: torch.Tensor, real: torch.Tensor, w: int) -> None:
-        st = self.info.shared["cake"]
-        stores = st["stores"]
+        st = self.info.shared
+        stores = st.stores
         m = self.info.layer_idx
         if m == min(stores):  # first layer of a new prompt
-            st["pref"].clear()
-            st["budgets"].clear()
-            st["history"].clear()
-        st["pref"][m] = pref
-        layers = sorted(st["pref"])
+            st.pref.clear()
+            st.budgets.clear()
+            st.history.clear()
+        st.pref[m] = pref
+        layers = sorted(st.pref)
         total = (self.budget - self.window) * len(stores)
         evict = real > self.budget + self.window  # [B] rows long enough to evict anything
         cap = (real - w).clamp(min=0)
         # Layers may live on different devices (device_map="auto"): the allocation runs on this layer's
         # device, and each store's budget and size are kept on that store's own device.
         dev = real.device
-        alloc = allocate(torch.stack([st["pref"][i].to(dev) for i in layers], dim=-1), total, cap)
+        alloc = allocate(torch.stack([st.pref[i].to(dev) for i in layers], dim=-1), total, cap)
         for j, i in enumerate(layers):
             store = stores[i]
             b = torch.where(evict, alloc[:, j], cap)
-            prev = st["budgets"].get(i)
+            prev = st.budgets.get(i)
             if prev is not None:
                 b = b.minimum(prev.to(dev))
             sdev = store.pos.device
-            st["budgets"][i] = b.to(sdev)
+            st.budgets[i] = b.to(sdev)
             if prev is None or bool((b < prev.to(dev)).any()):
                 store._evict_to(store.score, (b + w).to(sdev))
             store.size = torch.where(evict, b + w, real.clamp(min=self.budget)).to(sdev)
-        st["history"].append({i: st["budgets"][i] for i in layers})
+        st.history.append({i: st.budgets[i] for i in layers})
         if m == max(stores):  # cascade done: the prefill indicators are no longer needed
             for store in stores.values():
                 store.score = None
@@ -349,5 +361,4 @@ class CakeStore(SlotStore):
 
 def cascade_history(cache) -> list[dict[int, torch.Tensor]]:
     """Per-layer budgets ``[B]`` after each layer's prefill (the cascade), for inspection and tests."""
-    st = cache.shared.get("cake")
-    return [] if st is None else list(st["history"])
+    return list(cache.shared.history)

@@ -313,12 +313,13 @@ class Duo(Policy):
     def validate(self, config) -> None:
         self.retrieval_heads(config)
 
+    def new_shared(self, infos):
+        """Once per KVCache: the pattern read and binarised, ``[L, H]`` bool (True = retrieval head)."""
+        types, _ = get_layer_types_and_kwargs(_text_config(infos[0].config))
+        return self.retrieval_heads(infos[0].config, types)
+
     def new_layer(self, info: LayerInfo):
-        key = ("duo", self)
-        if key not in info.shared:  # once per KVCache: read + binarise the pattern
-            types, _ = get_layer_types_and_kwargs(_text_config(info.config))
-            info.shared[key] = self.retrieval_heads(info.config, types)
-        retrieval = info.shared[key][info.layer_idx].tolist()
+        retrieval = info.shared[info.layer_idx].tolist()
         return DuoStore(info, retrieval, self.sink, self.recent, self.tail)
 
 
@@ -339,6 +340,7 @@ class DuoStore(StoreMixin, CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    needs_kvkit_attention = True
 
     def __init__(self, info: LayerInfo, retrieval: list[bool], sink: int, recent: int, tail: int):
         super().__init__()
@@ -402,15 +404,12 @@ class DuoStore(StoreMixin, CacheLayerMixin):
         else:
             for store, kv, _ in self.parts:
                 store.update(key_states.index_select(1, kv), value_states.index_select(1, kv))
-        self._sync_committed()
         return key_states, value_states
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """``query [B, Hq, T, D]`` -> ``[B, T, Hq, D]``: each head group reads its own store."""
         if len(self.parts) == 1:
-            out = self.parts[0][0].attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-            self._sync_committed()
-            return out
+            return self.parts[0][0].attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         outs = [
             store.attend(
                 module, query.index_select(1, q), key.index_select(1, kv), value.index_select(1, kv),
@@ -418,7 +417,6 @@ class DuoStore(StoreMixin, CacheLayerMixin):
             )
             for store, kv, q in self.parts
         ]
-        self._sync_committed()
         out = torch.cat(outs, dim=2)  # [B, T, Hq, D] in parts order
         return out if self._identity else out.index_select(2, self._inv)
 
@@ -434,31 +432,23 @@ class DuoStore(StoreMixin, CacheLayerMixin):
     def reset(self) -> None:
         for store, _, _ in self.parts:
             store.reset()
-        self.info.shared.pop(("duo", "committed"), None)
         self.is_initialized = False
 
-    def _sync_committed(self) -> None:
-        # Layers differ in what they compress (an all-retrieval layer never does), so crop() checks the
-        # latest compression point of *any* duo layer of the cache: a refused crop then leaves every
-        # layer untouched, not only this one.
-        key = ("duo", "committed")
-        c = max(store.crop_floor() for store, _, _ in self.parts)
-        if c > self.info.shared.get(key, 0):
-            self.info.shared[key] = c
-
     def crop(self, tokens_to_remove: int) -> None:
-        n = crop_count(self.seen, tokens_to_remove)
-        if n <= 0 or not self.is_initialized:
-            return
-        committed = self.info.shared.get(("duo", "committed"), 0)
-        if self.seen - n < committed:
-            raise ValueError(
-                f"DuoStore (layer {self.info.layer_idx}) cannot crop {n} tokens exactly: only the "
-                f"{self.seen - committed} tokens added since the last compression of the streaming heads are "
-                "uncompressed. Crop right after the forward that added them (as speculative decoding does)."
-            )
+        self.rollback(crop_count(self.seen, tokens_to_remove))
+
+    def check_rollback(self, n: int) -> None:
         for store, _, _ in self.parts:
-            store.crop(tokens_to_remove)
+            store.check_rollback(n)
+
+    def rollback(self, n: int, ends_round: bool = True) -> None:
+        self.check_rollback(n)
+        for store, _, _ in self.parts:
+            store.rollback(n, ends_round=ends_round)
+
+    def reserve(self, n: int) -> None:
+        for store, _, _ in self.parts:
+            store.reserve(n)
 
     def reorder_cache(self, beam_idx) -> None:
         for store, _, _ in self.parts:

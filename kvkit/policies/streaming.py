@@ -87,9 +87,13 @@ class StreamingStore(SlotStore):
         self.rolled_back = False
         return out
 
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
+    def on_round_end(self) -> None:
         self.rolled_back = True  # also on crop(0): every rollback call ends a round
+
+    def reserve(self, n: int) -> None:
+        if self.keys is not None and self.keys.shape[-2] + n >= self.budget + self.tail:
+            self.compress()
+            self.committed = self.seen
 
     def crop_floor(self) -> int:
         # held after a compression at length `committed`: positions >= committed - window (+ sinks);

@@ -36,7 +36,7 @@ cache would have read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -112,8 +112,25 @@ class Tidal(Policy):
             )
         self.reselect_for(n)
 
+    def new_shared(self, infos):
+        return TidalSelection()
+
     def new_layer(self, info: LayerInfo):
         return TidalStore(info, self)
+
+
+@dataclass
+class TidalSelection:
+    """The selection one cache's layers share: made at a selection layer, read by the reuse layers after it."""
+
+    seen: int = -1  # the store length it was made at
+    T: int = 0  # query tokens of that forward
+    idx: torch.Tensor | None = None  # [B, Hs, T, k] selected slot indices
+    valid: torch.Tensor | None = None  # [B, Hs, T, k]
+    on: dict = field(default_factory=dict)  # device -> (idx, valid) copies (device_map)
+
+    def clear(self) -> None:
+        self.seen, self.idx, self.valid, self.on = -1, None, None, {}
 
 
 class TidalStore(SlotStore):
@@ -133,7 +150,7 @@ class TidalStore(SlotStore):
     def reset(self) -> None:
         super().reset()
         self.last_read = self.last_full_read = 0
-        self.info.shared.pop("tidal", None)
+        self.info.shared.clear()
 
     def read_nbytes(self) -> int:
         """K/V bytes read by this layer's last decode forward (0 before any decode)."""
@@ -147,14 +164,13 @@ class TidalStore(SlotStore):
         B, Hq, T, D = query.shape
         H, n = self.keys.shape[1], self.keys.shape[2]
         self.last_full_read = B * H * n * self._row_bytes()
-        shared = self.info.shared
+        sel = self.info.shared
         if T > MAX_SPARSE_CHUNK or self.budget >= n - 1 or self.role == "full":
             if T > MAX_SPARSE_CHUNK:
-                shared.pop("tidal", None)
+                sel.clear()
             self.last_read = self.last_full_read
             return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling)
-        sel = shared.get("tidal")
-        if self.role == "select" or sel is None or sel["seen"] != self.seen or sel["T"] != T:
+        if self.role == "select" or sel.idx is None or sel.seen != self.seen or sel.T != T:
             return self._select(query, qpos, scaling)
         return self._reuse(query, sel, scaling)
 
@@ -180,7 +196,8 @@ class TidalStore(SlotStore):
         else:
             score = s.masked_fill(~cand, float("-inf")).view(B, Hq, T, n)
         top = score.topk(k, dim=-1)
-        self.info.shared["tidal"] = {"seen": self.seen, "T": T, "idx": top.indices, "valid": top.values > float("-inf")}
+        sel = self.info.shared
+        sel.seen, sel.T, sel.idx, sel.valid, sel.on = self.seen, T, top.indices, top.values > float("-inf"), {}
         self.last_read = self.last_full_read
         return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype)
 
@@ -188,14 +205,13 @@ class TidalStore(SlotStore):
         """Attention over the selected rows plus the current token only; returns ``[B, T, Hq, D]``."""
         B, Hq, T, D = query.shape
         n = self.keys.shape[2]
-        idx, valid = sel["idx"], sel["valid"]  # [B, Hs, T, k]
+        idx, valid = sel.idx, sel.valid  # [B, Hs, T, k]
         Hs = idx.shape[1]
         dev = query.device
         if idx.device != dev:  # the selection layer sits on another device (device_map): copy once per device
-            moved = sel.setdefault("on", {})
-            if dev not in moved:
-                moved[dev] = (idx.to(dev), valid.to(dev))
-            idx, valid = moved[dev]
+            if dev not in sel.on:
+                sel.on[dev] = (idx.to(dev), valid.to(dev))
+            idx, valid = sel.on[dev]
         cur = torch.arange(n - T, n, device=dev).view(1, 1, T, 1).expand(B, Hs, T, 1)
         cur_ok = (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
         idx = torch.cat([idx, cur], dim=-1)

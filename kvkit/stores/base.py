@@ -27,8 +27,8 @@ class LayerInfo:
     sliding_window: int | None = None
     config: Any = None  # the decoder's text config
     rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
-    #: one dict shared by all layers of a KVCache (cross-layer state, e.g. TidalDecode's selection)
-    shared: dict = field(default_factory=dict, repr=False)
+    #: the policy's cross-layer state of one KVCache (``Policy.new_shared``; e.g. TidalDecode's selection)
+    shared: Any = field(default=None, repr=False)
 
     @property
     def groups(self) -> int:
@@ -66,13 +66,48 @@ class StoreMixin:
         """Attention of ``query [B, Hq, T, D]`` for this layer; returns ``[B, T, Hq, D]``."""
         raise NotImplementedError
 
+    # ---- the rollback API (kvkit.speculative and transformers' assisted decoding use only this) ----------
+    #: True when ``update`` returns only the new tokens, so transformers' own attention would read a wrong KV:
+    #: such a store must only run behind kvkit's registered attention (``kvkit.patch``)
+    needs_kvkit_attention = False
+
+    def crop_floor(self) -> int:
+        """The shortest length ``crop``/``rollback`` can go back to exactly (0: any)."""
+        return 0
+
+    def rollback(self, n: int, ends_round: bool = True) -> None:
+        """Remove the newest ``n`` tokens exactly (``ValueError`` below ``crop_floor``). ``ends_round``: this
+        rollback closes a speculative round (False for rollbacks inside a round, e.g. an assistant's)."""
+        raise NotImplementedError
+
+    def reserve(self, n: int) -> None:
+        """Compress now if adding ``n`` tokens would trigger a compression, so the next ``n`` tokens stay exactly
+        croppable (called before a speculative round)."""
+
+    def check_rollback(self, n: int) -> None:
+        """Raise ``ValueError`` if ``rollback(n)`` cannot be exact (nothing changes)."""
+        if n > self.get_seq_length():
+            raise ValueError(f"cannot crop {n} tokens: layer {self.info.layer_idx} has seen only {self.get_seq_length()}")
+
+    def set_verifying(self, on: bool) -> None:
+        """Multi-token forwards between ``set_verifying(True)`` and ``(False)`` are speculative verifications
+        (causal over the cache, no padding); stores may take a faster exact path for them."""
+
 
 def crop_count(seen: int, tokens_to_remove: int) -> int:
-    """Tokens a ``crop(tokens_to_remove)`` removes from ``seen``: ``-n`` removes n, ``m > 0`` keeps the first m,
-    0 removes nothing (transformers' assisted decoding calls ``crop(-0)`` when every candidate was accepted)."""
+    """Tokens a ``crop(tokens_to_remove)`` removes from ``seen``: ``-n`` removes n, ``m > 0`` keeps the first m
+    (nothing when ``m >= seen``), 0 removes nothing (transformers' assisted decoding calls ``crop(-0)`` when every
+    candidate was accepted). Removing more tokens than were seen raises ``ValueError``; the same rule holds for
+    every store, ``full`` included."""
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+        raise ValueError(f"crop takes an integer, got {tokens_to_remove!r}")
     if tokens_to_remove == 0:
         return 0
-    return seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+    if tokens_to_remove > 0:
+        return max(seen - tokens_to_remove, 0)
+    if -tokens_to_remove > seen:
+        raise ValueError(f"cannot crop {-tokens_to_remove} tokens: the cache has seen only {seen}")
+    return -tokens_to_remove
 
 
 class SlotStore(StoreMixin, CacheLayerMixin):
@@ -92,6 +127,7 @@ class SlotStore(StoreMixin, CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    needs_kvkit_attention = True
     _batch_tensors = ("keys", "values", "pos", "first_pos")
 
     def __init__(self, info: LayerInfo, num_heads: int | None = None):
@@ -135,20 +171,31 @@ class SlotStore(StoreMixin, CacheLayerMixin):
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        """``crop(-n)`` removes the newest n tokens; ``crop(m > 0)`` keeps the first m; ``crop(0)`` is a no-op
-        (transformers' assisted decoding calls ``crop(-0)`` when every candidate was accepted)."""
-        n = crop_count(self.seen, tokens_to_remove)
-        if n <= 0 or self.keys is None:
-            return
+        """transformers' API: ``crop(-n)`` removes the newest n tokens; ``crop(m > 0)`` keeps the first m;
+        ``crop(0)`` is a no-op (see :func:`crop_count`). Every crop ends a speculative round."""
+        self.rollback(crop_count(self.seen, tokens_to_remove))
+
+    def check_rollback(self, n: int) -> None:
+        """Raise ``ValueError`` if ``rollback(n)`` cannot be exact (nothing changes)."""
+        super().check_rollback(n)
         floor = self.crop_floor()
-        if self.seen - n < floor:
+        if n > 0 and self.keys is not None and self.seen - n < floor:
             raise ValueError(
                 f"{type(self).__name__} (layer {self.info.layer_idx}) cannot crop {n} tokens exactly: it can only "
                 f"go back to {floor} tokens ({self.seen - floor} of the {self.seen} seen), the rest was compressed. "
                 "Crop right after the forward that added them (as speculative decoding does)."
             )
-        self._drop_last(n)
-        self.seen -= n
+
+    def rollback(self, n: int, ends_round: bool = True) -> None:
+        self.check_rollback(n)
+        if n > 0 and self.keys is not None:
+            self._drop_last(n)
+            self.seen -= n
+        if ends_round:
+            self.on_round_end()
+
+    def on_round_end(self) -> None:
+        """Hook: a rollback closed a speculative round (StreamingLLM compresses early at the next update)."""
 
     def crop_floor(self) -> int:
         """The shortest length ``crop`` can go back to exactly: the last compression point by default."""

@@ -6,14 +6,15 @@ from __future__ import annotations
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvkit.stores.attend import causal_suffix_attention, hf_sdpa, plain_sdpa_call
-from kvkit.stores.base import LayerInfo, StoreMixin, tensor_bytes
+from kvkit.stores.base import LayerInfo, StoreMixin, crop_count, tensor_bytes
 
 
 class FullStore(StoreMixin, DynamicLayer):
     """No compression: exactly transformers' ``DynamicLayer`` (bit-identical attention), plus accounting.
 
-    ``suffix_attention`` (set by :func:`kvkit.speculative` around its verification forwards only):
-    multi-token forwards use :func:`kvkit.stores.attend.causal_suffix_attention` (same math, not the same bits).
+    Between ``set_verifying(True)`` and ``set_verifying(False)`` (:func:`kvkit.speculative`'s verification
+    forwards only) multi-token forwards use :func:`kvkit.stores.attend.causal_suffix_attention` (same math, not
+    the same bits).
     """
 
     suffix_attention = False
@@ -60,6 +61,18 @@ class FullStore(StoreMixin, DynamicLayer):
         self._kbuf = self._vbuf = None
         super().reset()
 
+    def set_verifying(self, on: bool) -> None:
+        self.suffix_attention = bool(on)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Same rule as every kvkit store (:func:`kvkit.stores.crop_count`): ``-n`` removes n, ``m > 0`` keeps m."""
+        self.rollback(crop_count(self.get_seq_length(), tokens_to_remove))
+
+    def rollback(self, n: int, ends_round: bool = True) -> None:
+        if n > 0 and self.is_initialized:
+            self.keys = self.keys[..., :-n, :]
+            self.values = self.values[..., :-n, :]
+
     def allocated_nbytes(self) -> int:
         """Bytes of the buffers, headroom included (``nbytes`` counts the held tokens only)."""
         return tensor_bytes(self._kbuf, self._vbuf) if self._kbuf is not None else self.nbytes()
@@ -96,3 +109,24 @@ class SlidingStore(StoreMixin, DynamicSlidingWindowLayer):
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         return hf_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+    def check_rollback(self, n: int) -> None:
+        """Raise ``ValueError`` where transformers' sliding layer would refuse ``crop(-n)`` (nothing changes)."""
+        seen = self.get_seq_length()
+        if n > seen:
+            raise ValueError(f"cannot crop {n} tokens: the sliding layer {self.info.layer_idx} has seen only {seen}")
+        if n > 0 and seen >= self.sliding_window and not getattr(self, "record_past", False):
+            raise ValueError(
+                f"sliding layer {self.info.layer_idx} has reached its window ({self.sliding_window}) and does not record "
+                "past states, so it cannot roll back; call `activate_past_recording()` on the cache's sliding layers first"
+            )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            self.rollback(crop_count(self.get_seq_length(), tokens_to_remove))
+        else:
+            self.rollback(-tokens_to_remove)
+
+    def rollback(self, n: int, ends_round: bool = True) -> None:
+        self.check_rollback(n)
+        DynamicSlidingWindowLayer.crop(self, -n)
