@@ -75,24 +75,64 @@ def causal_suffix_attention(query, keys, values, attention_mask, scaling):
     return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype)
 
 
-def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None):
-    """Attention over held slots with a mask built from the slots' own positions.
+def _cpu_flash(q, k, v, mask, scaling):
+    """torch's CPU flash kernel with an optional float/bool mask; returns (out ``[B, H, M, D]``, lse ``[B, H, M]``)."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scaling)
 
-    query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]`` (H divides Hq); pos ``[B, Hp, n]`` int
-    (Hp = 1 or H; -1 = padding); qpos ``[T]`` absolute positions of the queries; extra_mask
-    ``[B, Hp|1, T, n]`` bool or None. A slot is read when ``0 <= pos <= qpos`` (causal) and extra_mask.
-    Returns ``[B, T, Hq, D]``.
+
+def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None, *, log_weight=None, return_lse=False):
+    """THE slot attention of every compressed store: queries over held slots, masked by the slots' own positions.
+
+    query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]`` (H divides Hq); pos ``[B, Hp, n]`` int (Hp = 1 or H;
+    -1 = padding / dead slot); qpos ``[T]`` absolute positions of the queries; extra_mask ``[B, Hp|1, T, n]`` bool
+    or None (a policy's own read rule, e.g. StreamingLLM's window); log_weight ``[B, H|1, n]`` float or None, added
+    to each key's score (Chelsea's ``log(cluster size)``; ``-inf`` hides a key). A slot is read when
+    ``0 <= pos <= qpos`` (causal), extra_mask holds and its log_weight is not ``-inf``.
+
+    Returns ``[B, T, Hq, D]`` in query's dtype, and with ``return_lse`` also the log-sum-exp ``[B, Hq, T]`` fp32
+    (for :func:`kvkit.kernels.merge_attn`). A query that sees no slot reads zeros (lse ``-inf``).
+    The query heads of each KV head are folded into one block, so K/V are read once per KV head; a single
+    decode query over slots that are all visible runs unmasked.
     """
     B, Hq, T, D = query.shape
     H, n = keys.shape[1], keys.shape[2]
     G = Hq // H
-    allowed = (pos[:, :, None, :] <= qpos.view(1, 1, T, 1)) & (pos[:, :, None, :] >= 0)  # [B, Hp, T, n]
-    if extra_mask is not None:
-        allowed = allowed & extra_mask
-    allowed = allowed.expand(B, H, T, n).unsqueeze(2).expand(B, H, G, T, n).reshape(B, H, G * T, n)
-    q = query.reshape(B, H, G * T, D)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scaling)
-    out = out.view(B, H, G, T, D).reshape(B, Hq, T, D)
-    if T > 1:  # a query with nothing visible (padding inside a chunk) gives NaN in sdpa
+    q = query.reshape(B, H, G * T, D)  # query head h*G + g reads KV head h; row g*T + t
+    mask = None
+    if n == 0:
+        out = query.new_zeros(B, Hq, T, D).transpose(1, 2)
+        lse = torch.full((B, Hq, T), float("-inf"), device=query.device)
+        return (out, lse) if return_lse else out
+    if T > 1 or extra_mask is not None or bool((pos < 0).any()) or bool((pos > qpos[-1]).any()):
+        allowed = (pos[:, :, None, :] <= qpos.view(1, 1, T, 1)) & (pos[:, :, None, :] >= 0)  # [B, Hp, T, n]
+        if extra_mask is not None:
+            allowed = allowed & extra_mask
+        mask = allowed.expand(B, H, T, n).unsqueeze(2).expand(B, H, G, T, n).reshape(B, H, G * T, n)
+    if log_weight is not None:
+        lw = log_weight.to(query.dtype if query.is_floating_point() else torch.float32)
+        lw = lw.expand(B, H, n)[:, :, None, :].expand(B, H, G * T, n)
+        mask = lw if mask is None else lw.masked_fill(~mask, float("-inf"))
+    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16) and (
+        return_lse or log_weight is not None
+    ):
+        out, lse = _cpu_flash(q, keys, values, mask, scaling)
+    elif return_lse:  # plain fp32 math (other devices)
+        s = (q.float() @ keys.float().transpose(-1, -2)) * scaling
+        if mask is not None:
+            s = s + mask.float() if mask.dtype != torch.bool else s.masked_fill(~mask, float("-inf"))
+        lse = s.logsumexp(-1)
+        out = (s - lse.unsqueeze(-1)).exp().nan_to_num(0.0) @ values.float()
+        out = out.to(query.dtype)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        lse = None
+    if mask is not None:  # a query with nothing visible (padding inside a chunk) gives NaN
         out = torch.nan_to_num(out, nan=0.0)
-    return out.transpose(1, 2)
+    out = out.reshape(B, H, G, T, D).reshape(B, Hq, T, D).transpose(1, 2)
+    if not return_lse:
+        return out
+    lse = lse.float().reshape(B, H, G, T).reshape(B, Hq, T)
+    lse = torch.where(torch.isnan(lse), float("-inf"), lse)
+    return out, lse
