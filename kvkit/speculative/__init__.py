@@ -1,12 +1,21 @@
 """Lossless self-speculative decoding: the target drafts from a sparse view of its own KV cache.
 
-``kvkit.speculative.generate(model, ids, draft_policy="streaming", gamma=4)`` or
-``model.generate(ids, custom_generate=kvkit.speculative.generate, gamma=4)``; optionally a tiny
-``assistant=`` model drafting for the self-draft (TriForce's hierarchy). See :mod:`.generate`.
+``kvkit.speculative.generate(model, ids, attention_mask=mask, draft_policy="streaming", gamma=4)`` or
+``model.generate(ids, attention_mask=mask, custom_generate=kvkit.speculative.generate, gamma=4)`` on
+left-padded batches (each row accepts its own drafts); optionally, at batch 1, a tiny ``assistant=``
+model drafting for the self-draft (TriForce's hierarchy). See :mod:`.generate`.
 """
 
 from kvkit.speculative.draft import DraftCache, DraftView, RetrievalView, StreamingView, make_view
-from kvkit.speculative.generate import SpeculativeOutput, SpeculativeStats, check_assistant, generate
+from kvkit.speculative.generate import (
+    NOT_LOSSLESS,
+    SpeculativeOutput,
+    SpeculativeStats,
+    batch_cache,
+    check_assistant,
+    check_target_policy,
+    generate,
+)
 
 __all__ = [
     "generate",
@@ -18,4 +27,7 @@ __all__ = [
     "RetrievalView",
     "make_view",
     "check_assistant",
+    "check_target_policy",
+    "batch_cache",
+    "NOT_LOSSLESS",
 ]

@@ -28,21 +28,22 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 
 from kvkit.cache import KVCache
 from kvkit.policies.base import check_positive_int
-from kvkit.stores import SlotStore, StoreMixin, attend_slots, crop_count
+from kvkit.stores import SlotStore, StoreMixin, attend_slots, crop_count, tensor_bytes
 
 
 # ---- views --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DraftView:
-    """What part of a layer's held KV the self-draft reads."""
+    """What part of a layer's held KV the self-draft reads, chosen per batch row."""
 
     name: ClassVar[str] = "base"
 
-    def select(self, keys, pos, query) -> torch.Tensor | None:
-        """Slots to read: ``idx [B, Hi, k]`` sorted (Hi = 1 or H), or None for all held slots.
+    def keep(self, keys, pos, query) -> torch.Tensor | None:
+        """Slots to read: a mask ``[B, Hi, n]`` (Hi = 1 or H), or None for every held slot.
 
-        keys ``[B, H, n, D]`` held by the real store; pos ``[B, Hp, n]``; query ``[B, Hq, D]`` of the
-        first token of the forward that builds the view.
+        keys ``[B, H, n, D]`` held by the real store; pos ``[B, Hp, n]`` each slot's position in its row's
+        sequence (-1: left padding, or a hole left by a rejected draft at batch > 1; never to be read);
+        query ``[B, Hq, D]`` of the first token of the forward that builds the view.
         """
         raise NotImplementedError
 
@@ -53,7 +54,7 @@ class DraftView:
 
 @dataclass(frozen=True)
 class StreamingView(DraftView):
-    """StreamingLLM view: ``sink`` first tokens + the most recent ``budget - sink`` (MagicDec's draft KV).
+    """StreamingLLM view: ``sink`` first tokens + the most recent ``budget - sink`` of each row (MagicDec's draft KV).
 
     Parameters
     ----------
@@ -73,26 +74,24 @@ class StreamingView(DraftView):
         if isinstance(self.sink, bool) or not isinstance(self.sink, int) or not 0 <= self.sink < self.budget:
             raise ValueError(f"streaming draft view: sink must be an integer in [0, budget), got {self.sink!r}")
 
-    def select(self, keys, pos, query):
-        n = keys.shape[-2]
-        if n <= self.budget:
-            return None
-        # sinks first, then recency; padding (pos < 0) last
-        first = torch.where(pos >= 0, pos, torch.iinfo(torch.int32).max).amin(dim=-1, keepdim=True)
-        score = pos.float() + ((pos >= first) & (pos < first + self.sink)).float() * (2 * n + 2)
-        score = score.masked_fill(pos < 0, float("-inf"))
-        return score.topk(self.budget, dim=-1).indices.sort(dim=-1).values
+    def keep(self, keys, pos, query):
+        valid = pos >= 0
+        first = torch.where(valid, pos, torch.iinfo(pos.dtype).max).amin(dim=-1, keepdim=True)
+        last = torch.where(valid, pos, -1).amax(dim=-1, keepdim=True)
+        if bool((last - first < self.budget).all()):
+            return None  # every row fits
+        return valid & ((pos < first + self.sink) | (pos > last - (self.budget - self.sink)))
 
 
 @dataclass(frozen=True)
 class RetrievalView(DraftView):
-    """TriForce's retrieval cache: chunks of ``chunk`` slots scored by ``q . mean(chunk keys)``.
+    """TriForce's retrieval cache: chunks of ``chunk`` positions scored by ``q . mean(chunk keys)``, per row.
 
     Chunk 0 is always kept plus the top ``budget // chunk - 1`` chunks per KV head (query heads of a
-    GQA group are summed; TriForce assumes one query head per KV head). Slots added after the build
-    (generated tokens, the < ``chunk`` remainder) are always read. The reference builds it once
-    from the query after the prompt and never rebuilds; ``rebuild`` re-selects every that many
-    new tokens.
+    GQA group are summed; TriForce assumes one query head per KV head). Chunks follow each row's own
+    positions (left padding and holes are skipped); the incomplete last chunk and slots added after
+    the build (generated tokens) are always read. The reference builds it once from the query after
+    the prompt and never rebuilds; ``rebuild`` re-selects every that many new tokens.
 
     Parameters
     ----------
@@ -122,20 +121,26 @@ class RetrievalView(DraftView):
     def rebuild_every(self):
         return self.rebuild if self.rebuild is not None else -1
 
-    def select(self, keys, pos, query):
+    def keep(self, keys, pos, query):
         B, H, n, D = keys.shape
-        nch = n // self.chunk
-        if n <= self.budget or nch <= 1:
+        valid = pos >= 0  # [B, Hp, n]
+        length = pos.amax(dim=-1, keepdim=True) + 1  # [B, Hp, 1] tokens of each row
+        full = length // self.chunk  # complete chunks of each row
+        C = int(full.max())
+        if bool((length <= self.budget).all()) or C <= 1:
             return None
-        k_chunks = self.budget // self.chunk
-        means = keys[:, :, : nch * self.chunk].float().view(B, H, nch, self.chunk, D).mean(dim=3)  # [B, H, nch, D]
+        cid = torch.where(valid & (pos // self.chunk < full), pos // self.chunk, C).long()  # C: not in a chunk
+        sums = keys.new_zeros(B, H, C + 1, D, dtype=torch.float32)
+        sums.scatter_add_(2, cid.expand(B, H, n)[..., None].expand(B, H, n, D), keys.float())
         q = query.float().view(B, H, -1, D).sum(dim=2)  # [B, H, D]: GQA group summed
-        scores = torch.einsum("bhd,bhcd->bhc", q, means)
+        scores = torch.einsum("bhd,bhcd->bhc", q, sums[:, :, :C] / self.chunk)
+        scores = scores.masked_fill(torch.arange(C, device=keys.device) >= full, float("-inf"))
         scores[..., 0] = float("inf")  # chunk 0 (sinks) always kept
-        top = scores.topk(min(k_chunks, nch), dim=-1).indices.sort(dim=-1).values  # [B, H, k]
-        idx = (top[..., None] * self.chunk + torch.arange(self.chunk, device=keys.device)).flatten(2)
-        rest = torch.arange(nch * self.chunk, n, device=keys.device).view(1, 1, -1).expand(B, H, -1)
-        return torch.cat([idx, rest], dim=-1)
+        top = scores.topk(min(self.budget // self.chunk, C), dim=-1)
+        chosen = torch.zeros(B, H, C + 1, dtype=torch.bool, device=keys.device)
+        chosen.scatter_(2, top.indices, top.values > float("-inf"))
+        keep = chosen.gather(2, cid.expand(B, H, n)) | (valid & (cid == C))
+        return keep | ((length <= self.budget) & valid)  # short rows read everything
 
 
 VIEWS = {"streaming": StreamingView, "retrieval": RetrievalView}
@@ -157,21 +162,39 @@ def make_view(policy, options: dict | None = None) -> DraftView:
 
 # ---- the draft cache ----------------------------------------------------------------------------
 def held_kv(store):
-    """``(keys, values, pos [B, Hp, n], window)`` a real layer store holds; window = the model's sliding window."""
+    """``(keys, values, pos [B|1, Hp, n], window)`` a real layer store holds; pos in the store's own slot numbering
+    (the count of tokens it had seen when the slot was written); window = the model's sliding window."""
+    info = getattr(store, "info", None)
+    window = info.sliding_window if info is not None and info.layer_type == "sliding_attention" else None
     if isinstance(store, SlotStore):
         return store.keys, store.values, store.pos, None
     if isinstance(store, DynamicLayer) and store.is_initialized and store.keys is not None and store.keys.numel():
         n, seen = store.keys.shape[-2], store.get_seq_length()
         pos = torch.arange(seen - n, seen, device=store.keys.device, dtype=torch.int32).view(1, 1, n)
-        window = store.sliding_window if isinstance(store, DynamicSlidingWindowLayer) else None
+        if isinstance(store, DynamicSlidingWindowLayer):
+            window = store.sliding_window
         return store.keys, store.values, pos, window
     if isinstance(store, CacheLayerMixin) and not store.is_initialized:
         return None, None, None, None
     raise ValueError(f"the self-draft cannot read a cache layer of type {type(store).__name__}")
 
 
+def mask_to_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keep [B, Hi, n]`` bool -> (slot indices ``[B, Hi, k]``, which of them are kept ``[B, Hi, k]``), k = the
+    largest count: rows that keep fewer get extra entries marked not kept (read as masked slots)."""
+    k = int(keep.sum(dim=-1).max())
+    idx = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :k]
+    return idx, keep.gather(-1, idx)
+
+
 class DraftLayer(StoreMixin, CacheLayerMixin):
-    """One layer of the draft: a view of the real store plus a private tail of draft-token K/V."""
+    """One layer of the draft: a view of the real store plus a private tail of draft-token K/V.
+
+    Two numberings: *slot* positions (the store's own, where causality is checked; new tokens get the
+    next ones) and *token* positions (each row's position of the token: RoPE's, where the views and a
+    sliding window are applied). They differ only at batch > 1, where the generator hands each round
+    the token position of every slot (``-1`` for padding and for holes left by rejected drafts).
+    """
 
     is_sliding = False
     is_croppable = True
@@ -181,43 +204,65 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         self.base, self.view = base, view
         self.info = getattr(base, "info", None)
         self.is_initialized = True
-        self.idx = None  # [B, Hi, k] selected slots of base (None: all)
+        self.idx = self.ok = None  # [B, Hi, k] selected slots of base and whether each is read (None: all)
         self.built_at = -1  # base length when idx was selected
         self.tail_k = self.tail_v = None
-        self.sel = None  # (keys, values, pos) of the view for the current round
+        self.sel = None  # (keys, values, slot pos, token pos, window) of the view for the current round
         self.base_len = base.get_seq_length()
+        self.token_pos = None  # [B, n] token position of every base slot (-1: never read); None: = slot pos
+        self.start = None  # [B] token position of the first tail token
 
     # drafting rounds
-    def begin_round(self) -> None:
+    def begin_round(self, token_pos=None, start=None) -> None:
         self.tail_k = self.tail_v = None
         self.sel = None
         self.base_len = self.base.get_seq_length()
+        self.token_pos, self.start = token_pos, start
+
+    def batch_select_indices(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (finished rows leave the batch; the base store selects its own)."""
+        if self.idx is not None:
+            rows = rows.to(self.idx.device)
+            self.idx, self.ok = self.idx[rows], self.ok[rows]
 
     def _build(self, query) -> None:
-        keys, values, pos, window = held_kv(self.base)
+        keys, values, spos, window = held_kv(self.base)
         if keys is None:
-            self.sel = (None, None, None, None)
+            self.sel = (None, None, None, None, None)
             return
+        B, n = keys.shape[0], keys.shape[-2]
+        spos = spos.expand(B, -1, -1)
+        if self.token_pos is not None:  # batch rows: slots that hold no token of the row are never read
+            tpos = self.token_pos[:, None, :].to(spos.dtype)
+            spos = torch.where(tpos >= 0, spos, -1)
+        else:
+            tpos = spos
         every = self.view.rebuild_every()
-        # a compressing store renumbers its slots: re-select every round there
-        stale = self.built_at < 0 or every is None or isinstance(self.base, SlotStore)
+        # a compressing store renumbers its slots, and a window moves: re-select every round there
+        stale = self.built_at < 0 or every is None or isinstance(self.base, SlotStore) or window is not None
         stale = stale or (every > 0 and self.base_len - self.built_at >= every)
         if stale:
-            self.idx = None if window is not None else self.view.select(keys, pos, query[:, :, 0])
+            keep = self.view.keep(keys, tpos, query[:, :, 0])
+            if window is not None:  # the model's own sliding window too: only the last `window` positions
+                recent = (tpos >= 0) & (tpos > tpos.amax(dim=-1, keepdim=True) - window)
+                keep = recent if keep is None else keep & recent
+            self.idx, self.ok = (None, None) if keep is None else mask_to_index(keep)
             self.built_at = self.base_len
         if self.idx is None:
-            self.sel = (keys, values, pos, window)
+            self.sel = (keys, values, spos, tpos, window)
             return
-        built_n = keys.shape[-2] - (self.base_len - self.built_at)  # slots held at build time
-        idx = self.idx
-        if built_n < keys.shape[-2]:  # tokens added since the build are always read
-            new = torch.arange(built_n, keys.shape[-2], device=keys.device).view(1, 1, -1)
-            idx = torch.cat([idx, new.expand(idx.shape[0], idx.shape[1], -1)], dim=-1)
+        built_n = n - (self.base_len - self.built_at)  # slots held at build time
+        idx, ok = self.idx, self.ok
+        if built_n < n:  # tokens added since the build are always read
+            new = torch.arange(built_n, n, device=keys.device).view(1, 1, -1).expand(B, idx.shape[1], -1)
+            idx, ok = torch.cat([idx, new], dim=-1), torch.cat([ok, torch.ones_like(new, dtype=torch.bool)], dim=-1)
         H, D = keys.shape[1], keys.shape[-1]
-        kidx = idx.expand(keys.shape[0], H, -1) if idx.shape[1] == 1 else idx
+        kidx = idx.expand(B, H, -1) if idx.shape[1] == 1 else idx
         g = kidx.unsqueeze(-1).expand(*kidx.shape, D)
-        p = pos.expand(-1, idx.shape[1], -1).gather(2, idx) if pos.shape[1] != idx.shape[1] else pos.gather(2, idx)
-        self.sel = (keys.gather(2, g), values.gather(2, g), p, window)
+        hp = idx.shape[1] if spos.shape[1] == 1 else spos.shape[1]
+        gather = lambda p: p.expand(B, hp, -1).gather(2, idx.expand(B, hp, -1))  # noqa: E731
+        p = torch.where(ok.expand(B, hp, -1), gather(spos), -1)
+        self.sel = (keys.gather(2, g), values.gather(2, g), p, gather(tpos), window)
 
     # transformers cache-layer API
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -247,16 +292,19 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         self.begin_round()
 
     def crop(self, tokens_to_remove: int) -> None:
-        n = crop_count(self.get_seq_length(), tokens_to_remove)
-        if n <= 0:
-            return
+        self.rollback(crop_count(self.get_seq_length(), tokens_to_remove))
+
+    def rollback(self, n: int, ends_round: bool = True) -> None:
+        self.check_rollback(n)
+        if n > 0:
+            self.tail_k, self.tail_v = self.tail_k[..., :-n, :], self.tail_v[..., :-n, :]
+
+    def check_rollback(self, n: int) -> None:
         if n > self.tail_len():
             raise ValueError(f"the draft can only roll back its own {self.tail_len()} draft tokens, not {n}")
-        self.tail_k, self.tail_v = self.tail_k[..., :-n, :], self.tail_v[..., :-n, :]
 
     def nbytes(self) -> int:
-        t = [x for x in (self.tail_k, self.tail_v) if x is not None]
-        return sum(x.numel() * x.element_size() for x in t)
+        return tensor_bytes(self.tail_k, self.tail_v)
 
     def num_slots(self) -> int:
         return self.tail_len() + (0 if self.sel is None or self.sel[0] is None else self.sel[0].shape[-2])
@@ -265,22 +313,26 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         # query [B, Hq, T, D]; the T newest tail tokens are this forward's tokens -> [B, T, Hq, D]
         if self.sel is None:
             self._build(query)
-        keys, values, pos, window = self.sel
-        T, t = query.shape[2], self.tail_len()
+        keys, values, spos, tpos, window = self.sel
+        B, T, t = query.shape[0], query.shape[2], self.tail_len()
         total = self.get_seq_length()
-        tpos = torch.arange(total - t, total, device=query.device, dtype=torch.int32).view(1, 1, t)
+        tail_spos = torch.arange(total - t, total, device=query.device, dtype=torch.int32).view(1, 1, t)
+        start = torch.full((B,), self.base_len, device=query.device) if self.start is None else self.start
+        tail_tpos = start.view(B, 1, 1) + torch.arange(t, device=query.device).view(1, 1, t)  # [B, 1, t]
         if keys is None:
-            keys, values, pos = self.tail_k, self.tail_v, tpos
+            keys, values, spos, tpos = self.tail_k, self.tail_v, tail_spos.expand(B, 1, t), tail_tpos
         else:
-            hp = pos.shape[1]
+            hp = spos.shape[1]
             keys = torch.cat([keys, self.tail_k], dim=-2)
             values = torch.cat([values, self.tail_v], dim=-2)
-            pos = torch.cat([pos, tpos.expand(pos.shape[0], hp, t)], dim=-1)
+            spos = torch.cat([spos, tail_spos.expand(B, hp, t).to(spos.dtype)], dim=-1)
+            tpos = torch.cat([tpos.expand(B, hp, -1), tail_tpos.expand(B, hp, t).to(tpos.dtype)], dim=-1)
         qpos = torch.arange(total - T, total, device=query.device, dtype=torch.int32)
         extra = None
-        if window is not None:  # the model's own sliding window
-            extra = pos[:, :, None, :] > qpos.view(1, 1, T, 1) - window
-        return attend_slots(query, keys, values, pos, qpos, scaling, extra)
+        if window is not None:  # the model's own sliding window, in token positions
+            q_tpos = tail_tpos[:, :, t - T :]  # [B, 1, T]
+            extra = tpos[:, :, None, :] > q_tpos[..., None] - window
+        return attend_slots(query, keys, values, spos, qpos, scaling, extra)
 
 
 class DraftCache(KVCache):
@@ -292,9 +344,13 @@ class DraftCache(KVCache):
     def __init__(self, base: KVCache, view: DraftView):  # not KVCache.__init__: no new stores
         self.base, self.view = base, view
         self.policy, self.infos, self.shared = base.policy, base.infos, base.shared
+        self._model_config = getattr(base, "_model_config", None)
         Cache.__init__(self, layers=[DraftLayer(layer, view) for layer in base.layers])
 
-    def begin_round(self) -> None:
-        """Forget the previous round's draft tokens; the view follows the real cache's new length."""
+    def begin_round(self, token_pos: torch.Tensor | None = None, start: torch.Tensor | None = None) -> None:
+        """Forget the previous round's draft tokens; the view follows the real cache's new length.
+
+        token_pos ``[B, n]``: each base slot's token position in its row (-1: padding / hole), start ``[B]``: the
+        token position of the first token fed this round; both None when slots and tokens are numbered alike."""
         for layer in self.layers:
-            layer.begin_round()
+            layer.begin_round(token_pos, start)

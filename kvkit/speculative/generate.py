@@ -1,32 +1,32 @@
-"""Lossless self-speculative decoding (MagicDec / TriForce) as a ``generate`` loop.
+"""Lossless self-speculative decoding (MagicDec / TriForce) as a batched ``generate`` loop.
 
-Three *levels* share one interface (a model, a cache, the token ids the cache holds):
+The target drafts from a sparse *view* of its own KV cache (:mod:`.draft`) and verifies the drafts
+with its full cache, every batch row on its own (gpt-fast's loop, rows in parallel)::
 
-* the **target**: the model with its real cache (``full`` unless the model is patched otherwise);
-* the **self-draft**: the same model reading a sparse view of that same cache (:mod:`.draft`);
-* optionally the **assistant**: a tiny model sharing the tokenizer, with its own StreamingLLM cache,
-  which drafts for the self-draft (TriForce's hierarchy: tiny -> sparse-KV target -> full target).
+    while rows unfinished:
+        k = min(gamma, tokens still needed - 1, positions left - 1)
+        drafts, q = draft.propose(rows, k)            # [B, k] tokens + the draft's distributions
+        p = target(rows.last + drafts)                # ONE forward over k + 1 positions per row
+        n, nxt = accept(drafts, q, p)                 # per row: greedy, or the standard rejection rule
+        rows.commit(n, nxt)                           # row b keeps n[b] drafts + nxt[b]; see below
+        rows.retire()                                 # finished rows leave the batch
 
-One round (gpt-fast's loop, applied recursively)::
+Rows accept different numbers of drafts. The target KV stays rectangular: slots every row rejected
+are cropped (``cache.rollback``), the others become masked holes in the rows that rejected them,
+and every row keeps its own position ids (:mod:`.rows`). So each row attends to exactly its tokens
+at their positions, as plain batched decoding does, and greedy output is token for token plain
+batched greedy's (fp32; in low precision up to near-ties, because a (k + 1)-token forward rounds
+differently from a one-token step). Sampling uses the standard rule per row, so the output follows
+the target's distribution. The draft tokens' K/V never enter the real cache (:mod:`.draft`).
 
-    drafts, q = propose(drafter, seq, gamma)          # gamma tokens + the drafter's distributions
-    p = verifier(seq + drafts)                        # ONE forward over gamma + 1 positions
-    n, nxt = accept(drafts, q, p)                     # greedy or the standard rejection rule
-    verifier.crop_to(len(seq) + n); seq += drafts[:n] + [nxt]
-
-The self-draft "proposes" either autoregressively or, with an assistant, by running the same round
-with the assistant as its drafter; every level uses the standard rule, so every level is lossless
-and the output follows the target's distribution (greedy: token for token the target's greedy
-output). The draft tokens' K/V never enter the real cache (see :mod:`.draft`): they were computed
-with sparse attention, so the verification forward computes the true K/V and the rejected ones are
-cropped (exact rollback).
+With ``assistant=`` a tiny model drafts for the self-draft (TriForce's hierarchy, batch 1,
+:mod:`.hierarchy`).
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -41,8 +41,11 @@ from transformers.utils import ModelOutput
 
 from kvkit.cache import KVCache
 from kvkit.speculative.draft import DraftCache, make_view
-from kvkit.speculative.verify import accept_greedy, accept_sample, pick, process
-from kvkit.stores import FullStore, SlotStore
+from kvkit.speculative.forward import logits as forward_logits
+from kvkit.speculative.hierarchy import HierarchicalDraft
+from kvkit.speculative.rows import Rows
+from kvkit.speculative.verify import accept_greedy, accept_sample, pick
+from kvkit.stores import FullStore, SlidingStore, SlotStore
 
 #: adaptive=True stops drafting when the draft's top probability falls below this
 #: (transformers' default ``assistant_confidence_threshold``)
@@ -51,20 +54,32 @@ ADAPTIVE_THRESHOLD = 0.4
 ASSISTANT_CACHE = {"policy": "streaming", "budget": 256, "sink": 16}
 #: keyword arguments read into the generation config on direct calls
 GENERATION_KEYS = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                   "return_dict_in_generate")
+                   "pad_token_id", "return_dict_in_generate")
+#: target policies under which speculation is not lossless w.r.t. the patched model's own greedy decoding
+#: (a policy class may also say so itself with ``speculative_lossless = False``)
+NOT_LOSSLESS = {
+    "cake": "CAKE evicts in bulk when its tail fills, ranking tokens by the attention of the buffered decode "
+            "queries; a speculative round feeds gamma + 1 tokens at once and must keep them croppable, so the "
+            "eviction runs at another token count and sees other queries than in one-token decoding",
+    "zipcache": "ZipCache re-quantises every requant_interval tokens with saliencies from the current queries; a "
+                "speculative round feeds gamma + 1 tokens at once and must keep them croppable, so the "
+                "re-quantisation runs at another token count than in one-token decoding",
+}
 
 
 @dataclass
 class SpeculativeStats:
-    """Counts of one generation: drafted/accepted at the target level (and the assistant level)."""
+    """Counts of one generation, summed over the batch rows: drafted/accepted at the target level (and the
+    assistant level)."""
 
     new_tokens: int = 0
     rounds: int = 0
+    row_rounds: int = 0  # rounds x rows in the batch at each round
     drafted: int = 0
     accepted: int = 0
     assistant_drafted: int = 0
     assistant_accepted: int = 0
-    decode_tokens: int = 0  # tokens emitted by the rounds (new_tokens minus the prefill's first token)
+    decode_tokens: int = 0  # tokens emitted by the rounds (new_tokens minus each row's prefill token)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0  # top-level drafting (self-draft steps, assistant included) within decode_seconds
@@ -80,11 +95,12 @@ class SpeculativeStats:
 
     @property
     def tokens_per_round(self) -> float:
-        return self.decode_tokens / self.rounds if self.rounds else 0.0
+        """Tokens a row gets per round."""
+        return self.decode_tokens / self.row_rounds if self.row_rounds else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens the decode rounds emitted per decode second (the prefill's first token is not counted)."""
+        """Tokens the decode rounds emitted per decode second, all rows (the prefill's tokens are not counted)."""
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict:
@@ -104,188 +120,86 @@ class SpeculativeOutput(ModelOutput):
     stats: SpeculativeStats | None = None
 
 
-# ---- levels -------------------------------------------------------------------------------------
-@contextmanager
-def suffix_attention(cache, on: bool):
-    """Verification forwards on CPU: ``FullStore`` layers attend as prefix + causal suffix (see
-    :func:`kvkit.stores.attend.causal_suffix_attention`) instead of the masked kernel, for the duration."""
-    layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, FullStore)] if on else []
-    for layer in layers:
-        layer.suffix_attention = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.suffix_attention = False
-
-
-@contextmanager
-def tall_lm_head(model, rows: int):
-    """On CPU, compute a few-row logits projection as ``(W @ h.T).T`` for the duration.
-
-    The verification forward needs the logits of gamma + 1 positions. MKL runs ``h @ W.T`` with 2-16
-    rows of ``h`` against SmolLM2's 49152 x 576 head at a fraction of its memory bandwidth, while the
-    tall-skinny ``W @ h.T`` streams ``W`` once (with the suffix attention: a 5-token forward at 8K in
-    1.27 instead of 1.60 decode steps, ``results/speculative/profile_verify.py``).
-    Same math, different summation order (~5e-5 on the logits, like any multi-token forward vs
-    one-token decoding). No-op on other devices, for one row, or when the head is not an ``nn.Linear``.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if rows < 2 or not isinstance(head, torch.nn.Linear) or head.weight.device.type != "cpu" or "forward" in vars(head):
-        yield
-        return
-
-    def forward(x):
-        y = (head.weight @ x.reshape(-1, x.shape[-1]).T).T
-        if head.bias is not None:
-            y = y + head.bias
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    head.forward = forward
-    try:
-        yield
-    finally:
-        del head.forward
-
-
-def _crop(cache, n: int) -> None:
-    """Remove the last ``n`` tokens from every layer of ``cache`` (sliding layers re-trim to their window)."""
-    for layer in cache.layers:
-        if n > 0:
-            layer.crop(-n)
-        elif isinstance(layer, DynamicSlidingWindowLayer):
-            layer.crop(0)
-
-
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(a.shape[0], b.shape[0])
-    diff = (a[:n] != b[:n]).nonzero()
-    return int(diff[0, 0]) if diff.numel() else n
-
-
-class Level:
-    """A model with a cache and the token ids the cache holds (in order)."""
-
-    def __init__(self, model, cache, drafter: Level | None = None):
-        self.model, self.cache, self.drafter = model, cache, drafter
-        self.tokens = torch.empty(0, dtype=torch.long)
-
-    def sync(self, seq: torch.Tensor) -> None:
-        """Roll back to the longest prefix shared with ``seq``, keeping its last token to feed."""
-        self.crop_to(min(_common_prefix(self.tokens, seq), seq.shape[0] - 1))
-
-    def crop_to(self, n: int) -> None:
-        if n < self.tokens.shape[0]:
-            _crop(self.cache, self.tokens.shape[0] - n)
-            self.tokens = self.tokens[:n]
-
-    def feed(self, seq: torch.Tensor, keep: int) -> torch.Tensor:
-        """Run the tokens of ``seq`` the cache lacks; returns the logits of the last ``keep`` of them ``[keep, V]``."""
-        new = seq[self.tokens.shape[0] :]
-        dev = self.model.device
-        with tall_lm_head(self.model, keep), suffix_attention(self.cache, keep > 1):
-            out = self.model(input_ids=new[None].to(dev), past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
-        self.tokens = seq.clone()
-        return out.logits[0, -keep:].to(seq.device)
-
-
-class ViewLevel(Level):
-    """The self-draft: the target model over a :class:`DraftCache` view of the target's cache."""
-
-    def begin_round(self, target: Level) -> None:
-        self.cache.begin_round()
-        self.tokens = target.tokens.clone()
-
-
-class AssistantLevel(Level):
-    """The tiny assistant with its StreamingLLM cache."""
-
-    def crop_to(self, n: int) -> None:
-        super().crop_to(n)
-        # Rollbacks *inside* a top-level round (after each assistant round the self-draft keeps a prefix)
-        # must not trigger a store's "compress at the next update after a rollback" rule (meant for HF's
-        # assisted decoding): it would commit assistant tokens that the top-level verification may still
-        # reject. make_room already evicted for the whole round at its start.
-        for layer in self.cache.layers:
-            if getattr(layer, "rolled_back", False):
-                layer.rolled_back = False
-
-    def make_room(self, headroom: int) -> None:
-        """Evict now so no eviction happens during the next round: its tokens stay exactly croppable."""
-        for layer in self.cache.layers:
-            if isinstance(layer, SlotStore) and layer.keys is not None:
-                if layer.keys.shape[-2] + headroom >= layer.budget + layer.tail:
-                    layer.compress()
-                    layer.committed = layer.seen
-
-
 @dataclass
 class _Run:
     logits_processor: LogitsProcessorList
     do_sample: bool
-    gamma: int
-    assistant_gamma: int
     threshold: float | None
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
-def propose(level: Level, seq: torch.Tensor, k: int, run: _Run):
-    """``level`` continues ``seq`` by up to ``k`` tokens: (tokens ``[k']``, distributions ``[k', V]`` or None)."""
-    level.sync(seq)
-    if level.drafter is not None:  # hierarchical: this level is itself sped up by its drafter
-        out, dists = [], []
-        cur = seq
-        while sum(t.shape[0] for t in out) < k:
-            emitted, p = step(level, level.drafter, cur, run.assistant_gamma, run, assistant=True)
-            out.append(emitted)
-            dists.append(p)
-            cur = torch.cat([cur, emitted])
-        toks = torch.cat(out)[:k]
-        return toks, (torch.cat(dists)[:k] if run.do_sample else None)
-    toks, dists = [], []
-    cur = seq
-    for _ in range(k):
-        logits = process(run.logits_processor, cur, level.feed(cur, keep=1))[0]
-        probs = logits.softmax(-1) if (run.do_sample or run.threshold is not None) else None
-        t = pick(probs if run.do_sample else logits, run.do_sample)
-        toks.append(t)
-        if run.do_sample:
-            dists.append(probs)
-        cur = torch.cat([cur, cur.new_tensor([t])])
-        if run.threshold is not None and float(probs.max()) < run.threshold:
-            break
-    return torch.tensor(toks, dtype=torch.long), (torch.stack(dists) if run.do_sample else None)
+# ---- the drafter, the verifier, the loop --------------------------------------------------------
+class SelfDraft:
+    """The target model drafting over a :class:`DraftCache` view of its own cache, all rows at once."""
+
+    def __init__(self, model, cache: KVCache, view):
+        self.model, self.cache = model, DraftCache(cache, view)
+
+    def propose(self, rows: Rows, k: int, run: _Run):
+        """Up to ``k`` tokens per row: (drafts ``[B, k']``, the draft's probabilities ``[B, k', V]`` or None)."""
+        self.cache.begin_round(*((None, None) if rows.aligned else (rows.token_pos, rows.next_pos)))
+        toks, dists = [], []
+        cur = rows.last
+        for j in range(k):
+            lg = forward_logits(self.model, 1, input_ids=cur[:, None], position_ids=rows.positions(j + 1)[:, j:],
+                                past_key_values=self.cache)
+            lg = rows.process(run.logits_processor, lg, torch.stack(toks, 1) if toks else None)[:, 0]  # [B, V]
+            probs = lg.softmax(-1) if (run.do_sample or run.threshold is not None) else None
+            cur = pick(probs if run.do_sample else lg, run.do_sample)
+            toks.append(cur)
+            if run.do_sample:
+                dists.append(probs)
+            if run.threshold is not None and bool((probs.amax(-1) < run.threshold).all()):
+                break  # no row is confident
+        drafts = torch.stack(toks, 1) if toks else rows.last.new_zeros(rows.size, 0)
+        return drafts, (torch.stack(dists, 1) if run.do_sample and dists else None)
 
 
-def step(verifier: Level, drafter: Level, seq: torch.Tensor, k: int, run: _Run, assistant: bool = False):
-    """One speculative round: returns the emitted tokens ``[n + 1]`` and the verifier's distributions for them."""
-    t0 = time.perf_counter()
-    drafts, q = propose(drafter, seq, k, run)
-    if not assistant:
-        _sync(verifier.model)
+def verify(model, cache: KVCache, rows: Rows, drafts: torch.Tensor, windows, run: _Run) -> torch.Tensor:
+    """The target's processed logits ``[B, k + 1, V]`` after each row's last token and each of its drafts."""
+    x = torch.cat([rows.last[:, None], drafts], dim=1)
+    T = x.shape[1]
+    with cache.verification():
+        lg = forward_logits(model, T, input_ids=x, position_ids=rows.positions(T),
+                            attention_mask=rows.mask(T, windows), past_key_values=cache)
+    return rows.process(run.logits_processor, lg, drafts)
+
+
+def accept(drafts, q, logits, do_sample: bool):
+    if do_sample:
+        return accept_sample(drafts, q, logits.softmax(-1))
+    return accept_greedy(drafts, logits)
+
+
+def decode(model, cache: KVCache, draft, rows: Rows, gamma: int, limit: int | None, windows, run: _Run) -> None:
+    """Speculative rounds until every row is finished (the prompt is in ``cache``, ``rows`` has its first tokens)."""
+    st = run.stats
+    while not rows.finished:
+        k = min(gamma, rows.tokens_needed() - 1)  # the round emits up to k + 1 tokens
+        if limit is not None:  # k drafts + the verification's k + 1 tokens fit the trained context
+            left = limit - cache.get_seq_length() - 1
+            if left < 0:
+                raise ValueError(
+                    f"the cache holds {cache.get_seq_length()} slots and the model's trained context is {limit}: at batch > 1 "
+                    "rejected drafts leave holes that count as slots; leave more room (shorter prompts or fewer new tokens)"
+                )
+            k = min(k, left)
+        t0 = time.perf_counter()
+        drafts, q = draft.propose(rows, k, run) if k > 0 else (rows.last.new_zeros(rows.size, 0), None)
+        _sync(model)
         t1 = time.perf_counter()
-        run.stats.draft_seconds += t1 - t0
-    verifier.sync(seq)
-    full = torch.cat([seq, drafts])
-    k = drafts.shape[0]
-    logits = process(run.logits_processor, full, verifier.feed(full, keep=k + 1))  # [k + 1, V]
-    if not assistant:  # (the logits are on the CPU here: the forward has finished)
-        run.stats.verify_seconds += time.perf_counter() - t1
-    if run.do_sample:
-        p = logits.softmax(-1)
-        n, nxt = accept_sample(drafts, q, p)
-    else:
-        p = None
-        n, nxt = accept_greedy(drafts, logits)
-    verifier.crop_to(seq.shape[0] + n)
-    if assistant:
-        run.stats.assistant_drafted += k
-        run.stats.assistant_accepted += n
-    else:
-        run.stats.drafted += k
-        run.stats.accepted += n
-    emitted = torch.cat([drafts[:n], drafts.new_tensor([nxt])])
-    return emitted, (p[: n + 1] if p is not None else None)
+        logits = verify(model, cache, rows, drafts, windows, run)
+        n, nxt = accept(drafts, q, logits, run.do_sample)
+        _sync(model)
+        st.draft_seconds += t1 - t0
+        st.verify_seconds += time.perf_counter() - t1
+        st.rounds += 1
+        st.row_rounds += rows.size
+        st.drafted += drafts.numel()
+        st.accepted += int(n.sum())
+        rows.commit(cache, drafts, n, nxt)
+        rows.retire([cache, draft.cache] if isinstance(draft, SelfDraft) else [cache],
+                    (st.accepted + st.row_rounds) / st.row_rounds)
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -314,6 +228,18 @@ def check_assistant(model, assistant, tokenizer=None, assistant_tokenizer=None) 
         raise ValueError("the assistant's tokenizer differs from the target's; speculative decoding needs the same one")
 
 
+def check_target_policy(policy) -> None:
+    """Refuse target policies under which speculation would not reproduce the patched model's own decoding."""
+    lossless = getattr(policy, "speculative_lossless", None)
+    reason = NOT_LOSSLESS.get(policy.name)
+    if lossless is False or (lossless is None and reason is not None):
+        raise ValueError(
+            f"speculative decoding over a {policy.name!r} target is not lossless: {reason or 'the policy says so'}. "
+            f"Use the {policy.name!r} model's plain generate, or speculate over a full/streaming target (e.g. "
+            "kvkit.patch(model, 'full'))"
+        )
+
+
 def _int_arg(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -333,6 +259,47 @@ def _processors(gc, do_sample) -> LogitsProcessorList:
     if top_p is not None and top_p < 1.0:
         lp.append(TopPLogitsWarper(top_p))
     return lp
+
+
+def batch_cache(model) -> KVCache:
+    """A ``full`` cache for batched speculation: the model's sliding-window layers keep every slot too (the window is
+    applied by the attention mask in token positions, which holes make differ from slot positions)."""
+    cache = KVCache(model, "full")
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, SlidingStore):
+            cache.layers[i] = FullStore(layer.info)
+    return cache
+
+
+def _target_cache(model, cache, batch: int, held_ok) -> tuple[KVCache, int]:
+    """The target's cache and how many prompt columns it already holds."""
+    if isinstance(cache, KVCache):
+        held = cache.get_seq_length()
+        held_ok(held)
+    elif cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
+        cache, held = (batch_cache(model) if batch > 1 else KVCache(model)), 0
+    else:
+        raise ValueError("kvkit.speculative.generate needs a kvkit.KVCache (or no cache) as past_key_values")
+    check_target_policy(cache.policy)
+    if batch > 1:
+        bad = [type(layer).__name__ for layer in cache.layers if not isinstance(layer, FullStore)]
+        if bad:
+            raise ValueError(
+                f"at batch > 1 the target cache must keep every slot (FullStore layers; this one has {bad[0]}): rows "
+                "accept different numbers of drafts and the rejected ones stay as masked holes, which a compressing or "
+                "sliding-window store cannot hold. Pass no cache, or kvkit.speculative.batch_cache(model); or run "
+                "the rows one at a time"
+            )
+    for layer in cache.layers:
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.activate_past_recording()  # keep rejected tokens croppable on sliding layers
+    return cache, held
+
+
+def _layer_windows(cache: KVCache) -> dict:
+    """Layer type -> sliding window (None for full attention), for the batched attention masks."""
+    return {info.layer_type: (info.sliding_window if info.layer_type == "sliding_attention" else None)
+            for info in cache.infos}
 
 
 # ---- the entry point ----------------------------------------------------------------------------
@@ -356,25 +323,32 @@ def generate(
     stats: SpeculativeStats | None = None,
     **model_kwargs,
 ):
-    """Lossless speculative decoding with the sparse-KV self-draft; batch size 1.
+    """Lossless speculative decoding with the sparse-KV self-draft, for a batch of left-padded rows.
 
-    Use directly (``kvkit.speculative.generate(model, ids, gamma=4, max_new_tokens=64)``) or as
-    ``model.generate(ids, custom_generate=kvkit.speculative.generate, gamma=4, ...)``; works on an
-    unpatched model (patched with ``full`` for the call) and after ``kvkit.patch``.
+    Use directly (``kvkit.speculative.generate(model, ids, attention_mask=mask, gamma=4, max_new_tokens=64)``) or
+    as ``model.generate(ids, attention_mask=mask, custom_generate=kvkit.speculative.generate, gamma=4, ...)``;
+    works on an unpatched model (patched with ``full`` for the call) and after ``kvkit.patch`` (not after ``cake``
+    or ``zipcache``: see ``NOT_LOSSLESS``).
 
-    draft: ``"self"`` (the only drafter; the assistant sits under it). draft_policy: ``"streaming"``
-    (sinks + recent window, MagicDec) or ``"retrieval"`` (TriForce chunks) or a ``DraftView``;
-    draft_options: its options (``budget``, ``sink`` / ``chunk``, ``rebuild``). gamma: tokens drafted
-    per verification. assistant: a tiny model sharing the tokenizer that drafts ``assistant_gamma``
-    (default gamma) tokens at a time for the self-draft, with its own cache (``assistant_cache``,
-    default StreamingLLM 16 sinks / 256). adaptive: stop drafting when the draft's top probability
-    is below 0.4 (True) or the given threshold. stats: a :class:`SpeculativeStats` filled in place.
-    Returns the sequences ``[1, prompt + new]`` (a :class:`SpeculativeOutput` with
-    ``return_dict_in_generate``).
+    input_ids ``[B, T]`` with ``attention_mask [B, T]`` (0 = left padding). Every row accepts its own drafts
+    and stops on its own (EOS, ``max_new_tokens``); finished rows leave the batch. draft: ``"self"`` (the
+    only drafter; the assistant sits under it). draft_policy: ``"streaming"`` (sinks + recent window,
+    MagicDec) or ``"retrieval"`` (TriForce chunks) or a ``DraftView``; draft_options: its options
+    (``budget``, ``sink`` / ``chunk``, ``rebuild``). gamma: tokens drafted per verification (fewer near
+    the requested length and the model's trained context). assistant: a tiny model sharing the tokenizer
+    that drafts ``assistant_gamma`` (default gamma) tokens at a time for the self-draft (batch 1), with its
+    own cache (``assistant_cache``, default StreamingLLM 16 sinks / 256). adaptive: stop drafting when
+    every row's draft top probability is below 0.4 (True) or the given threshold. stats: a
+    :class:`SpeculativeStats` filled in place.
+
+    Returns the sequences ``[B, T + new]`` (rows that stopped early padded with ``pad_token_id``, else the
+    EOS token, as ``model.generate``), or a :class:`SpeculativeOutput` with ``return_dict_in_generate``;
+    its ``past_key_values`` is the target cache in the state plain decoding leaves at batch 1, None at
+    batch > 1 (its rows hold holes and finished rows left it).
 
     Generation settings (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-    ``eos_token_id``, ``return_dict_in_generate``) are keyword arguments, as for ``model.generate``
-    (which puts them into ``generation_config`` before calling this function).
+    ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``) are keyword arguments, as for
+    ``model.generate`` (which puts them into ``generation_config`` before calling this function).
     """
     if draft != "self":
         raise ValueError(f"draft must be 'self' (the sparse-KV self-draft), got {draft!r}; pass a small model as assistant=")
@@ -383,13 +357,21 @@ def generate(
     view = make_view(draft_policy, draft_options)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a [batch, length] tensor of token ids")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"kvkit.speculative.generate supports batch size 1 (got {input_ids.shape[0]}): accepted lengths differ "
-            "per sequence; run the prompts one at a time"
-        )
-    if input_ids.shape[1] == 0:
+    if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
         raise ValueError("empty prompt: input_ids has no tokens")
+    B = input_ids.shape[0]
+    mask = model_kwargs.pop("attention_mask", None)
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}")
+    mask = mask.to(input_ids.device)
+    if not bool((mask.long().diff(dim=1) >= 0).all()) or not bool(mask[:, -1].all()):
+        raise ValueError("attention_mask must mark left padding only (0s then 1s in every row): pad on the left")
+    if assistant is not None and B > 1:
+        raise ValueError(f"the assistant hierarchy runs at batch size 1 (got {B}); drop assistant= for batched speculation")
+    if streamer is not None and B > 1:
+        raise ValueError("a streamer takes batch size 1, as in model.generate")
     via_hf = generation_config is not None
     gc = copy.deepcopy(generation_config if via_hf else model.generation_config)
     gc.update(**{k: model_kwargs.pop(k) for k in GENERATION_KEYS if k in model_kwargs})
@@ -413,16 +395,19 @@ def generate(
     if assistant is not None:
         check_assistant(model, assistant, model_kwargs.get("tokenizer"), model_kwargs.get("assistant_tokenizer"))
     eos = gc.eos_token_id
-    eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+    eos = [] if eos is None else list(eos if isinstance(eos, (list, tuple)) else [eos])
+    pad_id = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
 
-    # a one-row attention mask may mark left padding: decode the real tokens only
-    mask = model_kwargs.get("attention_mask")
-    prompt = input_ids[0]
-    if isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape and not bool(mask.all()):
-        prompt = prompt[mask[0].bool()]
-    prompt = prompt.cpu()
+    prompt = input_ids
+    if B == 1 and not bool(mask.all()):  # one row: decode its real tokens only
+        prompt, mask = input_ids[:, mask[0].bool()], torch.ones_like(input_ids[:, mask[0].bool()])
 
     import kvkit
+    from kvkit.patch import context_limit
+
+    def held_ok(held):
+        if held >= prompt.shape[1]:
+            raise ValueError(f"past_key_values already holds {held} tokens; input_ids must extend it")
 
     patched_here = []
     try:
@@ -432,25 +417,13 @@ def generate(
         if assistant is not None and getattr(assistant, "_kvkit_state", None) is None:
             kvkit.patch(assistant, "full")  # routing only: the assistant reads its own cache below
             patched_here.append(assistant)
-
-        cache = model_kwargs.get("past_key_values")
-        held = 0
-        if isinstance(cache, KVCache):
-            held = cache.get_seq_length()
-            if held >= prompt.shape[0]:
-                raise ValueError(f"past_key_values already holds {held} tokens; input_ids must extend it")
-        elif cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
-            cache = KVCache(model)
+        cache, held = _target_cache(model, model_kwargs.get("past_key_values"), B, held_ok)
+        limit = None if model._kvkit_state.allow_beyond_context else context_limit(model)
+        rows = Rows(prompt, mask, max_new_tokens, set(eos), stopping_criteria)
+        run = _Run(logits_processor, do_sample, threshold, stats if stats is not None else SpeculativeStats())
+        if assistant is None:
+            drafter = SelfDraft(model, cache, view)
         else:
-            raise ValueError("kvkit.speculative.generate needs a kvkit.KVCache (or no cache) as past_key_values")
-        for layer in cache.layers:
-            if isinstance(layer, DynamicSlidingWindowLayer):
-                layer.activate_past_recording()  # keep rejected tokens croppable on sliding layers
-
-        target = Level(model, cache)
-        target.tokens = prompt[:held].clone()
-        drafter_of_view = None
-        if assistant is not None:
             opts = dict(ASSISTANT_CACHE if assistant_cache is None else assistant_cache)
             apol = opts.pop("policy", "streaming")
             if apol not in ("streaming", "full"):
@@ -458,51 +431,39 @@ def generate(
             headroom = 2 * (gamma + assistant_gamma) + 8
             if apol == "streaming":
                 opts["tail"] = max(opts.get("tail", 32), headroom + 1)
-            drafter_of_view = AssistantLevel(assistant, KVCache(assistant, apol, **opts))
-        selfdraft = ViewLevel(model, DraftCache(cache, view), drafter=drafter_of_view)
-        run = _Run(logits_processor, do_sample, gamma, assistant_gamma, threshold,
-                   stats if stats is not None else SpeculativeStats())
+            drafter = HierarchicalDraft(model, DraftCache(cache, view), assistant, KVCache(assistant, apol, **opts),
+                                        assistant_gamma, headroom)
 
         _sync(model)
         t0 = time.perf_counter()
-        logits = process(logits_processor, prompt, target.feed(prompt, keep=1))[0]
-        first = pick(logits.softmax(-1) if do_sample else logits, do_sample)
-        seq = torch.cat([prompt, prompt.new_tensor([first])])
-        if drafter_of_view is not None:  # the assistant reads the prompt here, as part of the prefill
-            drafter_of_view.feed(prompt, keep=1)
+        lg = forward_logits(model, 1, input_ids=prompt[:, held:], attention_mask=None if rows.aligned else mask,
+                            position_ids=rows.prompt_pos[:, held:], past_key_values=cache)
+        lg = rows.process(logits_processor, lg)[:, 0]
+        rows.start(pick(lg.softmax(-1) if do_sample else lg, do_sample))
+        if assistant is not None:
+            drafter.prefill(prompt[0].cpu())
         _sync(model)
         t1 = time.perf_counter()
         run.stats.prefill_seconds += t1 - t0
-        new = [first]
-        done = first in eos or len(new) >= max_new_tokens or _stop(stopping_criteria, input_ids, new)
-        while not done:
-            if drafter_of_view is not None:
-                drafter_of_view.sync(seq)
-                drafter_of_view.make_room(headroom)
-            selfdraft.begin_round(target)
-            emitted, _ = step(target, selfdraft, seq, gamma, run)
-            run.stats.rounds += 1
-            for t in emitted.tolist():
-                new.append(t)
-                if t in eos or len(new) >= max_new_tokens or _stop(stopping_criteria, input_ids, new):
-                    done = True
-                    break
-            seq = torch.cat([prompt, torch.tensor(new, dtype=torch.long)])
-        target.crop_to(seq.shape[0] - 1)  # the state plain decoding leaves: the last token not yet fed
+        decode(model, cache, drafter, rows, gamma, limit, _layer_windows(cache), run)
+        if B == 1:
+            # plain decoding's state: the prompt and every new token but the last (the round may have run past the end)
+            cache.rollback(cache.get_seq_length() - (prompt.shape[1] + len(rows.new[0]) - 1))
         _sync(model)
         run.stats.decode_seconds += time.perf_counter() - t1
-        run.stats.new_tokens += len(new)
-        run.stats.decode_tokens += len(new) - 1
+        new = sum(len(t) for t in rows.new)
+        run.stats.new_tokens += new
+        run.stats.decode_tokens += new - B
     finally:
         for m in patched_here:
             kvkit.unpatch(m)
 
     if streamer is not None:
-        streamer.put(torch.tensor(new))
+        streamer.put(torch.tensor(rows.new[0]))
         streamer.end()
-    sequences = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+    sequences = rows.sequences(input_ids, pad_id)
     if getattr(gc, "return_dict_in_generate", False):
-        return SpeculativeOutput(sequences=sequences, past_key_values=cache, stats=run.stats)
+        return SpeculativeOutput(sequences=sequences, past_key_values=cache if B == 1 else None, stats=run.stats)
     return sequences
 
 
@@ -511,10 +472,3 @@ def _sync(model) -> None:
     dev = getattr(model, "device", None)
     if dev is not None and dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _stop(stopping_criteria, input_ids, new) -> bool:
-    if not stopping_criteria:
-        return False
-    ids = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
-    return bool(stopping_criteria(ids, None).all())

@@ -1,8 +1,8 @@
 """Lossless verification: the greedy rule and the standard speculative-sampling rejection rule.
 
-Given ``k`` drafted tokens with the drafter's distributions ``q [k, V]`` and the verifier's
-distributions ``p [k + 1, V]`` at the same positions (row ``i`` predicts draft ``i``; row ``k`` the
-token after the last draft):
+Given ``k`` drafted tokens per batch row with the drafter's distributions ``q [B, k, V]`` and the
+verifier's distributions ``p [B, k + 1, V]`` at the same positions (``p[:, i]`` predicts draft ``i``;
+``p[:, k]`` the token after the last draft), each row independently:
 
 * greedy: accept the longest prefix where the draft equals ``argmax p``; the next token is
   ``argmax p`` at the first mismatch (or at row ``k``, the bonus token);
@@ -34,16 +34,26 @@ def process(logits_processor, prefix: torch.Tensor, logits: torch.Tensor) -> tor
     return torch.stack(rows)
 
 
-def accept_greedy(drafts: torch.Tensor, p_logits: torch.Tensor) -> tuple[int, int]:
-    """drafts ``[k]``, verifier logits ``[k + 1, V]`` -> (accepted count, next token)."""
-    target = p_logits.argmax(dim=-1)  # [k + 1]
-    k = drafts.shape[0]
-    mismatch = (drafts != target[:k]).nonzero()
-    n = int(mismatch[0, 0]) if mismatch.numel() else k
-    return n, int(target[n])
+def accept_greedy(drafts: torch.Tensor, p_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts ``[B, k]``, verifier logits ``[B, k + 1, V]`` -> (accepted counts ``[B]``, next tokens ``[B]``)."""
+    target = p_logits.argmax(dim=-1)  # [B, k + 1]
+    k = drafts.shape[1]
+    n = (drafts == target[:, :k]).long().cumprod(dim=1).sum(dim=1)  # length of the agreeing prefix
+    return n, target.gather(1, n[:, None])[:, 0]
 
 
-def accept_sample(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> tuple[int, int]:
+def accept_sample(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts ``[B, k]``, drafter probs ``q [B, k, V]``, verifier probs ``p [B, k + 1, V]`` -> (accepted ``[B]``, next ``[B]``).
+
+    Each row draws its own uniforms and residual sample, in row order."""
+    if drafts.shape[1] == 0:  # nothing drafted: a plain sampling step
+        return drafts.new_zeros(drafts.shape[0]), torch.multinomial(p[:, 0], 1)[:, 0]
+    out = [accept_sample_row(drafts[b], q[b], p[b]) for b in range(drafts.shape[0])]
+    return (torch.tensor([o[0] for o in out], dtype=torch.long, device=drafts.device),
+            torch.tensor([o[1] for o in out], dtype=torch.long, device=drafts.device))
+
+
+def accept_sample_row(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> tuple[int, int]:
     """drafts ``[k]``, drafter probs ``q [k, V]``, verifier probs ``p [k + 1, V]`` -> (accepted, next token)."""
     k = drafts.shape[0]
     rows = torch.arange(k, device=drafts.device)
@@ -58,8 +68,8 @@ def accept_sample(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> tup
     return n, int(torch.multinomial(residual / residual.sum(), 1))
 
 
-def pick(probs_or_logits: torch.Tensor, do_sample: bool) -> int:
-    """One token from a row ``[V]``: argmax of logits (greedy) or a sample from probabilities."""
+def pick(probs_or_logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """One token per row from ``[B, V]``: argmax of logits (greedy) or a sample from probabilities -> ``[B]``."""
     if do_sample:
-        return int(torch.multinomial(probs_or_logits, 1))
-    return int(probs_or_logits.argmax())
+        return torch.multinomial(probs_or_logits, 1)[:, 0]
+    return probs_or_logits.argmax(dim=-1)
