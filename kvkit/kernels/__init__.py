@@ -175,39 +175,64 @@ def weighted_decode(q, k, v, log_weight=None, *, scale=None, valid=None, return_
     return _finish(out, lse, squeeze, return_lse)
 
 
-def quant_decode(q, kpack: Packed, vpack: Packed, *, scale=None, valid=None, return_lse=False, num_splits=None):
+def quant_decode(q, kpack, vpack, *, scale=None, valid=None, return_lse=False, num_splits=None):
     """Decode attention straight from packed int8/int4/int2 keys and values (no fp16 K/V materialised).
 
     q ``[B, Hq, D]`` or ``[B, Hq, Tq, D]``; kpack, vpack: :class:`Packed` of tensors ``[B, Hkv, N, D]``
     from :func:`quantize` (any bits/group/axis, optional ``channel_prescale``); valid as in
-    :func:`sparse_decode`. Returns out in q's shape and dtype [+ lse]. The Triton path needs D/(8/bits)
-    to be a power of two >= 16 (int8: D >= 16, int4: D >= 32, int2: D >= 64); other shapes use the reference.
+    :func:`sparse_decode`. kpack, vpack (and valid) may also be equal-length lists of parts (e.g. precision
+    groups, segments; N may differ between parts): the result is attention over their union. Returns out in
+    q's shape and dtype [+ lse]. Paths: CUDA -> Triton (per part, merged by LSE; needs D/(8/bits) a power of
+    two >= 16: int8 D >= 16, int4 D >= 32, int2 D >= 64); CPU -> the C kernel of :mod:`.quant_cpu` (all parts
+    in one call, codes unpacked in registers) where it builds and the layout fits; otherwise the reference.
     """
     fn = "quant_decode"
     check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
-    for name, p in (("kpack", kpack), ("vpack", vpack)):
-        if not isinstance(p, Packed):
-            fail(fn, f"{name} must be a kvkit.kernels.Packed (from quantize), got {type(p).__name__}")
-        if len(p.shape) != 4:
-            fail(fn, f"{name} must pack a [B, Hkv, N, D] tensor, got shape {tuple(p.shape)}")
-        if p.data.device != q.device:
-            fail(fn, f"{name} is on {p.data.device} but q is on {q.device}")
-    if tuple(kpack.shape) != tuple(vpack.shape):
-        fail(fn, f"kpack {tuple(kpack.shape)} and vpack {tuple(vpack.shape)} must pack the same [B, Hkv, N, D]")
+    many = isinstance(kpack, (list, tuple))
+    kps, vps = (list(kpack), list(vpack)) if many else ([kpack], [vpack])
+    valids = (list(valid) if valid is not None else [None] * len(kps)) if many else [valid]
+    if not kps or len(vps) != len(kps) or len(valids) != len(kps):
+        fail(fn, f"kpack, vpack (and valid) must be Packed or equal-length non-empty lists, got {len(kps)} / "
+                 f"{len(vps) if isinstance(vps, list) else type(vpack).__name__} / {len(valids)}")
     q4 = q.unsqueeze(2) if q.dim() == 3 else q
     B, Hq, Tq, D = q4.shape
-    _, Hkv, N, Dk = kpack.shape
-    if kpack.shape[0] != B or Dk != D or Hq % Hkv:
-        fail(fn, f"packed K/V {tuple(kpack.shape)} do not match q {tuple(q.shape)} (B, D, Hq % Hkv == 0)")
-    mask = check_valid(fn, valid, B, N, q.device)
+    masks = []
+    for kp, vp, val in zip(kps, vps, valids):
+        for name, p in (("kpack", kp), ("vpack", vp)):
+            if not isinstance(p, Packed):
+                fail(fn, f"{name} must be a kvkit.kernels.Packed (from quantize), got {type(p).__name__}")
+            if len(p.shape) != 4:
+                fail(fn, f"{name} must pack a [B, Hkv, N, D] tensor, got shape {tuple(p.shape)}")
+            if p.data.device != q.device:
+                fail(fn, f"{name} is on {p.data.device} but q is on {q.device}")
+        if tuple(kp.shape) != tuple(vp.shape):
+            fail(fn, f"kpack {tuple(kp.shape)} and vpack {tuple(vp.shape)} must pack the same [B, Hkv, N, D]")
+        _, Hkv, N, Dk = kp.shape
+        if kp.shape[0] != B or Dk != D or Hq % Hkv or Hkv != kps[0].shape[1]:
+            fail(fn, f"packed K/V {tuple(kp.shape)} do not match q {tuple(q.shape)} (B, D, Hq % Hkv == 0)")
+        masks.append(check_valid(fn, val, B, N, q.device))
     scale = default_scale(scale, D)
-    if use_triton(q, kpack.data, vpack.data) and _quant_supported(D, kpack.bits, vpack.bits):
+    if use_triton(q, kps[0].data, vps[0].data) and all(_quant_supported(D, k.bits, v.bits) for k, v in zip(kps, vps)):
         from .quant_attn import quant_decode_triton
 
+        out = lse = None
         with _on_device(q):
-            out, lse = quant_decode_triton(q4, kpack, vpack, scale=scale, mask=mask, num_splits=num_splits)
-    else:
-        out, lse = _ref.quant_decode_ref(q4, kpack, vpack, scale=scale, mask=mask)
+            for kp, vp, mask in zip(kps, vps, masks):
+                o, s = quant_decode_triton(q4, kp, vp, scale=scale, mask=mask, num_splits=num_splits)
+                out, lse = (o, s) if out is None else merge_attn(out, lse, o, s)
+        return _finish(out, lse, q.dim() == 3, return_lse)
+    from . import quant_cpu
+
+    if (q.device.type == "cpu" and os.environ.get("KVKIT_KERNELS", "auto").strip().lower() != "reference"
+            and q.dtype != torch.float64 and all(quant_cpu.supported(k, v, D) for k, v in zip(kps, vps))
+            and quant_cpu.available()):
+        masks = [None if m is None or bool(m.all()) else m for m in masks]
+        out, lse = quant_cpu.quant_attn(q4, list(zip(kps, vps, masks)), scale)
+        return _finish(out, lse, q.dim() == 3, return_lse)
+    out = lse = None
+    for kp, vp, mask in zip(kps, vps, masks):
+        o, s = _ref.quant_decode_ref(q4, kp, vp, scale=scale, mask=mask)
+        out, lse = (o, s) if out is None else merge_attn(out, lse, o, s)
     return _finish(out, lse, q.dim() == 3, return_lse)
 
 

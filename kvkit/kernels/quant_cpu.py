@@ -1,0 +1,409 @@
+"""CPU decode attention straight from packed int8 / int4 / int2 K/V (see ``quant.Packed``): a small C kernel.
+
+The torch reference (:func:`kvkit.kernels.reference.quant_decode_ref`) dequantizes every packed token into
+a float K and V and attends densely, so each decode step writes and re-reads a float copy of the whole
+cache. This kernel reads only the packed bytes and the statistics:
+
+* scores, keys quantised per channel with one statistic per channel (``scale_k, zero_k [D]``):
+  ``q . k_n = sum_d (q_d scale_d) code_nd + sum_d q_d zero_d``: the query is multiplied by the key scale
+  once per part, and each token's codes are unpacked in registers (16 channels per shift/mask/convert)
+  and dotted with it; no float key is ever stored;
+* one softmax over the scores of *all* parts (one scratch row of fp32 scores per query row; vectorized
+  exp), so several packed parts (precision groups, segments) need no LSE merge among themselves;
+* values quantised per token (``scale_n, zero_n``) with an optional channel pre-scale ``c_d``:
+  ``sum_n p_n v_nd = c_d (sum_n (p_n scale_n) code_nd + sum_n p_n zero_n)``, accumulated in registers.
+
+Work is split over (batch, KV head) with OpenMP (``torch.get_num_threads()`` threads). The query rows of
+a KV head (its G query heads x Tq tokens) are processed in blocks of up to 4, so each byte of codes is
+read once per block.
+
+The C source below is compiled on first use with the system C compiler (``cc``/``gcc``, ``-O3
+-march=native``) into ``$KVKIT_CACHE/kernels`` (default ``~/.cache/kvkit/kernels``), keyed by a hash of
+the source and the compiler, and loaded with ``ctypes``. AVX-512 (F + BW + VL) machines get the
+intrinsics path; others a portable C loop. Without a compiler :func:`available` is False and
+``quant_decode`` uses the torch reference. ``KVKIT_QUANT_CPU=0`` disables this kernel.
+
+Supported layouts (:func:`supported`): keys ``axis=-2`` with one statistic per channel over all tokens
+(``group_size >= N``, ZipCache's layout), values ``axis=-1`` with one statistic per token
+(``group_size == D``), ``D * bits / 8`` bytes per token in {4, 8} or a multiple of 16, D <= 256.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+from .quant import Packed
+
+_SRC = r"""
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <stdlib.h>
+#define AI static inline __attribute__((always_inline))
+#define RB 4
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+int kvkit_has_avx512(void) { return 1; }
+
+/* CW (4, 8 or 16) bytes of codes -> P = 8/BITS vectors of CW channels (lanes >= CW are zero) */
+AI void unpack(const uint8_t *p, int CW, int BITS, __m512 *c) {
+  __m128i b = CW == 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8((__mmask16)((1u << CW) - 1), p);
+  __m512i x = _mm512_cvtepu8_epi32(b);
+  const __m512i msk = _mm512_set1_epi32((1 << BITS) - 1);
+  for (int j = 0; j < 8 / BITS; j++) c[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, j * BITS), msk));
+}
+
+AI __m512 ld(const float *p, int CW) {
+  return CW == 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << CW) - 1), p);
+}
+
+/* exp(x) for x <= 0 (softmax numerators); 0 below -87 and for -inf. Cephes-style: 2^n * poly(r). */
+AI __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __mmask16 ok = _mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ);
+  x = _mm512_max_ps(x, lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(ok, _mm512_scalef_ps(y, n));
+}
+
+/* scores of R query rows (already multiplied by the key scale: qs [R, D]; bias qz [R]) over n tokens */
+AI void qk_rows(const float *qs, const float *qz, const uint8_t *kd, const uint8_t *msk, int64_t n, int R, int D,
+                int KB, float scaling, float *s, int64_t lds) {
+  const int P = 8 / KB, DB = D / P, CW = DB < 16 ? DB : 16, NC = DB / CW;
+  __m512 qv[RB][16];
+  for (int r = 0; r < R; r++) for (int j = 0; j < P; j++) for (int c = 0; c < NC; c++)
+    qv[r][j * NC + c] = ld(qs + r * D + j * DB + c * CW, CW);
+  for (int64_t t = 0; t < n; t++) {
+    const uint8_t *row = kd + t * DB;
+    __m512 acc[RB];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; c++) {
+      __m512 cv[4];
+      unpack(row + c * CW, CW, KB, cv);
+      for (int j = 0; j < P; j++) for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(qv[r][j * NC + c], cv[j], acc[r]);
+    }
+    int keep = !msk || msk[t];
+    for (int r = 0; r < R; r++) s[r * lds + t] = keep ? (_mm512_reduce_add_ps(acc[r]) + qz[r]) * scaling : -INFINITY;
+  }
+}
+
+/* acc_out[R, D] += vp * (sum_t p_t vs_t code_t + sum_t p_t vz_t) over n tokens */
+AI void pv_rows(const float *p, int64_t ldp, const uint8_t *vd, const float *vs, const float *vz, const float *vp,
+                int64_t n, int R, int D, int VB, float *acc_out) {
+  const int P = 8 / VB, DB = D / P, CW = DB < 16 ? DB : 16, NC = DB / CW;
+  __m512 acc[RB][16];
+  float zs[RB];
+  for (int r = 0; r < R; r++) { zs[r] = 0.f; for (int i = 0; i < P * NC; i++) acc[r][i] = _mm512_setzero_ps(); }
+  for (int64_t t = 0; t < n; t++) {
+    __m512 w[RB];
+    int any = 0;
+    for (int r = 0; r < R; r++) { float pr = p[r * ldp + t]; any |= pr != 0.f; zs[r] += pr * vz[t]; w[r] = _mm512_set1_ps(pr * vs[t]); }
+    if (!any) continue;
+    const uint8_t *row = vd + t * DB;
+    for (int c = 0; c < NC; c++) {
+      __m512 cv[4];
+      unpack(row + c * CW, CW, VB, cv);
+      for (int j = 0; j < P; j++) for (int r = 0; r < R; r++) acc[r][j * NC + c] = _mm512_fmadd_ps(w[r], cv[j], acc[r][j * NC + c]);
+    }
+  }
+  const __mmask16 lm = (__mmask16)(CW == 16 ? 0xffff : (1u << CW) - 1);
+  for (int r = 0; r < R; r++) for (int j = 0; j < P; j++) for (int c = 0; c < NC; c++) {
+    int off = j * DB + c * CW;
+    __m512 o = _mm512_add_ps(acc[r][j * NC + c], _mm512_set1_ps(zs[r]));
+    if (vp) o = _mm512_mul_ps(o, ld(vp + off, CW));
+    _mm512_mask_storeu_ps(acc_out + r * D + off, lm, _mm512_add_ps(o, ld(acc_out + r * D + off, CW)));
+  }
+}
+
+AI float row_max(const float *s, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+  float mx = _mm512_reduce_max_ps(m);
+  for (; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+  return mx;
+}
+
+AI float row_exp_sum(float *s, int64_t n, float mx) {
+  __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(mx);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (t < n) {
+    __mmask16 k = (__mmask16)((1u << (n - t)) - 1);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, s + t), m));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#else
+int kvkit_has_avx512(void) { return 0; }
+
+AI void qk_rows(const float *qs, const float *qz, const uint8_t *kd, const uint8_t *msk, int64_t n, int R, int D,
+                int KB, float scaling, float *s, int64_t lds) {
+  const int P = 8 / KB, DB = D / P, km = (1 << KB) - 1;
+  float code[256];
+  for (int64_t t = 0; t < n; t++) {
+    const uint8_t *row = kd + t * DB;
+    for (int j = 0; j < P; j++) for (int b = 0; b < DB; b++) code[j * DB + b] = (float)((row[b] >> (j * KB)) & km);
+    int keep = !msk || msk[t];
+    for (int r = 0; r < R; r++) {
+      float a = 0.f;
+      for (int d = 0; d < D; d++) a += qs[r * D + d] * code[d];
+      s[r * lds + t] = keep ? (a + qz[r]) * scaling : -INFINITY;
+    }
+  }
+}
+
+AI void pv_rows(const float *p, int64_t ldp, const uint8_t *vd, const float *vs, const float *vz, const float *vp,
+                int64_t n, int R, int D, int VB, float *acc_out) {
+  const int P = 8 / VB, DB = D / P, vm = (1 << VB) - 1;
+  float acc[RB][256], code[256], zs[RB];
+  for (int r = 0; r < R; r++) { zs[r] = 0.f; for (int d = 0; d < D; d++) acc[r][d] = 0.f; }
+  for (int64_t t = 0; t < n; t++) {
+    const uint8_t *row = vd + t * DB;
+    for (int j = 0; j < P; j++) for (int b = 0; b < DB; b++) code[j * DB + b] = (float)((row[b] >> (j * VB)) & vm);
+    for (int r = 0; r < R; r++) {
+      float pr = p[r * ldp + t], w = pr * vs[t];
+      zs[r] += pr * vz[t];
+      for (int d = 0; d < D; d++) acc[r][d] += w * code[d];
+    }
+  }
+  for (int r = 0; r < R; r++) for (int d = 0; d < D; d++)
+    acc_out[r * D + d] += (acc[r][d] + zs[r]) * (vp ? vp[d] : 1.f);
+}
+
+AI float row_max(const float *s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+  return mx;
+}
+
+AI float row_exp_sum(float *s, int64_t n, float mx) {
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; t++) { float e = s[t] == -INFINITY ? 0.f : expf(s[t] - mx); s[t] = e; sum += e; }
+  return sum;
+}
+#endif
+
+/* compile-time constants for the common shapes, a generic call otherwise */
+#define BY_BITS(F, R_, D_, BITS, ...) \
+  do { if (BITS == 4) F(__VA_ARGS__, R_, D_, 4); else if (BITS == 2) F(__VA_ARGS__, R_, D_, 2); else F(__VA_ARGS__, R_, D_, 8); } while (0)
+#define BY_R(F, R, D_, BITS, ...) \
+  do { if (R == 4) BY_BITS(F, 4, D_, BITS, __VA_ARGS__); else if (R == 3) BY_BITS(F, 3, D_, BITS, __VA_ARGS__); \
+       else if (R == 2) BY_BITS(F, 2, D_, BITS, __VA_ARGS__); else BY_BITS(F, 1, D_, BITS, __VA_ARGS__); } while (0)
+#define DISPATCH(F, R, D, BITS, ...) \
+  do { if (D == 64) BY_R(F, R, 64, BITS, __VA_ARGS__); else if (D == 128) BY_R(F, R, 128, BITS, __VA_ARGS__); \
+       else BY_R(F, R, D, BITS, __VA_ARGS__); } while (0)
+#define QK(qs, qz, kd, msk, n, scaling, s, lds, R_, D_, B_) qk_rows(qs, qz, kd, msk, n, R_, D_, B_, scaling, s, lds)
+#define PV(p, ldp, vd, vs, vz, vp, n, o, R_, D_, B_) pv_rows(p, ldp, vd, vs, vz, vp, n, R_, D_, B_, o)
+
+/* q [B*H, M, D]; part i: kd [B*H, n_i, D*kb_i/8], ks/kz [B*H, D], vd [B*H, n_i, D*vb_i/8], vs/vz [B*H, n_i],
+   vp [B*H, D] or NULL, mask [B, n_i] or NULL (uint8, 0 = not visible); scratch [B*H, M, sum n_i];
+   out [B*H, M, D]; lse [B*H, M] */
+int kvkit_quant_attn(int nparts, const int64_t *ns, const int *kb, const int *vb, const uint8_t **kd,
+                     const float **ks, const float **kz, const uint8_t **vd, const float **vs, const float **vz,
+                     const float **vp, const uint8_t **mask, const float *q, int64_t B, int64_t H, int M, int D,
+                     float scaling, float *scratch, float *out, float *lse, int nthreads) {
+  if (D > 256 || M < 1) return -1;
+  int64_t ntot = 0;
+  for (int i = 0; i < nparts; i++) ntot += ns[i];
+  int64_t BH = B * H;
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t bh = 0; bh < BH; bh++) {
+    int64_t b = bh / H;
+    const float *qb = q + bh * M * D;
+    float *sb = scratch + bh * M * ntot, *ob = out + bh * M * D;
+    memset(ob, 0, sizeof(float) * M * D);
+    for (int r0 = 0; r0 < M; r0 += RB) {
+      int R = M - r0 < RB ? M - r0 : RB;
+      float qs[RB * 256], qz[RB];
+      int64_t off = 0;
+      for (int i = 0; i < nparts; i++) {
+        const float *sc = ks[i] + bh * D, *zp = kz[i] + bh * D;
+        for (int r = 0; r < R; r++) {
+          float z = 0.f;
+          for (int d = 0; d < D; d++) { float x = qb[(r0 + r) * D + d]; qs[r * D + d] = x * sc[d]; z += x * zp[d]; }
+          qz[r] = z;
+        }
+        const uint8_t *kdp = kd[i] + bh * ns[i] * (D * kb[i] / 8);
+        const uint8_t *mp = mask[i] ? mask[i] + b * ns[i] : 0;
+        DISPATCH(QK, R, D, kb[i], qs, qz, kdp, mp, ns[i], scaling, sb + r0 * ntot + off, ntot);
+        off += ns[i];
+      }
+      for (int r = 0; r < R; r++) {
+        float *row = sb + (r0 + r) * ntot;
+        float mx = row_max(row, ntot);
+        if (mx == -INFINITY) { memset(row, 0, sizeof(float) * ntot); lse[bh * M + r0 + r] = -INFINITY; continue; }
+        float l = row_exp_sum(row, ntot, mx);
+        lse[bh * M + r0 + r] = mx + logf(l);
+        float inv = 1.f / l;
+        for (int64_t t = 0; t < ntot; t++) row[t] *= inv;
+      }
+      off = 0;
+      for (int i = 0; i < nparts; i++) {
+        const uint8_t *vdp = vd[i] + bh * ns[i] * (D * vb[i] / 8);
+        const float *vpp = vp[i] ? vp[i] + bh * D : 0;
+        DISPATCH(PV, R, D, vb[i], sb + r0 * ntot + off, ntot, vdp, vs[i] + bh * ns[i], vz[i] + bh * ns[i], vpp,
+                 ns[i], ob + r0 * D);
+        off += ns[i];
+      }
+    }
+  }
+  return 0;
+}
+"""
+
+_lock = threading.Lock()
+_lib = None
+_tried = False
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("KVKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvkit")
+    return os.path.join(root, "kernels")
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+def _build():
+    cc = _compiler()
+    if cc is None:
+        return None
+    tag = hashlib.sha256((_SRC + cc + os.uname().machine).encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    so = os.path.join(out_dir, f"quant_cpu_{tag}.so")
+    if not os.path.exists(so):
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "quant_cpu.c")
+            with open(src, "w") as f:
+                f.write(_SRC)
+            tmp_so = os.path.join(tmp, "quant_cpu.so")
+            base = [cc, "-O3", "-shared", "-fPIC", "-fno-math-errno", src, "-o", tmp_so, "-lm"]
+            for extra in (["-march=native", "-fopenmp"], ["-march=native"], []):
+                r = subprocess.run(base[:1] + extra + base[1:], capture_output=True, text=True)
+                if r.returncode == 0:
+                    break
+            else:
+                return None
+            os.replace(tmp_so, so)  # atomic: concurrent processes never load a half-written library
+    lib = ctypes.CDLL(so)
+    P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.kvkit_quant_attn.argtypes = [I, P, P, P, P, P, P, P, P, P, P, P, P, I64, I64, I, I, F, P, P, P, I]
+    lib.kvkit_quant_attn.restype = I
+    lib.kvkit_has_avx512.restype = I
+    return lib
+
+
+def _load():
+    global _lib, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                try:
+                    _lib = _build()
+                except OSError:
+                    _lib = None
+                _tried = True
+    return _lib
+
+
+def available() -> bool:
+    """True when the kernel is built (or builds now) and not disabled by ``KVKIT_QUANT_CPU=0``."""
+    if os.environ.get("KVKIT_QUANT_CPU", "1").strip() in ("0", "false", "no", "off"):
+        return False
+    return _load() is not None
+
+
+def has_avx512() -> bool:
+    lib = _load()
+    return bool(lib is not None and lib.kvkit_has_avx512())
+
+
+def supported(kpack: Packed, vpack: Packed, D: int) -> bool:
+    """Whether a (keys, values) pair has a layout this kernel reads (see the module docstring)."""
+    if kpack.data.device.type != "cpu" or D > 256:
+        return False
+    N = kpack.shape[-2]
+    for p in (kpack, vpack):
+        db = D * p.bits // 8
+        if not (db in (4, 8) or db % 16 == 0):
+            return False
+    return (kpack.axis == -2 and kpack.scale.shape[-2] == 1 and (kpack.group_size >= N or N == 0)
+            and kpack.prescale is None and vpack.axis == -1 and vpack.group_size == D)
+
+
+def quant_attn(q4: torch.Tensor, parts, scale: float):
+    """Attention of ``q4 [B, Hq, Tq, D]`` over the union of packed parts ``[(kpack, vpack, mask [B, N] bool | None)]``
+    (every query sees every unmasked token). Returns (out ``[B, Hq, Tq, D]`` in q's dtype, lse ``[B, Hq, Tq]`` fp32);
+    a query row that sees no token gets zeros and ``-inf``."""
+    lib = _load()
+    B, Hq, Tq, D = q4.shape
+    H = parts[0][0].shape[1]
+    G = Hq // H
+    M = G * Tq
+    qf = q4.reshape(B, H, M, D).float().contiguous()  # query head h*G + g reads KV head h; row g*Tq + t
+    keep = []  # every tensor whose pointer is handed to C stays referenced until the call returns
+
+    def ptr(t, dtype):
+        t = t.to(dtype).contiguous()
+        keep.append(t)
+        return t.data_ptr()
+
+    n = len(parts)
+    arr = lambda ctype, vals: (ctype * n)(*vals)  # noqa: E731
+    ns, kb, vb, kd, ks, kz, vd, vs, vz, vp, mk = ([] for _ in range(11))
+    for kp, vpk, mask in parts:
+        ns.append(kp.shape[-2])
+        kb.append(kp.bits)
+        vb.append(vpk.bits)
+        kd.append(ptr(kp.data, torch.uint8))
+        ks.append(ptr(kp.scale, torch.float32))
+        kz.append(ptr(kp.zero, torch.float32))
+        vd.append(ptr(vpk.data, torch.uint8))
+        vs.append(ptr(vpk.scale, torch.float32))
+        vz.append(ptr(vpk.zero, torch.float32))
+        vp.append(None if vpk.prescale is None else ptr(vpk.prescale, torch.float32))
+        mk.append(None if mask is None else ptr(mask, torch.uint8))
+    ntot = sum(ns)
+    scratch = torch.empty(B * H * M * max(ntot, 1), dtype=torch.float32)
+    out = torch.empty(B, H, M, D, dtype=torch.float32)
+    lse = torch.empty(B, H, M, dtype=torch.float32)
+    P = ctypes.c_void_p
+    rc = lib.kvkit_quant_attn(
+        n, arr(ctypes.c_int64, ns), arr(ctypes.c_int, kb), arr(ctypes.c_int, vb), arr(P, kd), arr(P, ks),
+        arr(P, kz), arr(P, vd), arr(P, vs), arr(P, vz), arr(P, vp), arr(P, mk), qf.data_ptr(), B, H, M, D,
+        float(scale), scratch.data_ptr(), out.data_ptr(), lse.data_ptr(), max(1, torch.get_num_threads()))
+    if rc != 0:
+        raise RuntimeError(f"kvkit quant_cpu kernel refused shapes B={B} H={H} M={M} D={D}")
+    del keep
+    out = out.view(B, Hq, Tq, D).to(q4.dtype)
+    return out, lse.view(B, Hq, Tq)
