@@ -167,6 +167,8 @@ def held_kv(store):
     info = getattr(store, "info", None)
     window = info.sliding_window if info is not None and info.layer_type == "sliding_attention" else None
     if isinstance(store, SlotStore):
+        if store.keys is None or not store.keys.shape[-2]:
+            return None, None, None, None
         return store.keys, store.values, store.pos, None
     if isinstance(store, DynamicLayer) and store.is_initialized and store.keys is not None and store.keys.numel():
         n, seen = store.keys.shape[-2], store.get_seq_length()

@@ -175,15 +175,13 @@ def decode(model, cache: KVCache, draft, rows: Rows, gamma: int, limit: int | No
     """Speculative rounds until every row is finished (the prompt is in ``cache``, ``rows`` has its first tokens)."""
     st = run.stats
     while not rows.finished:
-        k = min(gamma, rows.tokens_needed() - 1)  # the round emits up to k + 1 tokens
-        if limit is not None:  # k drafts + the verification's k + 1 tokens fit the trained context
-            left = limit - cache.get_seq_length() - 1
-            if left < 0:
-                raise ValueError(
-                    f"the cache holds {cache.get_seq_length()} slots and the model's trained context is {limit}: at batch > 1 "
-                    "rejected drafts leave holes that count as slots; leave more room (shorter prompts or fewer new tokens)"
-                )
-            k = min(k, left)
+        need = rows.tokens_needed()
+        k = min(gamma, need - 1)  # the round emits up to k + 1 tokens
+        if limit is not None:  # positions left: the drafts and the verification's k + 1 tokens fit the context
+            k = min(k, limit - cache.get_seq_length() - (1 if rows.size == 1 else need))
+            # (batch > 1: a round adds up to k + 1 slots while the slowest row may advance by one token, so the
+            # rows still needing `need` tokens always fit, as they do in plain decoding; see rows.py)
+            k = max(k, 0)
         t0 = time.perf_counter()
         drafts, q = draft.propose(rows, k, run) if k > 0 else (rows.last.new_zeros(rows.size, 0), None)
         _sync(model)
@@ -262,7 +260,7 @@ def _processors(gc, do_sample) -> LogitsProcessorList:
 
 
 def batch_cache(model) -> KVCache:
-    """A ``full`` cache for batched speculation: the model's sliding-window layers keep every slot too (the window is
+    """A ``full`` cache for batched speculation (to prefill a prompt once and speculate from copies): the model's sliding-window layers keep every slot too (the window is
     applied by the attention mask in token positions, which holes make differ from slot positions)."""
     cache = KVCache(model, "full")
     for i, layer in enumerate(cache.layers):
@@ -277,7 +275,9 @@ def _target_cache(model, cache, batch: int, held_ok) -> tuple[KVCache, int]:
         held = cache.get_seq_length()
         held_ok(held)
     elif cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
-        cache, held = (batch_cache(model) if batch > 1 else KVCache(model)), 0
+        cache, held = KVCache(model), 0  # the patched policy's
+        if batch > 1 and not any(isinstance(layer, SlotStore) for layer in cache.layers):
+            cache = batch_cache(model)
     else:
         raise ValueError("kvkit.speculative.generate needs a kvkit.KVCache (or no cache) as past_key_values")
     check_target_policy(cache.policy)
