@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from kvkit.kernels.reference import apply_rope, rotate_half  # noqa: F401  (re-exported)
 from kvkit.stores.base import LayerInfo
 
 
@@ -69,27 +70,26 @@ def make_rope_fn(model) -> Callable | None:
             cos, sin = rotary(x, positions.to(dev))
         return cos.to(out_dev), sin.to(out_dev)
 
+    def params(layer_type: str = "full_attention"):
+        """``(inv_freq [Dr/2] fp32, attention_scaling)`` of the rotary module (for kernels that evaluate RoPE
+        themselves), or None when it keeps no plain ``inv_freq``."""
+        pre = f"{layer_type}_" if typed else ""
+        inv = getattr(rotary, pre + "inv_freq", None)
+        if not isinstance(inv, torch.Tensor) or inv.dim() != 1:
+            return None
+        return inv, float(getattr(rotary, pre + "attention_scaling", 1.0) or 1.0)
+
+    rope.params = params
     return rope
 
 
 # ---- RoPE algebra (transformers' rotate_half convention) --------------------------------------------
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [..., D]`` rotated by ``cos/sin [..., Dr]`` (Dr <= D: partial rotary on the first Dr dims)."""
-    dr = cos.shape[-1]
-    if dr == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    rot, rest = x[..., :dr], x[..., dr:]
-    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
+# apply_rope / rotate_half: the one implementation, in kvkit.kernels.reference (kernels never import this module)
 
 
 def inverse_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Exact inverse of :func:`apply_rope`: ``k = a R(theta) x``  ->  ``x = R(-theta) k / a``."""
     dr = cos.shape[-1]
     rot, rest = k[..., :dr], k[..., dr:]
-    x = (rot * cos - _rotate_half(rot) * sin) / (cos * cos + sin * sin)
+    x = (rot * cos - rotate_half(rot) * sin) / (cos * cos + sin * sin)
     return x if dr == k.shape[-1] else torch.cat([x, rest], dim=-1)

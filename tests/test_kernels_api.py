@@ -38,8 +38,13 @@ def test_bad_input_clear_errors(monkeypatch, path):
         K.sparse_decode(q, k, v, idx, index_mode="group")
     with pytest.raises(ValueError, match="valid"):
         K.sparse_decode(q, k, v, idx, valid=torch.ones(1, 9, dtype=torch.bool))
+    U, SV, inv = torch.randn(1, 10, 3), torch.randn(1, 2, 3, 8), torch.ones(4)
     with pytest.raises(ValueError, match="chunk_size"):
-        K.sparse_decode_chunks(q, k, v, idx, 0)
+        K.lowrank_decode(q, U, SV, v, idx, 0, inv)
+    with pytest.raises(ValueError, match="inv_freq"):
+        K.lowrank_decode(q, U, SV, v, idx, 2, None)
+    with pytest.raises(ValueError, match="rope_table"):
+        K.lowrank_decode(q, U, SV, v, idx, 2, None, rope_table=(torch.ones(5, 8), torch.ones(5, 6)))
     with pytest.raises(ValueError, match="log_weight"):
         K.weighted_decode(q, k, v, torch.zeros(1, 2, 9))
     with pytest.raises(ValueError, match="4 dims"):
@@ -58,7 +63,8 @@ def test_debug_index_range_checks(monkeypatch):
     with pytest.raises(IndexError, match=r"indices out of range.*\[-1, 10\]"):
         K.sparse_decode(q, k, v, bad)
     with pytest.raises(IndexError, match="chunk_ids out of range"):
-        K.sparse_decode_chunks(q, k, v, torch.tensor([[[0, 3], [-2, 0]]]), 4)
+        K.lowrank_decode(q, torch.randn(1, 10, 3), torch.randn(1, 2, 3, 8), v, torch.tensor([[[0, 3], [-2, 0]]]), 4,
+                         torch.ones(4))
     K.sparse_decode(q, k, v, bad.clamp(max=9))  # in range: fine
     monkeypatch.setenv("KVKIT_DEBUG", "0")
     out = K.sparse_decode(q, k, v, bad)  # default: out of range = padding, no error

@@ -1,4 +1,4 @@
-"""lowrank_decode / reconstruct_keys (ShadowKV) and the scoring helpers."""
+"""lowrank_decode (ShadowKV; its reference's key step reconstruct_keys) and the scoring helpers."""
 
 import pytest
 import torch
@@ -97,13 +97,28 @@ def test_lowrank_decode_with_extra_exact_keys():
     assert max_err(out, want) < 1e-5
 
 
-def test_landmarks_scores_topk():
+def test_rope_table_equals_evaluated_rope():
+    """The reference with a (cos, sin) table gathers exactly the rotations it would evaluate."""
+    g = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, N, D, r, cs = 2, 6, 2, 40, 16, 5, 4
+    U, SV, v = _factors(B, Hkv, N, D, r, torch.float32, g)
+    q = torch.randn(B, Hq, 3, D, generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))  # partial rotary: 8 of 16 dims
+    table = R.rope_cos_sin(torch.arange(200), inv_freq, 1.2)
+    ids = torch.stack([torch.randperm(N // cs, generator=g)[:4] for _ in range(B * Hkv * 3)]).view(B, Hkv, 3, 4)
+    ids[0, 1, 2, -1] = -1
+    for kw in (dict(position_offset=torch.tensor([3, 150])), dict(positions=torch.randint(0, 200, (B, N), generator=g))):
+        want = K.lowrank_decode(q, U, SV, v, ids, cs, inv_freq, attention_scaling=1.2, **kw)
+        got = K.lowrank_decode(q, U, SV, v, ids, cs, None, rope_table=table, **kw)
+        assert torch.equal(got, want)
+
+
+def test_scores_topk():
     g = torch.Generator().manual_seed(2)
     B, Hq, Hkv, N, D, cs = 2, 6, 2, 21, 8, 4
     k = torch.randn(B, Hkv, N, D, generator=g)
-    lm = K.landmarks(k, cs)
+    lm = torch.stack([k[:, :, i : i + cs].mean(2) for i in range(0, N, cs)], 2)  # chunk-mean landmarks
     assert lm.shape == (B, Hkv, 6, D)
-    assert max_err(lm[:, :, 1], k[:, :, 4:8].mean(2)) < 1e-6 and max_err(lm[:, :, 5], k[:, :, 20]) < 1e-6
     q = torch.randn(B, Hq, D, generator=g)
     s = K.chunk_scores(q, lm)
     want = torch.einsum("bhgd,bhcd->bhgc", q.view(B, Hkv, 3, D), lm).amax(2) / D**0.5
@@ -118,6 +133,12 @@ def test_landmarks_scores_topk():
     assert ((ids[..., :4] >= 0) & (ids[..., :4] < 4)).all()
     full = K.topk_indices(s, 3, sort=False)
     assert torch.equal(full, s.topk(3, -1).indices)
+    # per_token: one list per query token, equal to scoring each token alone
+    q3 = torch.randn(B, Hq, 3, D, generator=g)
+    pt = K.chunk_scores(q3, lm, softmax=True, chunk_mask=mask, per_token=True)
+    assert pt.shape == (B, Hkv, 3, 6)
+    for t in range(3):
+        assert max_err(pt[:, :, t], K.chunk_scores(q3[:, :, t], lm, softmax=True, chunk_mask=mask)) < 1e-6
     with pytest.raises(ValueError, match="does not fit"):
         K.chunk_scores(torch.randn(B, 5, D), lm)
 

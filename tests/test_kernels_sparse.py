@@ -1,4 +1,4 @@
-"""sparse_decode / sparse_decode_chunks / weighted_decode / merge_attn: Triton kernel (under
+"""sparse_decode / weighted_decode / merge_attn: Triton kernel (under
 TRITON_INTERPRET=1 on CPU, for real on CUDA) vs torch reference vs fp64."""
 
 import pytest
@@ -88,25 +88,6 @@ def test_sparse_decode_empty_lists_and_out_of_range(triton_path):
 
 
 @needs_triton
-@pytest.mark.parametrize("cs,C", [(8, 3), (5, 4), (1, 1)])
-def test_sparse_decode_chunks(triton_path, cs, C):
-    B, Hq, Hkv, N, D = 2, 3, 1, 37, 16  # last chunk is partial when cs does not divide N
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(B, Hq, D, generator=g).bfloat16()
-    k = torch.randn(B, Hkv, N, D, generator=g).bfloat16()
-    v = torch.randn(B, Hkv, N, D, generator=g).bfloat16()
-    nC = -(-N // cs)
-    ids = torch.stack([torch.randperm(nC, generator=g)[:C] for _ in range(B * Hkv)]).view(B, Hkv, C)
-    ids[0, 0, 0] = nC - 1  # the partial chunk
-    if C > 1:
-        ids[1, 0, -1] = -1
-    out = K.sparse_decode_chunks(q, k, v, ids, cs, num_splits=2)
-    tok = R.chunks_to_tokens(ids[:, :, None], cs, N)
-    (t_out, _), (r_out, _) = _truth_and_lowp(R.sparse_decode_ref, q.unsqueeze(2), k, v, tok, scale=D**-0.5)
-    assert_flash_rule(out, r_out[:, :, 0], t_out[:, :, 0], name=f"chunks cs={cs}")
-
-
-@needs_triton
 @pytest.mark.parametrize("shape", SHAPES[:3])
 @pytest.mark.parametrize("Tq", [None, 2])
 def test_weighted_decode(triton_path, shape, Tq):
@@ -177,11 +158,6 @@ def test_sparse_decode_cuda(monkeypatch, Hq, Hkv, dtype):
                                                  scale=D**-0.5)
     assert_flash_rule(out, r_out[:, :, 0], t_out[:, :, 0], atol=1e-4, name="cuda sparse")
     assert max_err(lse, t_lse[:, :, 0]) < 1e-2
-    ids = torch.randint(-1, (N + 15) // 16, (B, Hkv, 40), device="cuda")
-    out = K.sparse_decode_chunks(q, k, v, ids, 16)
-    tok = R.chunks_to_tokens(ids[:, :, None], 16, N)
-    (t_out, _), (r_out, _) = _truth_and_lowp(R.sparse_decode_ref, q.unsqueeze(2), k, v, tok, scale=D**-0.5)
-    assert_flash_rule(out, r_out[:, :, 0], t_out[:, :, 0], atol=1e-4, name="cuda chunks")
     lw = torch.randn(B, Hkv, N, device="cuda")
     out = K.weighted_decode(q, k, v, lw)
     (t_out, _), (r_out, _) = _truth_and_lowp(R.dense_decode_ref, q.unsqueeze(2), k, v, scale=D**-0.5, bias=lw)

@@ -3,12 +3,14 @@
 Public API (shapes: B batch, Hq query heads, Hkv KV heads, Tq query tokens, N stored tokens, D head dim)
 
 * :func:`sparse_decode` -- attention over listed token indices (per KV head or per query head).
-* :func:`sparse_decode_chunks` -- the same over listed contiguous chunks (pages).
 * :func:`merge_attn` -- combine two partial results through their log-sum-exp.
 * :func:`weighted_decode` -- dense attention with an additive per-key log-weight.
 * :func:`quantize` / :func:`dequantize` / :func:`packed_nbytes` / :func:`quant_decode` -- int8/4/2 KV.
-* :func:`lowrank_decode` / :func:`reconstruct_keys` -- ShadowKV keys rebuilt from low-rank factors + RoPE.
-* :func:`landmarks` / :func:`chunk_scores` / :func:`topk_indices` -- selection helpers.
+* :func:`lowrank_decode` -- ShadowKV: keys rebuilt from low-rank factors + RoPE, attended with their values.
+* :func:`chunk_scores` / :func:`topk_indices` -- chunk selection helpers.
+
+Callers: ``tidal`` (sparse_decode), ``chelsea`` (weighted_decode, merge_attn), ``zipcache`` (quantize,
+quant_decode, merge_attn), ``shadowkv`` (chunk_scores, topk_indices, lowrank_decode, merge_attn).
 
 Dispatch: CUDA tensors with Triton importable -> Triton kernels; anything else -> the torch reference
 (fp32 math). ``KVKIT_KERNELS=reference`` forces the reference, ``KVKIT_KERNELS=triton`` forces Triton
@@ -37,12 +39,12 @@ from ._common import (
 )
 from ._triton import require_triton, triton_available
 from .quant import Packed, dequantize, packed_nbytes, quantize
-from .reference import landmarks, merge_attn, reconstruct_keys
+from .reference import merge_attn
 from .scoring import chunk_scores, topk_indices
 
 __all__ = [
-    "Packed", "backend", "chunk_scores", "dequantize", "landmarks", "lowrank_decode", "merge_attn",
-    "packed_nbytes", "quant_decode", "quantize", "reconstruct_keys", "sparse_decode", "sparse_decode_chunks",
+    "Packed", "backend", "chunk_scores", "dequantize", "lowrank_decode", "merge_attn",
+    "packed_nbytes", "quant_decode", "quantize", "sparse_decode",
     "topk_indices", "use_triton", "weighted_decode",
 ]
 
@@ -117,35 +119,6 @@ def sparse_decode(q, k, v, indices, *, scale=None, index_mode="kv_head", valid=N
             out, lse = gather_attn(q4, k, v, idx, mode=1, scale=scale, mask=mask, num_splits=num_splits)
     else:
         out, lse = _ref.sparse_decode_ref(q4, k, v, idx, scale=scale, mask=mask)
-    return _finish(out, lse, squeeze, return_lse)
-
-
-def sparse_decode_chunks(q, k, v, chunk_ids, chunk_size, *, scale=None, index_mode="kv_head", valid=None,
-                         return_lse=False, num_splits=None):
-    """Decode attention over selected contiguous chunks (pages) of ``chunk_size`` tokens.
-
-    chunk_ids : int ``[B, Hkv, C]`` (or ``[B, Hq, C]`` with index_mode="q_head", or ``[B, Hidx, Tq, C]``);
-        chunk c covers tokens ``[c*chunk_size, (c+1)*chunk_size)``, clipped to N; -1 = no chunk.
-    Other arguments and the result as in :func:`sparse_decode`.
-    """
-    fn = "sparse_decode_chunks"
-    q4, squeeze, B, Hq, Tq, Hkv, N, D = check_qkv(fn, q, k, v)
-    idx = check_indices(fn, chunk_ids, B, Hq, Hkv, Tq, index_mode, q.device, name="chunk_ids")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        fail(fn, f"chunk_size must be a positive int, got {chunk_size!r}")
-    mask = check_valid(fn, valid, B, N, q.device)
-    scale = default_scale(scale, D)
-    if debug():
-        check_range(fn, "chunk_ids", idx, -(-N // chunk_size))
-    if use_triton(q, k, v, idx):
-        from .sparse import gather_attn
-
-        with _on_device(q):
-            out, lse = gather_attn(q4, k, v, idx, mode=2, chunk_size=chunk_size, scale=scale, mask=mask,
-                                   num_splits=num_splits)
-    else:
-        tok = _ref.chunks_to_tokens(idx, chunk_size, N)
-        out, lse = _ref.sparse_decode_ref(q4, k, v, tok, scale=scale, mask=mask)
     return _finish(out, lse, squeeze, return_lse)
 
 
@@ -245,7 +218,7 @@ def _quant_supported(D, kbits, vbits):
 
 def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=None, position_offset=None,
                    attention_scaling=1.0, v_gathered=False, extra_k=None, extra_v=None, extra_valid=None,
-                   scale=None, valid=None, return_lse=False, num_splits=None):
+                   scale=None, valid=None, return_lse=False, num_splits=None, rope_table=None):
     """ShadowKV decode: keys of the selected chunks rebuilt from low-rank pre-RoPE factors, RoPE'd at
     their original positions, attended together with their values (fused in one Triton kernel).
 
@@ -257,6 +230,11 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     ``[B]`` (position = offset + row; default row). extra_k/extra_v ``[B, Hkv, E, D]``: exact post-RoPE
     keys (outliers, local window, generated tokens) attended jointly; extra_valid ``[B]`` lengths or
     ``[B, E]`` mask. valid (``[B]`` / ``[B, N]``) masks rows of U. Returns out (q's shape) [+ lse].
+    rope_table: optional ``(cos, sin)``, each ``[P, Dr]`` fp32 on q's device, row p = the rotation at position p
+    (attention scaling included; e.g. the model's rotary module at ``arange(P)``), P above every position
+    read: the torch path gathers its rows instead of evaluating cos/sin per selected key (same values);
+    the Triton path evaluates cos/sin from inv_freq in registers and does not read it. inv_freq may be None
+    when rope_table is given (the torch path then runs on every device).
     """
     fn = "lowrank_decode"
     check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -265,7 +243,17 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     check_tensor(fn, "U", U, 3, None, q.device)
     check_tensor(fn, "SV", SV, 4, None, q.device)
     check_tensor(fn, "v", v, 4, None, q.device)
-    check_tensor(fn, "inv_freq", inv_freq, 1, None, q.device)
+    if rope_table is not None:
+        if not (isinstance(rope_table, (tuple, list)) and len(rope_table) == 2):
+            fail(fn, "rope_table must be a (cos, sin) pair of [P, Dr] tensors")
+        for name, t in zip(("rope_table cos", "rope_table sin"), rope_table):
+            check_tensor(fn, name, t, 2, None, q.device)
+        if rope_table[0].shape != rope_table[1].shape:
+            fail(fn, f"rope_table cos {tuple(rope_table[0].shape)} and sin {tuple(rope_table[1].shape)} differ")
+    elif inv_freq is None:
+        fail(fn, "give inv_freq (or a rope_table)")
+    if inv_freq is not None:
+        check_tensor(fn, "inv_freq", inv_freq, 1, None, q.device)
     if U.dtype != SV.dtype or not U.is_floating_point():
         fail(fn, f"U and SV must share one float dtype, got {U.dtype} and {SV.dtype}")
     if v.dtype != q.dtype:
@@ -275,9 +263,11 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     if U.shape[0] != B or SV.shape[0] != B or SV.shape[2] != r or SV.shape[3] != D or Hkv == 0 or Hq % Hkv:
         fail(fn, f"shapes do not fit: q {tuple(q.shape)}, U {tuple(U.shape)} [B, N, r], SV {tuple(SV.shape)} "
                  f"[B, Hkv, r, D] (Hq a multiple of Hkv)")
-    dr = 2 * inv_freq.shape[0]
-    if dr > D or dr == 0:
-        fail(fn, f"inv_freq has {inv_freq.shape[0]} entries: rotary dims {dr} must be in (0, D={D}]")
+    dr = 2 * inv_freq.shape[0] if inv_freq is not None else rope_table[0].shape[1]
+    if dr > D or dr == 0 or dr % 2:
+        fail(fn, f"rotary dims {dr} (2 x inv_freq entries, or the rope_table width) must be even and in (0, D={D}]")
+    if inv_freq is not None and rope_table is not None and rope_table[0].shape[1] != dr:
+        fail(fn, f"rope_table has {rope_table[0].shape[1]} rotary dims but inv_freq gives {dr}")
     idx = check_indices(fn, chunk_ids, B, Hq, Hkv, Tq, "kv_head", q.device, name="chunk_ids")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         fail(fn, f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -299,7 +289,7 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     scale = default_scale(scale, D)
     if debug():
         check_range(fn, "chunk_ids", idx, -(-N // chunk_size))
-    if use_triton(q, U, SV, v):
+    if inv_freq is not None and use_triton(q, U, SV, v):
         from .lowrank import lowrank_decode_triton
 
         with _on_device(q):
@@ -310,7 +300,7 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
         tok = _ref.chunks_to_tokens(idx, chunk_size, N)
         out, lse = _ref.lowrank_decode_ref(q4, U, SV, v, tok, inv_freq, scale=scale, positions=positions,
                                            position_offset=position_offset, attention_scaling=attention_scaling,
-                                           v_gathered=v_gathered, mask=mask)
+                                           v_gathered=v_gathered, mask=mask, rope_table=rope_table)
     if extra_k is not None or extra_v is not None:
         if extra_k is None or extra_v is None:
             fail(fn, "extra_k and extra_v go together")

@@ -119,12 +119,6 @@ def _rows_for_n(args, N, dev, dt, gen, time_ref):
         idx = idx.view(B, Hkv, kk).to(dev, torch.int32)
         nbytes = 2 * B * Hkv * kk * D * k.element_size() + _nb(idx)
         add(f"sparse_decode top-{kk}", kk, lambda idx=idx: K.sparse_decode(q, k, v, idx), nbytes)
-    cs = args.chunk
-    C = max(1, min(args.topk, N) // cs)
-    cids = torch.stack([torch.randperm(-(-N // cs), generator=gen)[:C].sort().values for _ in range(B * Hkv)])
-    cids = cids.view(B, Hkv, C).to(dev, torch.int32)
-    add(f"sparse_decode_chunks {C}x{cs}", C * cs, lambda: K.sparse_decode_chunks(q, k, v, cids, cs),
-        2 * B * Hkv * C * cs * D * k.element_size() + _nb(cids))
     for bits in args.bits:
         kp = K.quantize(k, bits, args.kgroup, axis=-2)
         vp = K.quantize(v, bits, None, axis=-1, channel_prescale=True)
@@ -251,7 +245,6 @@ def main(argv=None):
     p.add_argument("--d", type=int, default=128 if cuda else 64)
     p.add_argument("--dtype", default="bf16" if cuda else "fp32", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--topk", type=int, default=2048 if cuda else 256, help="selected tokens (sparse, lowrank)")
-    p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--bits", default="8,4,2", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--kgroup", type=int, default=128, help="key quantisation group (tokens)")
     p.add_argument("--rank", type=int, default=160)

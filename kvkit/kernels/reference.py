@@ -159,21 +159,32 @@ def rope_cos_sin(pos, inv_freq, attention_scaling: float = 1.0):
     return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 
 
+def rotate_half(x):
+    """transformers' ``rotate_half``: ``[x1, x2] -> [-x2, x1]`` over the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
 def apply_rope(x, cos, sin):
-    """``x * cos + rotate_half(x) * sin`` on the first ``cos.shape[-1]`` dims (partial rotary keeps the rest)."""
+    """``x * cos + rotate_half(x) * sin`` on the first ``Dr = cos.shape[-1]`` dims (partial rotary keeps the
+    rest): ``x [..., D]``, ``cos/sin`` broadcastable to ``[..., Dr]`` (HF layout, Dr <= D). The one RoPE of
+    kvkit (``kvkit.model_info`` re-exports it)."""
     dr = cos.shape[-1]
+    if dr == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
     rot, rest = x[..., :dr], x[..., dr:]
-    x1, x2 = rot.chunk(2, dim=-1)
-    rot = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return rot if dr == x.shape[-1] else torch.cat([rot, rest], dim=-1)
+    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
-def reconstruct_keys(U, SV, tok, inv_freq, *, positions=None, position_offset=None, attention_scaling=1.0):
-    """Post-RoPE keys from low-rank pre-RoPE factors, fp32 (fp64 for fp64 factors).
+def reconstruct_keys(U, SV, tok, inv_freq, *, positions=None, position_offset=None, attention_scaling=1.0,
+                     rope_table=None):
+    """Post-RoPE keys from low-rank pre-RoPE factors, fp32 (fp64 for fp64 factors): the reference's key step.
 
     U ``[B, N, r]`` (shared by the heads), SV ``[B, Hkv, r, D]``, tok ``[B, Hkv, Ti, L]`` token rows
     (-1 = none, treated as row 0), positions ``[B, N]`` int (the original position of each row; default
     ``position_offset[b] + row``, offset default 0), inv_freq ``[Dr/2]`` (Dr <= D rotary dims).
+    rope_table: optional ``(cos, sin)`` ``[P, Dr]`` whose row p is the rotation at position p (attention
+    scaling included): its rows are gathered instead of evaluating cos/sin (inv_freq is then unused).
     Returns keys ``[B, Hkv, Ti, L, D]``: ``rope(U[tok] @ SV[h], pos[tok])``.
     """
     B, N, r = U.shape
@@ -187,19 +198,22 @@ def reconstruct_keys(U, SV, tok, inv_freq, *, positions=None, position_offset=No
     else:
         off = position_offset.long().view(B, 1, 1, 1) if position_offset is not None else 0
         pos = t + off
-    cos, sin = rope_cos_sin(pos, inv_freq, attention_scaling)  # angles in fp32, as transformers computes them
+    if rope_table is not None:
+        cos, sin = rope_table[0][pos], rope_table[1][pos]
+    else:
+        cos, sin = rope_cos_sin(pos, inv_freq, attention_scaling)  # angles in fp32, as transformers computes them
     return apply_rope(k_pre, cos.to(dt), sin.to(dt))
 
 
 def lowrank_decode_ref(q, U, SV, v, tok, inv_freq, *, scale, positions=None, position_offset=None,
-                       attention_scaling=1.0, v_gathered=False, mask=None, upcast=True):
+                       attention_scaling=1.0, v_gathered=False, mask=None, upcast=True, rope_table=None):
     """Attention over keys rebuilt by :func:`reconstruct_keys` at token rows ``tok [B, Hkv, Ti, L]`` and
     values ``v [B, Hkv, N, D]`` at those rows (or, with ``v_gathered``, ``v [B, Hkv, Ti*L, D]`` already
     in list order)."""
     B, N = U.shape[0], U.shape[1]
     Hkv = SV.shape[1]
     kg = reconstruct_keys(U, SV, tok, inv_freq, positions=positions, position_offset=position_offset,
-                          attention_scaling=attention_scaling)
+                          attention_scaling=attention_scaling, rope_table=rope_table)
     ok = _token_ok(tok.long(), mask, N)
     if v_gathered:
         vg = v.reshape(B, Hkv, tok.shape[2], tok.shape[3], v.shape[-1])
@@ -213,25 +227,13 @@ def lowrank_decode_ref(q, U, SV, v, tok, inv_freq, *, scale, positions=None, pos
 
 
 # ---- scoring -----------------------------------------------------------------------------------------
-def landmarks(k, chunk_size: int):
-    """Mean key per chunk: ``k [B, Hkv, N, D]`` -> ``[B, Hkv, ceil(N/chunk_size), D]`` (fp32 accumulate,
-    k.dtype out; the last chunk averages only the tokens it has)."""
-    B, H, N, D = k.shape
-    C = -(-N // chunk_size)
-    pad = C * chunk_size - N
-    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(B, H, C, chunk_size, D)
-    cnt = torch.full((C,), float(chunk_size), device=k.device)
-    if pad:
-        cnt[-1] = chunk_size - pad
-    return (kf.sum(dim=3) / cnt[:, None]).to(k.dtype)
-
-
-def chunk_scores(q, lm, *, reduce="max", softmax=False, scale=None, chunk_mask=None):
+def chunk_scores(q, lm, *, reduce="max", softmax=False, scale=None, chunk_mask=None, per_token=False):
     """Chunk scores ``[B, Hkv, C]`` (fp32) for ``q [B, Hq, (Tq,) D]`` and landmarks ``lm [B, Hkv, C, D]``.
 
     score = q . landmark * scale (scale default 1/sqrt(D)); with ``softmax`` (ShadowKV) the scores are
     softmaxed over the chunks first; then reduced (``max`` or ``mean``) over the query heads of each
-    KV group and over the Tq query tokens. ``chunk_mask [B, Hkv, C]`` bool: False -> -inf (0 after softmax).
+    KV group and over the Tq query tokens (``per_token``: not over the tokens, ``[B, Hkv, Tq, C]``).
+    ``chunk_mask [B, Hkv, C]`` bool: False -> -inf (0 after softmax).
     """
     q4 = q.unsqueeze(2) if q.dim() == 3 else q
     B, Hq, Tq, D = q4.shape
@@ -242,7 +244,7 @@ def chunk_scores(q, lm, *, reduce="max", softmax=False, scale=None, chunk_mask=N
         s = s.masked_fill(~chunk_mask[:, :, None, None], NEG_INF)
     if softmax:
         s = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-    s = s.flatten(2, 3)
+    s = s if per_token else s.flatten(2, 3)
     if reduce == "max":
         return s.amax(dim=2)
     if reduce == "mean":

@@ -1,11 +1,10 @@
-"""Selection helpers the sparse policies run at decode: chunk landmarks, chunk scores, top-k.
+"""Selection helpers of ShadowKV's decode: chunk scores and top-k.
 
 These are small matmuls/reductions (C = N/chunk_size landmarks), run in torch on every device; the
-heavy part of a sparse decode step is the gather-attention in ``sparse_decode``.
+heavy part of a sparse decode step is the attention (``lowrank_decode``).
 
-* :func:`landmarks` -- mean key per chunk (TriForce / ShadowKV landmarks).
 * :func:`chunk_scores` -- ``q . landmark`` (optionally softmaxed over chunks, ShadowKV), max over the
-  query heads of each KV group.
+  query heads of each KV group (and over the query tokens, or per token).
 * :func:`topk_indices` -- top-k ids per row with -1 padding, optional forced ids (e.g. chunk 0).
 """
 
@@ -14,17 +13,15 @@ from __future__ import annotations
 import torch
 
 from .reference import chunk_scores as _chunk_scores_ref
-from .reference import landmarks as _landmarks_ref
-
-landmarks = _landmarks_ref
 
 
-def chunk_scores(q, landmarks, reduce="max", *, softmax=False, scale=None, chunk_mask=None):
+def chunk_scores(q, landmarks, reduce="max", *, softmax=False, scale=None, chunk_mask=None, per_token=False):
     """Scores ``[B, Hkv, C]`` fp32 of chunks for the current query.
 
     q ``[B, Hq, D]`` or ``[B, Hq, Tq, D]``; landmarks ``[B, Hkv, C, D]``; reduce "max" (default) or
     "mean" over the query heads of a KV group (and the Tq tokens); softmax=True applies a softmax over
     the chunks of each query head before reducing (ShadowKV); chunk_mask ``[B, Hkv, C]`` bool hides chunks.
+    per_token=True: one score list per query token, ``[B, Hkv, Tq, C]`` (a 3-D q counts as Tq = 1).
     """
     if q.dim() not in (3, 4) or landmarks.dim() != 4:
         raise ValueError(f"kvkit.kernels.chunk_scores: q must be [B, Hq, (Tq,) D] and landmarks [B, Hkv, C, D], "
@@ -32,7 +29,8 @@ def chunk_scores(q, landmarks, reduce="max", *, softmax=False, scale=None, chunk
     if q.shape[0] != landmarks.shape[0] or q.shape[-1] != landmarks.shape[-1] or q.shape[1] % landmarks.shape[1]:
         raise ValueError(f"kvkit.kernels.chunk_scores: q {tuple(q.shape)} does not fit landmarks "
                          f"{tuple(landmarks.shape)} (batch, head dim, Hq multiple of Hkv)")
-    return _chunk_scores_ref(q, landmarks, reduce=reduce, softmax=softmax, scale=scale, chunk_mask=chunk_mask)
+    return _chunk_scores_ref(q, landmarks, reduce=reduce, softmax=softmax, scale=scale, chunk_mask=chunk_mask,
+                             per_token=per_token)
 
 
 def topk_indices(scores, k, *, force=None, sort=True, dtype=torch.int64):

@@ -1,4 +1,4 @@
-"""Sparse decode attention (gathered tokens or chunks), flash-decoding style, in Triton.
+"""Sparse decode attention (gathered tokens), flash-decoding style, in Triton.
 
 Kernel: ``_gather_attn_kernel`` -- one program per (batch, index list, split). An index list belongs to
 a KV head (``index_mode='kv_head'``: the program holds all G = Hq/Hkv query heads of the group x the
@@ -9,7 +9,7 @@ to one query head (``'q_head'``). The list is walked in ``BLOCK_N`` tiles with a
 ``[0, N)`` or masked by ``valid`` contribute nothing and are never dereferenced.
 
 Modes (constexpr): 0 dense (token = position in the list, used by ``weighted_decode``), 1 token
-indices, 2 chunk ids (token = id*CS + offset). Optional additive bias ``[B, Hkv, N]`` and key mask
+indices (``sparse_decode``, TidalDecode's reuse layers). Optional additive bias ``[B, Hkv, N]`` and key mask
 ``[B, N]``.
 
 Reference: :func:`kvkit.kernels.reference.sparse_decode_ref` (``dense_decode_ref`` for mode 0).
@@ -32,7 +32,7 @@ def _gather_attn_kernel(
     Q, K, V, IDX, BIAS, MASK, OP, LP,
     sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, sib, sih, sit, sbb, sbh, smb,
     N, L, Hidx, Ti, Tq, GH, RATIO, S, SPLIT_LEN, qk_scale,
-    MODE: tl.constexpr, CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -71,11 +71,8 @@ def _gather_attn_kernel(
         in_list = offs < hi_end
         if MODE == 0:
             tok = offs
-        elif MODE == 1:
-            tok = tl.load(i_base + offs, mask=in_list, other=-1).to(tl.int64)
         else:
-            cid = tl.load(i_base + offs // CS, mask=in_list, other=-1).to(tl.int64)
-            tok = tl.where(cid >= 0, cid * CS + offs % CS, -1)
+            tok = tl.load(i_base + offs, mask=in_list, other=-1).to(tl.int64)
         ok = in_list & (tok >= 0) & (tok < N)
         if HAS_MASK:
             ok = ok & (tl.load(MASK + b * smb + tok, mask=ok, other=0) != 0)
@@ -155,10 +152,9 @@ def dot_fp32(dtype) -> bool:
     return interpreting() or dtype not in (torch.float16, torch.bfloat16)
 
 
-def gather_attn(q4, k, v, idx, *, mode, scale, chunk_size=1, mask=None, bias=None, num_splits=None,
-                block_n=None):
+def gather_attn(q4, k, v, idx, *, mode, scale, mask=None, bias=None, num_splits=None, block_n=None):
     """Launcher. q4 ``[B, Hq, Tq, D]``; k, v ``[B, Hkv, N, D]`` (last dim contiguous); idx canonical
-    ``[B, Hidx, Ti, L]`` (mode 1: token ids, mode 2: chunk ids) or None (mode 0, L = N); mask ``[B, N]`` bool;
+    ``[B, Hidx, Ti, L]`` (mode 1: token ids) or None (mode 0, L = N); mask ``[B, N]`` bool;
     bias ``[B, Hkv, N]``. Returns out ``[B, Hq, Tq, D]`` (q dtype), lse ``[B, Hq, Tq]`` fp32."""
     B, Hq, Tq, D = q4.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -173,7 +169,7 @@ def gather_attn(q4, k, v, idx, *, mode, scale, chunk_size=1, mask=None, bias=Non
     else:
         idx_t = idx if idx.stride(-1) == 1 else idx.contiguous()
         Hidx, Ti = idx_t.shape[1], idx_t.shape[2]
-        L = idx_t.shape[3] * (chunk_size if mode == 2 else 1)
+        L = idx_t.shape[3]
         si = (idx_t.stride(0), idx_t.stride(1), idx_t.stride(2))
     GH = Hq // Hidx
     RATIO = Hidx // Hkv
@@ -205,7 +201,7 @@ def gather_attn(q4, k, v, idx, *, mode, scale, chunk_size=1, mask=None, bias=Non
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         mask.stride(0) if mask is not None else 0,
         N, L, Hidx, Ti, Tq, GH, RATIO, S, split_len, float(scale) * LOG2E,
-        MODE=mode, CS=chunk_size, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+        MODE=mode, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
         D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=BLOCK_D, DOT_FP32=dot_fp32(q4.dtype),
         num_warps=1 if interpreting() else TUNING["num_warps"], num_stages=1 if interpreting() else TUNING["num_stages"],
     )

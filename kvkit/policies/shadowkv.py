@@ -15,12 +15,17 @@ exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size``
   CPU-only runs a separate tensor. ``nbytes()`` reports only device-resident bytes (U, S*V^T,
   landmarks, outlier/local/generated K/V, index metadata); ``offloaded_nbytes()`` the value store.
 
-Decode: per KV head, ``softmax(q . landmark / sqrt(D))`` in fp32, max over the query heads of the
-group, top ``budget // chunk_size`` chunks; their keys are rebuilt as ``U[rows] @ (S*V^T)[head]``
-with RoPE applied at the original positions, their values fetched from the offload store, and the
-query attends over selected + outlier + local + generated tokens. Several query tokens in one
-forward (speculative verification, chunked prefill) each pick their own chunks, so a T-token forward
-equals T single-token forwards.
+Decode (per layer, three calls): :func:`kvkit.kernels.chunk_scores` -- per KV head and query token,
+``softmax(q . landmark / sqrt(D))`` in fp32, max over the query heads of the group -- and
+:func:`kvkit.kernels.topk_indices` pick the top ``budget // chunk_size`` chunks;
+:func:`kvkit.kernels.lowrank_decode` rebuilds only those chunks' keys (``U[rows] @ (S*V^T)[head]``, RoPE at
+the original positions) and attends over them with their values (Triton on CUDA, fused; the torch
+reference elsewhere, which takes the rotations from a RoPE table shared by the cache's layers instead of
+evaluating cos/sin per key); the exact outliers and the local + generated slots are attended by
+:func:`kvkit.stores.attend_slots`, and the three parts are combined by their log-sum-exp
+(:func:`kvkit.kernels.merge_attn`): the softmax over their union. Nothing is concatenated per step.
+Several query tokens in one forward (speculative verification, chunked prefill) each pick their own
+chunks, so a T-token forward equals T single-token forwards.
 
 Why inverse RoPE instead of a hook: the cache only ever receives post-RoPE keys, and for the
 rotate_half convention of transformers ``k = a*R(theta) k_pre`` (``a`` = the rope attention scaling,
@@ -30,8 +35,11 @@ from the ``position_ids`` the attention function receives). No modeling code is 
 any RoPE variant the model's rotary module implements (linear, dynamic, YaRN, llama3) is inverted.
 
 Rank: the paper uses 160 for Llama-3-8B (``Hkv*D = 1024``); ``rank=None`` keeps that fraction,
-``round(160 / 1024 * Hkv*D)`` (30 for SmolLM2-135M, ``Hkv*D = 192``). ``outliers=None`` scales the
-paper's 48 chunks at budget 2048 with the budget.
+``round(160 / 1024 * Hkv*D)`` (30 for SmolLM2-135M, ``Hkv*D = 192``). The rank is a per-model knob:
+the relative error of the rebuilt keys falls as the rank grows (``rank = Hkv*D`` is exact) and how fast
+depends on the model's key spectrum, so a small model may need a larger fraction than the paper's;
+one more rank holds ``S`` more U entries per layer and batch row and reads one more per selected token
+and KV head. ``outliers=None`` scales the paper's 48 chunks at budget 2048 with the budget.
 
 Batches: rows share one stored length (left padding). Chunks are laid out from each row's first real
 token, so padding never enters a chunk, the SVD (padding rows are zero, which leaves the singular
@@ -45,15 +53,17 @@ such a prompt then stay exact). Not done (yet): reusing the value chunks fetched
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from kvkit.model_info import apply_rope, inverse_rope
+from kvkit.kernels import chunk_scores, lowrank_decode, merge_attn, topk_indices, use_triton
+from kvkit.kernels.reference import chunks_to_tokens
+from kvkit.model_info import apply_rope, inverse_rope  # noqa: F401  (apply_rope: re-exported for tests)
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
-from kvkit.stores import LayerInfo, SlotStore, hf_sdpa
+from kvkit.stores import LayerInfo, SlotStore, attend_slots, hf_sdpa
 from kvkit.stores import tensor_bytes as _tensor_bytes
 
 PAPER_RANK, PAPER_WIDTH = 160, 1024  # ShadowKV: rank 160 for Llama-3-8B (8 KV heads x 128)
@@ -70,7 +80,8 @@ class ShadowKV(Policy):
     budget : int
         Tokens selected per KV head at each decode step (``budget // chunk_size`` chunks); 2048 in the paper.
     rank : int or None
-        SVD rank of the pre-RoPE keys; None: ``round(160 / 1024 * Hkv*D)`` (paper: 160 at ``Hkv*D = 1024``).
+        SVD rank of the pre-RoPE keys (per model: higher = smaller key error, more bytes); None:
+        ``round(160 / 1024 * Hkv*D)`` (paper: 160 at ``Hkv*D = 1024``).
     chunk_size : int
         Tokens per chunk / landmark; 8 in the paper.
     outliers : int or None
@@ -90,6 +101,8 @@ class ShadowKV(Policy):
 
     description = "ShadowKV: low-rank pre-RoPE keys + landmarks on device, values offloaded, top-k chunks (2410.21465)"
     saves = "memory+reads"
+    test_options: ClassVar[dict] = dict(budget=16, min_prompt=16)
+    covering_options: ClassVar[dict | None] = dict(min_prompt=100_000)
 
     def __post_init__(self):
         check_positive_int("shadowkv", "budget", self.budget)
@@ -130,9 +143,30 @@ class ShadowKV(Policy):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.rank_for(kv * head_dim)
 
+    def new_shared(self, infos):
+        return ShadowKVShared()
+
     def new_layer(self, info: LayerInfo):
         rank = self.rank_for(info.num_kv_heads * info.head_dim)
         return ShadowKVStore(info, self, rank)
+
+
+@dataclass
+class ShadowKVShared:
+    """What one cache's ShadowKV layers share: the RoPE table of the torch decode path (rows = positions,
+    ``(cos, sin)`` each ``[P, Dr]`` fp32 from the model's own rotary module; it depends on the model, not on
+    the batch, and is not KV, so ``nbytes`` does not count it)."""
+
+    tables: dict = field(default_factory=dict)  # device -> (cos, sin)
+
+    def rope_table(self, rope, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` for positions ``0 .. >= n-1`` on ``device`` (computed once, grown when needed)."""
+        t = self.tables.get(device)
+        if t is None or t[0].shape[0] < n:
+            cos, sin = rope(torch.arange(n, device=device)[None])
+            t = (cos[0].to(device, torch.float32).contiguous(), sin[0].to(device, torch.float32).contiguous())
+            self.tables[device] = t
+        return t
 
 
 class ShadowKVStore(SlotStore):
@@ -319,80 +353,54 @@ class ShadowKVStore(SlotStore):
         self.compressed = True
 
     # ---- decode ------------------------------------------------------------------------------
-    def _select(self, qf: torch.Tensor):
-        """Top chunks per (row, KV head, query token): token indices into the chunk area ``[B, H, T, K]``
-        and their validity."""
-        B, H, G, T, D = qf.shape
-        c, Cl = self.chunk, self.lm_ids.shape[-1]
-        k = min(self.budget // c, Cl)
-        s = torch.einsum("bhgtd,bhcd->bhgtc", qf, self.landmarks.float()) / math.sqrt(D)
+    def _select(self, query: torch.Tensor) -> torch.Tensor:
+        """Top chunks per (row, KV head, query token): chunk ids into U's rows ``[B, H, T, k]`` (-1 = none),
+        increasing."""
+        B, Hq, T, D = query.shape
+        H, Cl = self.lm_ids.shape[1], self.lm_ids.shape[-1]
+        k = min(self.budget // self.chunk, Cl)
         lm_valid = self.lm_ids < self.n_chunks.view(B, 1, 1)  # [B, H, Cl]
-        s = s.masked_fill(~lm_valid[:, :, None, None], float("-inf"))
-        p = torch.softmax(s, dim=-1).amax(dim=2)  # [B, H, T, Cl]: max over the group's query heads
-        sel = p.topk(k, dim=-1).indices  # [B, H, T, k]
-        chunk = self.lm_ids.long()[:, :, None].expand(B, H, T, Cl).gather(-1, sel)
-        valid = lm_valid[:, :, None].expand(B, H, T, Cl).gather(-1, sel)
-        tok = (chunk[..., None] * c + torch.arange(c, device=qf.device)).flatten(3)  # [B, H, T, k*c]
-        valid = valid[..., None].expand(B, H, T, k, c).flatten(3)
-        return tok, valid
+        s = chunk_scores(query, self.landmarks, softmax=True, chunk_mask=lm_valid, per_token=True)  # [B, H, T, Cl]
+        s = s.masked_fill(~lm_valid[:, :, None], float("-inf"))  # softmax gave them 0: never select them
+        sel = topk_indices(s, k)  # landmark slots, -1 = none
+        ids = self.lm_ids[:, :, None].expand(B, H, T, Cl).gather(-1, sel.clamp(min=0))
+        return torch.where(sel >= 0, ids, -1)
 
-    def _rebuild_keys(self, tok: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE keys ``[B, H, T, K, D]`` (fp32) of chunk tokens ``tok [B, H, T, K]``."""
-        B, H, T, K = tok.shape
-        bidx = torch.arange(B, device=tok.device).view(B, 1, 1, 1)
-        u = self.U[bidx, tok].float()  # [B, H, T, K, r]
-        k_pre = torch.einsum("bhtkr,bhrd->bhtkd", u, self.SV.float())
+    def _lowrank(self, query: torch.Tensor, ids: torch.Tensor, scaling: float):
+        """``lowrank_decode`` over the chunks ``ids``: (out ``[B, Hq, T, D]``, lse ``[B, Hq, T]``)."""
+        B, dev = query.shape[0], query.device
         if self.rope_base is not None:
-            rp = self.rope_base.view(B, 1, 1, 1).long() + tok
+            kw = dict(position_offset=self.rope_base.view(B))
+            hi = int(self.rope_base.max()) + self.U.shape[1]
         else:
-            rp = self.rope_pos.long()[bidx, tok]
-        cos, sin = self.info.rope(rp.reshape(B, -1))
-        shape = (B, H, T, K, cos.shape[-1])
-        cos = cos.to(tok.device, torch.float32).view(shape)
-        sin = sin.to(tok.device, torch.float32).view(shape)
-        return apply_rope(k_pre, cos, sin)
-
-    def _fetch_values(self, tok: torch.Tensor, device) -> torch.Tensor:
-        """Values ``[B, H, T, K, D]`` of chunk tokens ``tok`` from the offload store."""
-        B, H, T, K = tok.shape
-        t = tok.to(self.v_off.device)
-        bidx = torch.arange(B, device=t.device).view(B, 1, 1, 1)
-        hidx = torch.arange(H, device=t.device).view(1, H, 1, 1)
-        v = self.v_off[bidx, hidx, t]
-        return v.to(device, non_blocking=True)
+            kw = dict(positions=self.rope_pos)
+            hi = int(self.rope_pos.max()) + 1
+        params = getattr(self.info.rope, "params", None)
+        params = params() if params is not None else None
+        inv, a = (params[0].to(dev, torch.float32), params[1]) if params is not None else (None, 1.0)
+        fused = inv is not None and use_triton(query, self.U)
+        table = None if fused else self.info.shared.rope_table(self.info.rope, hi, dev)
+        v, gathered = self.v_off, False
+        if v.device != dev:  # offloaded values: fetch the selected chunks' rows (in list order)
+            tok = chunks_to_tokens(ids.to(v.device), self.chunk, self.U.shape[1]).clamp(min=0)
+            Bh = torch.arange(B, device=v.device).view(B, 1, 1, 1)
+            Hh = torch.arange(v.shape[1], device=v.device).view(1, -1, 1, 1)
+            v = v[Bh, Hh, tok].flatten(2, 3).to(dev, non_blocking=True)
+            gathered = True
+        return lowrank_decode(query, self.U, self.SV, v, ids, self.chunk, inv, attention_scaling=a,
+                              v_gathered=gathered, scale=scaling, return_lse=True, rope_table=table, **kw)
 
     def decode(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Sparse attention for ``query [B, Hq, T, D]`` at positions ``qpos [T]``; returns ``[B, T, Hq, D]``."""
-        B, Hq, T, D = query.shape
-        H = self.keys.shape[1]
-        G = Hq // H
-        qf = query.float().view(B, H, G, T, D)
-        logits, vals = [], []
+        """Sparse attention for ``query [B, Hq, T, D]`` at positions ``qpos [T]``; returns ``[B, T, Hq, D]``:
+        the selected low-rank chunks, the exact outliers and the exact local + generated slots, merged by LSE."""
+        out = lse = None
         if self.lm_ids.shape[-1] > 0:
-            tok, valid = self._select(qf)
-            k_sel = self._rebuild_keys(tok)  # [B, H, T, K, D]
-            v_sel = self._fetch_values(tok, query.device).float()
-            s = torch.einsum("bhgtd,bhtkd->bhgtk", qf, k_sel) * scaling
-            logits.append(s.masked_fill(~valid[:, :, None], float("-inf")))
-            vals.append(("sel", v_sel))
-        # outliers (exact, always visible: prompt tokens) and the exact local + generated slots (causal)
-        s = torch.einsum("bhgtd,bhnd->bhgtn", qf, self.out_k.float()) * scaling
-        logits.append(s.masked_fill((self.out_pos < 0)[:, :, None, None], float("-inf")))
-        vals.append(("dense", self.out_v))
-        s = torch.einsum("bhgtd,bhnd->bhgtn", qf, self.keys.float()) * scaling
-        allowed = (self.pos[:, :, None, :] <= qpos.view(1, 1, T, 1)) & (self.pos[:, :, None, :] >= 0)  # [B,1,T,n]
-        logits.append(s.masked_fill(~allowed[:, :, None], float("-inf")))
-        vals.append(("dense", self.values))
-        p = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-        p = torch.nan_to_num(p, nan=0.0)  # a query that sees nothing (padding) reads zeros
-        out = torch.zeros(B, H, G, T, D, dtype=torch.float32, device=query.device)
-        start = 0
-        for kind, v in vals:  # three parts, not a loop over tokens or heads
-            n = v.shape[-2]
-            pv = p[..., start : start + n]
-            if kind == "sel":
-                out += torch.einsum("bhgtk,bhtkd->bhgtd", pv, v)
-            else:
-                out += torch.einsum("bhgtn,bhnd->bhgtd", pv, v.float())
-            start += n
-        return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+            out, lse = self._lowrank(query, self._select(query), scaling)
+        # outliers (prompt tokens, always before the queries) and the local + generated slots (causal)
+        for k, v, pos in ((self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)):
+            if k.shape[-2] == 0:
+                continue
+            o, l_ = attend_slots(query, k, v, pos, qpos, scaling, return_lse=True)
+            o = o.transpose(1, 2)  # [B, Hq, T, D]
+            out, lse = (o, l_) if out is None else merge_attn(out, lse, o, l_)
+        return out.transpose(1, 2).to(query.dtype)

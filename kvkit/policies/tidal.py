@@ -3,25 +3,30 @@
 No KV is evicted (memory stays that of ``full``); what is saved is the KV *read* per decoded token.
 At each decode step and for each query token:
 
-* layers 0 and 1 read every held token (full attention);
-* layer 2 (a *selection layer*) reads every held token, and picks the ``budget`` tokens with the
-  highest pre-softmax scores ``q . k`` among the tokens before the current one;
-* layers 3 .. r-1 read only those tokens plus the current one (a gather of ``budget + 1`` K/V rows,
-  never a full ``QK^T``);
-* the re-selection layer ``r`` (``reselect_layer``, default ``round(0.4 * num_layers)``: the paper uses
-  13 of 32 for Llama-3-8B) reads everything and selects again; layers after it reuse that selection.
+* the layers before the first selection layer read every held token (full attention; layers 0 and 1
+  in the paper);
+* a *selection layer* (layer 2 and the re-selection layer ``r`` in the paper) reads every held token
+  and picks the ``budget`` tokens with the highest pre-softmax scores ``q . k`` among the tokens before
+  the current one;
+* every other layer (a *reuse layer*) reads only the selection of the nearest selection layer before
+  it, plus the current token (a gather of ``budget + 1`` K/V rows, never a full ``QK^T``).
 
-The selection travels from layer to layer through ``info.shared`` (one dict per ``KVCache``). All
-tidal stores hold every token in the same slot order, so a slot index means the same token in every
-layer. Selection is redone at every step. Prefill is exact full attention.
+The paper's layout: selection at layer 2 and at ``reselect_layer`` (default ``round(0.4 * num_layers)``:
+the paper uses 13 of 32 for Llama-3-8B, tuned per model). ``select_layers`` replaces it with any
+increasing list of selection layers (e.g. ``(2, 12, 15, 18, 21)``); the layers before its first entry
+read everything.
+
+The selection travels from layer to layer through the cache's :class:`TidalSelection`. All tidal
+stores hold every token in the same slot order, so a slot index means the same token in every layer.
+Selection is redone at every step. Prefill is exact full attention.
 
 Selection modes
-    ``selection="q_head"`` (the paper): top-k per query head; with GQA a KV head may then read up to
-    ``group x budget`` distinct rows. ``selection="kv_head"`` (the paper's future work): one top-k per
-    KV head from the softmax probabilities of its query group, combined by ``kv_reduce`` ("max" or
-    "sum"); each KV head reads ``budget`` rows. Within one head, ranking by softmax probability equals
-    ranking by pre-softmax score; across the heads of a group probabilities are comparable, raw
-    scores are not, hence the softmax for the group reduction.
+    ``selection="q_head"`` (the paper): top-k per query head; with GQA a KV head then reads
+    ``group x budget`` rows (one list per query head). ``selection="kv_head"`` (the paper's future
+    work): one top-k per KV head from the softmax probabilities of its query group, combined by
+    ``kv_reduce`` ("max" or "sum"); each KV head reads ``budget`` rows. Within one head, ranking by
+    softmax probability equals ranking by pre-softmax score; across the heads of a group probabilities
+    are comparable, raw scores are not, hence the softmax for the group reduction.
 
 Several query tokens in one forward (speculative verification): every query token selects its own
 top-k among the tokens before it and reads its own rows plus itself, so a T-token forward equals T
@@ -32,23 +37,35 @@ A budget that covers every candidate (``budget >= held tokens - 1``) reads every
 attention. Read accounting: each store records the K/V bytes its last decode forward read
 (``read_nbytes()``), and :func:`decode_read_bytes` sums them over a cache next to the bytes a full
 cache would have read.
+
+Decode cost. K/V live in preallocated buffers with ``HEADROOM`` free slots (a decode step writes its
+token in place instead of concatenating the layer). A selection layer computes ``q K^T`` once (fp32),
+takes the attention output and the top-k from the same scores, and stores the selected slot lists
+(sorted, current token appended) once for the reuse layers. A reuse layer gathers the listed rows of
+its K/V into buffers shared by the layers of the cache (``index_select``, no mask) and attends over them
+(the torch path, CPU); on CUDA it calls :func:`kvkit.kernels.sparse_decode` (Triton: the rows are read
+in place).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
+from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
-from kvkit.kernels import sparse_decode
+from kvkit.kernels import sparse_decode, use_triton
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
-from kvkit.stores import LayerInfo, SlotStore, attend_slots
+from kvkit.stores import LayerInfo, SlotStore, attend_slots, tensor_bytes
 
 FULL_LAYERS = 2  # TidalDecode: layers 0 and 1 use full attention
 SELECT_LAYER = 2  # TidalDecode: the first token-selection layer
 RESELECT_FRACTION = 0.4  # TidalDecode: re-selection at layer 13 of 32 (Llama-3-8B), about 0.4 of depth
 MAX_SPARSE_CHUNK = 16  # longer multi-token forwards (chunked prefill) run exact full attention
+HEADROOM = 64  # free slots past the held tokens: decode appends in place, one re-allocation per HEADROOM steps
 SELECTIONS = ("q_head", "kv_head")
 REDUCTIONS = ("max", "sum")
 
@@ -56,13 +73,13 @@ REDUCTIONS = ("max", "sum")
 @register("tidal")
 @dataclass(frozen=True)
 class Tidal(Policy):
-    """TidalDecode: full attention at layers 0-1, top-k token selection at layer 2 and a middle
-    re-selection layer, the other layers read only the selected tokens.
+    """TidalDecode: full attention before the first selection layer, top-k token selection at the
+    selection layers (2 and a middle re-selection layer), the other layers read only the selected tokens.
 
     Parameters
     ----------
     budget : int
-        Tokens read per head at the sparse layers (k); 2048 default, 128 for needle tests, 4096 for
+        Tokens read per list at the sparse layers (k); 2048 default, 128 for needle tests, 4096 for
         LongBench in the paper.
     reselect_layer : int or None
         The re-selection layer r (3 <= r < num_layers); None: ``round(0.4 * num_layers)`` (paper: 13 of 32),
@@ -71,15 +88,23 @@ class Tidal(Policy):
         "q_head" (top-k per query head, the paper) or "kv_head" (one top-k per KV head, GQA-friendly).
     kv_reduce : str
         How "kv_head" combines the softmax probabilities of a query group: "max" or "sum".
+    select_layers : sequence of int or None
+        All selection layers, strictly increasing (e.g. ``[2, 12, 15, 18, 21]``); replaces layer 2 +
+        ``reselect_layer`` (give one or the other). Layers before the first one read everything.
     """
 
     budget: int = 2048  # TidalDecode default token budget (128 for needle tests, 4096 for LongBench)
     reselect_layer: int | None = None  # TidalDecode: layer 13 of 32 for Llama-3-8B; None = round(0.4 * L)
     selection: str = "q_head"  # TidalDecode selects per query head; "kv_head" is the GQA variant
     kv_reduce: str = "max"  # kvkit: group reduction for selection="kv_head"
+    select_layers: tuple | None = None  # kvkit: explicit selection layers (per-model tuning, issue 19)
 
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
     saves = "reads"
+    test_options: ClassVar[dict] = dict(budget=8)
+    covering_options: ClassVar[dict | None] = dict(budget=4096)
+    test_options: ClassVar[dict] = dict(budget=8)
+    covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):
         check_positive_int("tidal", "budget", self.budget)
@@ -88,6 +113,19 @@ class Tidal(Policy):
             raise ValueError(f"tidal: selection must be one of {', '.join(SELECTIONS)}; got {self.selection!r}")
         if self.kv_reduce not in REDUCTIONS:
             raise ValueError(f"tidal: kv_reduce must be one of {', '.join(REDUCTIONS)}; got {self.kv_reduce!r}")
+        if self.select_layers is not None:
+            layers = self.select_layers
+            ok = isinstance(layers, (list, tuple)) and len(layers) > 0 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
+            if not ok or any(b <= a for a, b in zip(layers, layers[1:])):
+                raise ValueError(
+                    "tidal: select_layers must be a non-empty, strictly increasing list of layer indices >= 0, "
+                    f"e.g. [2, 12, 15]; got {layers!r}"
+                )
+            if self.reselect_layer is not None:
+                raise ValueError("tidal: give reselect_layer or select_layers, not both "
+                                 "(select_layers lists every selection layer)")
+            object.__setattr__(self, "select_layers", tuple(layers))
 
     def reselect_for(self, num_layers: int) -> int | None:
         """The re-selection layer for a model of ``num_layers`` layers (None: no re-selection)."""
@@ -103,14 +141,25 @@ class Tidal(Policy):
         r = min(max(r, SELECT_LAYER + 2), num_layers - 1)  # keep at least one reuse layer before r
         return r if r > SELECT_LAYER + 1 else None
 
+    def selection_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The selection layers for a model of ``num_layers`` layers (raises if one does not exist)."""
+        if self.select_layers is not None:
+            if self.select_layers[-1] >= num_layers:
+                raise ValueError(
+                    f"tidal: select_layers must be < {num_layers} (the model's layers); got {list(self.select_layers)}"
+                )
+            return self.select_layers
+        r = self.reselect_for(num_layers)
+        return (SELECT_LAYER,) if r is None else (SELECT_LAYER, r)
+
     def validate(self, config) -> None:
         n = config.num_hidden_layers
-        if n <= SELECT_LAYER:
+        if n <= SELECT_LAYER and self.select_layers is None:
             raise ValueError(
                 f"tidal needs more than {SELECT_LAYER} layers (layers 0-1 full, layer 2 selects); "
                 f"this model has {n}"
             )
-        self.reselect_for(n)
+        self.selection_layers(n)
 
     def new_shared(self, infos):
         return TidalSelection()
@@ -121,34 +170,43 @@ class Tidal(Policy):
 
 @dataclass
 class TidalSelection:
-    """The selection one cache's layers share: made at a selection layer, read by the reuse layers after it."""
+    """The selection one cache's layers share: made at a selection layer, read by the reuse layers after it.
+
+    ``idx [B, Hs, T, k+1]`` int64: per list (Hs = KV heads or query heads) and query token, the selected
+    slots in increasing order followed by the token's own slot; ``valid`` the same shape (bool) or None
+    when every entry is a real token. ``bufs``: gather buffers shared by the reuse layers (torch path).
+    """
 
     seen: int = -1  # the store length it was made at
     T: int = 0  # query tokens of that forward
-    idx: torch.Tensor | None = None  # [B, Hs, T, k] selected slot indices
-    valid: torch.Tensor | None = None  # [B, Hs, T, k]
+    idx: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
     on: dict = field(default_factory=dict)  # device -> (idx, valid) copies (device_map)
+    bufs: dict = field(default_factory=dict)  # (device, dtype, rows, D) -> (K rows, V rows) gather buffers
 
     def clear(self) -> None:
         self.seen, self.idx, self.valid, self.on = -1, None, None, {}
 
 
 class TidalStore(SlotStore):
-    """All tokens held (never evicts); decode reads all of them or only the shared selection."""
+    """All tokens held (never evicts) in preallocated buffers; decode reads all of them or only the shared
+    selection."""
 
     def __init__(self, info: LayerInfo, policy: Tidal):
         super().__init__(info)
         self.budget = policy.budget
         self.per_kv_head = policy.selection == "kv_head"
         self.kv_reduce = policy.kv_reduce
-        r = policy.reselect_for(info.num_layers)
+        layers = policy.selection_layers(info.num_layers)
         i = info.layer_idx
-        self.role = "full" if i < FULL_LAYERS else "select" if i in (SELECT_LAYER, r) else "reuse"
+        self.role = "full" if i < layers[0] else "select" if i in layers else "reuse"
         self.last_read = 0  # K/V bytes read by the last decode forward
         self.last_full_read = 0  # K/V bytes full attention would have read in that forward
+        self._kbuf = self._vbuf = self._pbuf = None
 
     def reset(self) -> None:
         super().reset()
+        self._kbuf = self._vbuf = self._pbuf = None
         self.last_read = self.last_full_read = 0
         self.info.shared.clear()
 
@@ -156,8 +214,44 @@ class TidalStore(SlotStore):
         """K/V bytes read by this layer's last decode forward (0 before any decode)."""
         return self.last_read
 
+    def allocated_nbytes(self) -> int:
+        """Bytes of the buffers, headroom included (``nbytes`` counts the held tokens only)."""
+        return tensor_bytes(self._kbuf, self._vbuf, self._pbuf) if self._kbuf is not None else self.nbytes()
+
     def _row_bytes(self) -> int:
         return 2 * self.keys.shape[-1] * self.keys.element_size()  # one K row + one V row
+
+    # ---- storage: preallocated, appends in place ----------------------------------------------
+    def _in_buffers(self) -> bool:
+        def view_of(x, buf):
+            return (buf is not None and x is not None and x.data_ptr() == buf.data_ptr()
+                    and x.stride() == buf.stride() and x.shape[:2] == buf.shape[:2])
+        return view_of(self.keys, self._kbuf) and view_of(self.values, self._vbuf) and view_of(self.pos, self._pbuf)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Same slots as ``SlotStore.append`` (``torch.cat``), written into buffers with ``HEADROOM`` free
+        slots; anything that replaced the tensors (beam reordering, batch selection) is copied into new
+        buffers first."""
+        B, H, T, D = k.shape
+        n = 0 if self.keys is None else self.keys.shape[-2]
+        kb = self._kbuf
+        if not (n and self._in_buffers() and n + T <= kb.shape[2] and kb.shape[:2] == k.shape[:2]
+                and kb.dtype == k.dtype and kb.device == k.device):
+            cap = n + T + HEADROOM
+            hp = 1 if self.pos is None else self.pos.shape[1]
+            kb, vb = k.new_empty(B, H, cap, D), v.new_empty(B, H, cap, v.shape[-1])
+            pb = torch.empty(B, hp, cap, dtype=torch.int32, device=k.device)
+            if n:
+                kb[:, :, :n].copy_(self.keys)
+                vb[:, :, :n].copy_(self.values)
+                pb[:, :, :n].copy_(self.pos)
+            self._kbuf, self._vbuf, self._pbuf = kb, vb, pb
+        self._kbuf[:, :, n : n + T].copy_(k)
+        self._vbuf[:, :, n : n + T].copy_(v)
+        self._pbuf[:, :, n : n + T] = torch.arange(self.seen, self.seen + T, device=k.device, dtype=torch.int32)
+        self.keys, self.values = self._kbuf[:, :, : n + T], self._vbuf[:, :, : n + T]
+        self.pos = self._pbuf[:, :, : n + T]
+        self.seen += T
 
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -175,64 +269,129 @@ class TidalStore(SlotStore):
         return self._reuse(query, sel, scaling)
 
     def _select(self, query, qpos, scaling):
-        """Full attention (fp32) and the top-k selection of every query token; returns ``[B, T, Hq, D]``."""
+        """Full attention (fp32 scores) and the top-k selection of every query token; returns ``[B, T, Hq, D]``.
+
+        One ``q K^T`` gives both: the output (softmax times V) and the ranking. With one query token and no
+        padding every slot but the last (the token itself) is a candidate and nothing is masked."""
         B, Hq, T, D = query.shape
         H, n = self.keys.shape[1], self.keys.shape[2]
         G = Hq // H
-        qf = query.float().view(B, H, G, T, D)
-        s = torch.einsum("bhgtd,bhnd->bhgtn", qf, self.keys.float()) * scaling
-        pos = self.pos[:, :1, None, None, :]  # [B, 1, 1, 1, n]: all heads hold the same tokens
-        q = qpos.view(1, 1, 1, T, 1)
-        s = s.masked_fill(~((pos <= q) & (pos >= 0)), float("-inf"))
-        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-        out = torch.einsum("bhgtn,bhnd->bhgtd", p, self.values.float())
-        # candidates: real tokens before the query's own position (the current token is always read)
-        cand = (pos < q) & (pos >= 0)  # [B, 1, 1, T, n]
         k = min(self.budget, n)
-        if self.per_kv_head:
-            pc = p.masked_fill(~cand, 0.0)
-            score = pc.amax(dim=2) if self.kv_reduce == "max" else pc.sum(dim=2)  # [B, H, T, n]
-            score = score.masked_fill(~cand[:, :, 0], float("-inf"))
-        else:
-            score = s.masked_fill(~cand, float("-inf")).view(B, Hq, T, n)
-        top = score.topk(k, dim=-1)
+        q = query.float().reshape(B, H, G * T, D)  # row g*T + t of KV head h is query head h*G + g
+        s = torch.matmul(q, self.keys.float().transpose(-1, -2)).mul_(scaling)  # [B, H, G*T, n]
+        s5 = s.view(B, H, G, T, n)
+        pos = self.pos[:, :1, None, None, :]  # [B, 1, 1, 1, n]: all heads hold the same tokens
+        plain = T == 1 and not bool((pos < 0).any())
+        if not plain:
+            q5 = qpos.view(1, 1, 1, T, 1)
+            s5.masked_fill_(~((pos <= q5) & (pos >= 0)), float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if not plain:
+            p = torch.nan_to_num(p, nan=0.0)
+        out = torch.matmul(p, self.values.float())  # [B, H, G*T, D]
+        p5 = p.view(B, H, G, T, n)
+        if plain:  # candidates: every slot before the current token's (the last one)
+            if self.per_kv_head:
+                pc = p5[..., : n - 1]
+                score = pc.amax(dim=2) if self.kv_reduce == "max" else pc.sum(dim=2)  # [B, H, 1, n-1]
+            else:
+                score = s5[..., : n - 1].reshape(B, Hq, T, n - 1)
+            top = score.topk(min(k, n - 1), dim=-1)
+            idx, valid = top.indices.sort(dim=-1).values, None
+        else:  # candidates: real tokens before each query's own position
+            cand = (pos < qpos.view(1, 1, 1, T, 1)) & (pos >= 0)  # [B, 1, 1, T, n]
+            if self.per_kv_head:
+                pc = p5.masked_fill(~cand, 0.0)
+                score = pc.amax(dim=2) if self.kv_reduce == "max" else pc.sum(dim=2)  # [B, H, T, n]
+                score = score.masked_fill(~cand[:, :, 0], float("-inf"))
+            else:
+                score = s5.masked_fill(~cand, float("-inf")).view(B, Hq, T, n)
+            top = score.topk(k, dim=-1)
+            ok = top.values > float("-inf")
+            key = torch.where(ok, top.indices, n).sort(dim=-1).values  # selected slots first, in slot order
+            valid = key < n
+            idx = torch.where(valid, key, 0)
+        Hs = idx.shape[1]
+        cur = torch.arange(n - T, n, device=idx.device).view(1, 1, T, 1).expand(B, Hs, T, 1)
+        idx = torch.cat([idx, cur], dim=-1)
+        if valid is not None:
+            cur_ok = (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
+            valid = torch.cat([valid, cur_ok], dim=-1)
+            if bool(valid.all()):
+                valid = None
         sel = self.info.shared
-        sel.seen, sel.T, sel.idx, sel.valid, sel.on = self.seen, T, top.indices, top.values > float("-inf"), {}
+        sel.seen, sel.T, sel.idx, sel.valid, sel.on = self.seen, T, idx, valid, {}
         self.last_read = self.last_full_read
-        return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+        return out.view(B, H, G, T, D).reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
 
     def _reuse(self, query, sel, scaling):
         """Attention over the selected rows plus the current token only; returns ``[B, T, Hq, D]``."""
-        B, Hq, T, D = query.shape
-        n = self.keys.shape[2]
-        idx, valid = sel.idx, sel.valid  # [B, Hs, T, k]
-        Hs = idx.shape[1]
+        idx, valid = sel.idx, sel.valid  # [B, Hs, T, k+1]
         dev = query.device
         if idx.device != dev:  # the selection layer sits on another device (device_map): copy once per device
             if dev not in sel.on:
-                sel.on[dev] = (idx.to(dev), valid.to(dev))
+                sel.on[dev] = (idx.to(dev), None if valid is None else valid.to(dev))
             idx, valid = sel.on[dev]
-        cur = torch.arange(n - T, n, device=dev).view(1, 1, T, 1).expand(B, Hs, T, 1)
-        cur_ok = (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
-        idx = torch.cat([idx, cur], dim=-1)
-        valid = torch.cat([valid, cur_ok], dim=-1)
-        out = gather_attend(query, self.keys, self.values, idx, valid, scaling)
+        out = gather_attend(query, self.keys, self.values, idx, valid, scaling, bufs=sel.bufs)
         self.last_read = idx.numel() * self._row_bytes()
         return out
 
 
-def gather_attend(query, keys, values, idx, valid, scaling):
-    """Attention of each query token over its own gathered rows (``kvkit.kernels.sparse_decode``: Triton on
-    CUDA, the torch reference elsewhere).
+def _rows_view(x: torch.Tensor):
+    """``x [B, H, n, D]`` (last dim contiguous, rows of one head equally spaced, heads equally spaced, e.g. a
+    prefix of a preallocated buffer) as a ``[rows, D]`` view and the row stride of a head (``cap``): row
+    ``(b*H + h)*cap + i`` is ``x[b, h, i]``. Copies only when the layout does not allow a view."""
+    B, H, n, D = x.shape
+    s0, s1, s2, s3 = x.stride()
+    if not (s3 == 1 and s2 == D and s1 % D == 0 and s0 == H * s1):
+        x = x.contiguous()
+        s1 = n * D
+    cap = s1 // D
+    rows = (B * H - 1) * cap + n
+    return x.as_strided((rows, D), (D, 1)), cap
 
-    query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]``; idx/valid ``[B, Hs, T, k]`` with Hs = Hq (one
-    list per query head, read from KV head ``h // G``) or Hs = H (one list per KV head, shared by its
-    query group). Only the indexed rows are read. Returns ``[B, T, Hq, D]``.
+
+def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
+    """Attention of each query token over its own gathered rows.
+
+    query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]``; idx ``[B, Hs, T, L]`` slot indices (int) with
+    Hs = Hq (one list per query head, read from KV head ``h // G``) or Hs = H (one list per KV head, shared
+    by its query group); valid ``[B, Hs, T, L]`` bool or None (every entry a real slot). Only the indexed rows
+    are read. On CUDA: :func:`kvkit.kernels.sparse_decode` (Triton). Elsewhere the rows are copied with
+    ``index_select`` into ``bufs`` (a dict reused across calls; new buffers when None) and attended with
+    ``scaled_dot_product_attention``. Returns ``[B, T, Hq, D]``.
     """
-    mode = "kv_head" if idx.shape[1] == keys.shape[1] else "q_head"
-    indices = torch.where(valid, idx, -1).to(torch.int32)
-    out = sparse_decode(query, keys, values, indices, scale=scaling, index_mode=mode)
-    return out.transpose(1, 2)
+    B, Hq, T, D = query.shape
+    H = keys.shape[1]
+    Hs, L = idx.shape[1], idx.shape[-1]
+    if use_triton(query, keys, values, idx):
+        mode = "kv_head" if Hs == H else "q_head"
+        ind = idx if valid is None else torch.where(valid, idx, -1)
+        return sparse_decode(query, keys, values, ind.to(torch.int32), scale=scaling, index_mode=mode).transpose(1, 2)
+    Gq = Hq // Hs  # query heads per list
+    kr, cap = _rows_view(keys)
+    vr, vcap = _rows_view(values)
+    base = (torch.arange(B, device=idx.device).view(B, 1) * H
+            + torch.arange(Hs, device=idx.device).view(1, Hs) // (Hs // H)).view(B, Hs, 1, 1)
+    flat = (idx + base * cap).view(-1)
+    vflat = flat if vcap == cap else (idx + base * vcap).view(-1)
+    M = flat.numel()
+    key_ = (query.device, keys.dtype, M, D)
+    bk = None if bufs is None else bufs.get(key_)
+    if bk is None:
+        bk = (keys.new_empty(M, D), values.new_empty(M, values.shape[-1]))
+        if bufs is not None:
+            bufs.clear()  # one live shape at a time (shapes change only with T or the budget)
+            bufs[key_] = bk
+    kg = torch.index_select(kr, 0, flat, out=bk[0]).view(B, Hs * T, L, D)
+    vg = torch.index_select(vr, 0, vflat, out=bk[1]).view(B, Hs * T, L, -1)
+    # queries: [B, Hs*T, Gq, D], row (hs*T + t, g) = query head hs*Gq + g at token t
+    q = query.reshape(B, Hs, Gq, T, D).transpose(2, 3).reshape(B, Hs * T, Gq, D).to(keys.dtype)
+    mask = None if valid is None else valid.reshape(B, Hs * T, 1, L)
+    out = F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, scale=scaling)
+    if mask is not None:
+        out = torch.nan_to_num(out, nan=0.0)  # a list with no real entry reads zeros
+    return out.view(B, Hs, T, Gq, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D).to(query.dtype)
 
 
 def decode_read_bytes(cache) -> dict:
