@@ -134,3 +134,82 @@ def test_quant_decode_cuda(monkeypatch, bits):
     t_out, _ = R.quant_decode_ref(q.unsqueeze(2).double(), kp, vp, scale=D**-0.5, upcast=False)
     r_out, _ = R.quant_decode_ref(q.unsqueeze(2), kp, vp, scale=D**-0.5, upcast=False)
     assert_flash_rule(out, r_out[:, :, 0], t_out[:, :, 0], atol=1e-4, name=f"cuda quant {bits}")
+
+
+# ---- the CPU path: packed-code C kernel (kvkit/kernels/quant_cpu.py) ---------------------------------------
+from kvkit.kernels import quant_cpu  # noqa: E402
+
+needs_cpu_kernel = pytest.mark.skipif(not quant_cpu.available(), reason="no C compiler: quant_decode uses the reference")
+
+CPU_CASES = [  # (B, Hq, Hkv, Tq, D, [(N, kbits, vbits, prescale)])
+    (2, 9, 3, 1, 64, [(37, 4, 4, True), (50, 2, 2, True)]),  # the default model's shape, two precision groups
+    (1, 4, 2, 3, 16, [(20, 4, 2, False), (7, 2, 8, True)]),  # tiny test models' head_dim (masked 4/8-byte rows)
+    (2, 8, 1, 2, 128, [(33, 8, 4, True)]),  # 8 query rows per KV head: two row blocks
+    (1, 2, 2, 1, 32, [(1, 2, 4, True), (16, 8, 8, False), (3, 4, 2, True)]),
+]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("case", CPU_CASES)
+@pytest.mark.parametrize("with_mask", [False, True])
+@pytest.mark.parametrize("with_prior", [False, True])
+def test_quant_decode_cpu_kernel_matches_reference(monkeypatch, case, with_mask, with_prior):
+    """Several parts in one call (one softmax over their union), optional masks and a merged prior: same
+    result as the reference (dequantize each part, attend densely, merge by LSE) up to fp32 rounding."""
+    B, Hq, Hkv, Tq, D, parts = case
+    g = torch.Generator().manual_seed(D + len(parts))
+    q = torch.randn(B, Hq, Tq, D, generator=g)
+    kps, vps, valids = [], [], []
+    for N, kb, vb, pre in parts:
+        k = torch.randn(B, Hkv, N, D, generator=g) * 3
+        v = torch.randn(B, Hkv, N, D, generator=g)
+        kps.append(K.quantize(k, kb, None, axis=-2))
+        vps.append(K.quantize(v, vb, None, axis=-1, channel_prescale=pre))
+        valids.append(torch.randint(0, N + 1, (B,), generator=g) if with_mask else torch.full((B,), N))
+    prior = None
+    if with_prior:
+        prior = (torch.randn(B, Hq, Tq, D, generator=g), torch.randn(B, Hq, Tq, generator=g))
+    assert all(quant_cpu.supported(k, v, D) for k, v in zip(kps, vps))
+    out, lse = K.quant_decode(q, kps, vps, valid=valids, return_lse=True, prior=prior)
+    monkeypatch.setenv("KVKIT_KERNELS", "reference")
+    want, want_lse = K.quant_decode(q, kps, vps, valid=valids, return_lse=True, prior=prior)
+    assert out.shape == want.shape and out.dtype == q.dtype
+    assert max_err(out, want) < 2e-5
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert max_err(lse[finite], want_lse[finite]) < 2e-5
+    # rows that see no key at all read zeros
+    assert not out[~finite].any()
+
+
+@needs_cpu_kernel
+def test_quant_decode_cpu_kernel_bf16_and_3d_query():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 64, generator=g).bfloat16()
+    k, v = torch.randn(1, 2, 40, 64, generator=g).bfloat16(), torch.randn(1, 2, 40, 64, generator=g).bfloat16()
+    kp, vp = K.quantize(k, 4, None, axis=-2), K.quantize(v, 2, None, axis=-1, channel_prescale=True)
+    assert kp.scale.dtype == torch.float16  # 16-bit models keep fp16 statistics: the kernel reads them as fp32
+    out = K.quant_decode(q, kp, vp)
+    want, _ = R.quant_decode_ref(q.unsqueeze(2), kp, vp, scale=64**-0.5)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert max_err(out, want[:, :, 0]) < 1e-2  # both round the fp32 result to bf16
+
+
+def test_quant_decode_layouts_the_cpu_kernel_does_not_read_use_the_reference():
+    """Token-grouped key statistics (KIVI-style groups along N) are not the kernel's layout: reference path."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 32, generator=g)
+    k, v = torch.randn(1, 1, 40, 32, generator=g), torch.randn(1, 1, 40, 32, generator=g)
+    kp, vp = K.quantize(k, 4, 16, axis=-2), K.quantize(v, 4, 8, axis=-1)
+    assert not quant_cpu.supported(kp, vp, 32)
+    want, _ = R.quant_decode_ref(q.unsqueeze(2), kp, vp, scale=32**-0.5)
+    assert max_err(K.quant_decode(q, kp, vp), want[:, :, 0]) < 1e-6
+
+
+def test_quant_decode_parts_bad_input():
+    kp = K.quantize(torch.randn(1, 2, 10, 16), 4, axis=-2)
+    vp = K.quantize(torch.randn(1, 2, 10, 16), 4)
+    with pytest.raises(ValueError, match="equal-length"):
+        K.quant_decode(torch.randn(1, 2, 16), [kp, kp], [vp])
+    with pytest.raises(ValueError, match="prior"):
+        K.quant_decode(torch.randn(1, 2, 16), kp, vp, prior=(torch.randn(1, 2, 8), torch.randn(1, 2)))

@@ -143,7 +143,26 @@ def test_salient_tokens_get_high_precision():
     assert bool((vals - v[:, :, 7:8]).abs().amax(-1).amin(-1).lt(0.05).all())  # token 7 is in the 8-bit group
 
 
-@pytest.mark.parametrize("bad", [dict(high_bits=3), dict(low_bits=1), dict(high_bits=16), dict(high_bits=2, low_bits=4),
+def test_key_bits_keeps_every_key_at_one_width():
+    """key_bits=4: keys of both saliency groups at 4 bits, values keep the 4/2 split; bytes follow."""
+    model = tiny_model("llama")
+    n = 50
+    kvkit.patch(model, "zipcache", key_bits=4)
+    cache = kvkit.KVCache(model)
+    with torch.no_grad():
+        model(input_ids=_ids(n), past_key_values=cache, use_cache=True)
+    hi = math.ceil(0.6 * n)
+    expect = 4  # first_pos int32 [1]
+    for m, vbits in ((hi, 4), (n - hi, 2)):
+        codes = H * m * D * (4 + vbits) // 8
+        expect += codes + 2 * H * D * 4 + 2 * H * m * 4 + H * D * 4 + 8
+    for s in _stores(cache):
+        assert [(k.bits, v.bits) for k, v, _ in s.parts()] == [(4, 4), (4, 2)]
+        assert s.nbytes() == expect
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("bad", [dict(high_bits=3), dict(key_bits=3), dict(key_bits=True), dict(low_bits=1), dict(high_bits=16), dict(high_bits=2, low_bits=4),
                                  dict(high_ratio=1.5), dict(high_ratio=-0.1), dict(requant_interval=0),
                                  dict(probe_ratio=0), dict(high_bits=True)])
 def test_bad_options(bad):

@@ -148,16 +148,18 @@ def weighted_decode(q, k, v, log_weight=None, *, scale=None, valid=None, return_
     return _finish(out, lse, squeeze, return_lse)
 
 
-def quant_decode(q, kpack, vpack, *, scale=None, valid=None, return_lse=False, num_splits=None):
+def quant_decode(q, kpack, vpack, *, scale=None, valid=None, return_lse=False, num_splits=None, prior=None):
     """Decode attention straight from packed int8/int4/int2 keys and values (no fp16 K/V materialised).
 
     q ``[B, Hq, D]`` or ``[B, Hq, Tq, D]``; kpack, vpack: :class:`Packed` of tensors ``[B, Hkv, N, D]``
     from :func:`quantize` (any bits/group/axis, optional ``channel_prescale``); valid as in
     :func:`sparse_decode`. kpack, vpack (and valid) may also be equal-length lists of parts (e.g. precision
-    groups, segments; N may differ between parts): the result is attention over their union. Returns out in
-    q's shape and dtype [+ lse]. Paths: CUDA -> Triton (per part, merged by LSE; needs D/(8/bits) a power of
-    two >= 16: int8 D >= 16, int4 D >= 32, int2 D >= 64); CPU -> the C kernel of :mod:`.quant_cpu` (all parts
-    in one call, codes unpacked in registers) where it builds and the layout fits; otherwise the reference.
+    groups, segments; N may differ between parts): the result is attention over their union. ``prior``:
+    ``(out, lse)`` of the same queries over other keys (q's shape + ``[..., D]`` / lse), merged into the result
+    (as :func:`merge_attn`). Returns out in q's shape and dtype [+ lse]. Paths: CUDA -> Triton (per part, merged
+    by LSE; needs D/(8/bits) a power of two >= 16: int8 D >= 16, int4 D >= 32, int2 D >= 64); CPU -> the C
+    kernel of :mod:`.quant_cpu` (all parts and the prior in one call, codes unpacked in registers) where it
+    builds and the layout fits; otherwise the reference.
     """
     fn = "quant_decode"
     check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -169,8 +171,7 @@ def quant_decode(q, kpack, vpack, *, scale=None, valid=None, return_lse=False, n
                  f"{len(vps) if isinstance(vps, list) else type(vpack).__name__} / {len(valids)}")
     q4 = q.unsqueeze(2) if q.dim() == 3 else q
     B, Hq, Tq, D = q4.shape
-    masks = []
-    for kp, vp, val in zip(kps, vps, valids):
+    for kp, vp in zip(kps, vps):
         for name, p in (("kpack", kp), ("vpack", vp)):
             if not isinstance(p, Packed):
                 fail(fn, f"{name} must be a kvkit.kernels.Packed (from quantize), got {type(p).__name__}")
@@ -183,29 +184,48 @@ def quant_decode(q, kpack, vpack, *, scale=None, valid=None, return_lse=False, n
         _, Hkv, N, Dk = kp.shape
         if kp.shape[0] != B or Dk != D or Hq % Hkv or Hkv != kps[0].shape[1]:
             fail(fn, f"packed K/V {tuple(kp.shape)} do not match q {tuple(q.shape)} (B, D, Hq % Hkv == 0)")
-        masks.append(check_valid(fn, val, B, N, q.device))
+    if prior is not None:
+        po, pl = prior
+        po = po.unsqueeze(2) if po.dim() == 3 else po
+        pl = pl.unsqueeze(2) if pl.dim() == 2 else pl
+        if tuple(po.shape) != (B, Hq, Tq, D) or tuple(pl.shape) != (B, Hq, Tq):
+            fail(fn, f"prior must be (out [B, Hq, (Tq,) D], lse [B, Hq, (Tq)]) like q {tuple(q.shape)}, got "
+                     f"{tuple(prior[0].shape)} / {tuple(prior[1].shape)}")
+        prior = (po, pl)
     scale = default_scale(scale, D)
+
+    def masks(lengths_ok=False):
+        out = []
+        for kp, val in zip(kps, valids):
+            N = kp.shape[-2]
+            if lengths_ok and isinstance(val, torch.Tensor) and val.dim() == 1 and val.dtype != torch.bool and \
+                    val.shape[0] == B and int(val.min()) >= N:
+                out.append(None)  # every row holds all N tokens
+            else:
+                out.append(check_valid(fn, val, B, N, q.device))
+        return out
+
+    out = lse = None
     if use_triton(q, kps[0].data, vps[0].data) and all(_quant_supported(D, k.bits, v.bits) for k, v in zip(kps, vps)):
         from .quant_attn import quant_decode_triton
 
-        out = lse = None
         with _on_device(q):
-            for kp, vp, mask in zip(kps, vps, masks):
+            for kp, vp, mask in zip(kps, vps, masks()):
                 o, s = quant_decode_triton(q4, kp, vp, scale=scale, mask=mask, num_splits=num_splits)
                 out, lse = (o, s) if out is None else merge_attn(out, lse, o, s)
-        return _finish(out, lse, q.dim() == 3, return_lse)
-    from . import quant_cpu
+    else:
+        from . import quant_cpu
 
-    if (q.device.type == "cpu" and os.environ.get("KVKIT_KERNELS", "auto").strip().lower() != "reference"
-            and q.dtype != torch.float64 and all(quant_cpu.supported(k, v, D) for k, v in zip(kps, vps))
-            and quant_cpu.available()):
-        masks = [None if m is None or bool(m.all()) else m for m in masks]
-        out, lse = quant_cpu.quant_attn(q4, list(zip(kps, vps, masks)), scale)
-        return _finish(out, lse, q.dim() == 3, return_lse)
-    out = lse = None
-    for kp, vp, mask in zip(kps, vps, masks):
-        o, s = _ref.quant_decode_ref(q4, kp, vp, scale=scale, mask=mask)
-        out, lse = (o, s) if out is None else merge_attn(out, lse, o, s)
+        if (q.device.type == "cpu" and os.environ.get("KVKIT_KERNELS", "auto").strip().lower() != "reference"
+                and q.dtype != torch.float64 and all(quant_cpu.supported(k, v, D) for k, v in zip(kps, vps))
+                and quant_cpu.available()):
+            out, lse = quant_cpu.quant_attn(q4, list(zip(kps, vps, masks(lengths_ok=True))), scale, prior=prior)
+            return _finish(out, lse, q.dim() == 3, return_lse)
+        for kp, vp, mask in zip(kps, vps, masks()):
+            o, s = _ref.quant_decode_ref(q4, kp, vp, scale=scale, mask=mask)
+            out, lse = (o, s) if out is None else merge_attn(out, lse, o, s)
+    if prior is not None:
+        out, lse = merge_attn(out, lse, prior[0].to(out.dtype), prior[1])
     return _finish(out, lse, q.dim() == 3, return_lse)
 
 

@@ -222,11 +222,13 @@ AI float row_exp_sum(float *s, int64_t n, float mx) {
 
 /* q [B*H, M, D]; part i: kd [B*H, n_i, D*kb_i/8], ks/kz [B*H, D], vd [B*H, n_i, D*vb_i/8], vs/vz [B*H, n_i],
    vp [B*H, D] or NULL, mask [B, n_i] or NULL (uint8, 0 = not visible); scratch [B*H, M, sum n_i];
+   prior_out [B*H, M, D] / prior_lse [B*H, M] or NULL: a partial attention over other keys, merged in;
    out [B*H, M, D]; lse [B*H, M] */
 int kvkit_quant_attn(int nparts, const int64_t *ns, const int *kb, const int *vb, const uint8_t **kd,
                      const float **ks, const float **kz, const uint8_t **vd, const float **vs, const float **vz,
                      const float **vp, const uint8_t **mask, const float *q, int64_t B, int64_t H, int M, int D,
-                     float scaling, float *scratch, float *out, float *lse, int nthreads) {
+                     float scaling, float *scratch, const float *prior_out, const float *prior_lse, float *out,
+                     float *lse, int nthreads) {
   if (D > 256 || M < 1) return -1;
   int64_t ntot = 0;
   for (int i = 0; i < nparts; i++) ntot += ns[i];
@@ -269,6 +271,18 @@ int kvkit_quant_attn(int nparts, const int64_t *ns, const int *kb, const int *vb
         DISPATCH(PV, R, D, vb[i], sb + r0 * ntot + off, ntot, vdp, vs[i] + bh * ns[i], vz[i] + bh * ns[i], vpp,
                  ns[i], ob + r0 * D);
         off += ns[i];
+      }
+    }
+    if (prior_out) {
+      for (int r = 0; r < M; r++) {
+        float l1 = lse[bh * M + r], l2 = prior_lse[bh * M + r];
+        float mx = l1 > l2 ? l1 : l2;
+        if (mx == -INFINITY) continue;  /* neither part sees a key: zeros, -inf */
+        float w1 = expf(l1 - mx), w2 = expf(l2 - mx), tot = w1 + w2;
+        const float *po = prior_out + (bh * M + r) * D;
+        float *o = ob + r * D;
+        for (int d = 0; d < D; d++) o[d] = (o[d] * w1 + po[d] * w2) / tot;
+        lse[bh * M + r] = mx + logf(tot);
       }
     }
   }
@@ -317,7 +331,7 @@ def _build():
             os.replace(tmp_so, so)  # atomic: concurrent processes never load a half-written library
     lib = ctypes.CDLL(so)
     P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.kvkit_quant_attn.argtypes = [I, P, P, P, P, P, P, P, P, P, P, P, P, I64, I64, I, I, F, P, P, P, I]
+    lib.kvkit_quant_attn.argtypes = [I, P, P, P, P, P, P, P, P, P, P, P, P, I64, I64, I, I, F, P, P, P, P, P, I]
     lib.kvkit_quant_attn.restype = I
     lib.kvkit_has_avx512.restype = I
     return lib
@@ -361,49 +375,46 @@ def supported(kpack: Packed, vpack: Packed, D: int) -> bool:
             and kpack.prescale is None and vpack.axis == -1 and vpack.group_size == D)
 
 
-def quant_attn(q4: torch.Tensor, parts, scale: float):
+def quant_attn(q4: torch.Tensor, parts, scale: float, prior=None):
     """Attention of ``q4 [B, Hq, Tq, D]`` over the union of packed parts ``[(kpack, vpack, mask [B, N] bool | None)]``
-    (every query sees every unmasked token). Returns (out ``[B, Hq, Tq, D]`` in q's dtype, lse ``[B, Hq, Tq]`` fp32);
-    a query row that sees no token gets zeros and ``-inf``."""
+    (every query sees every unmasked token), merged with ``prior = (out [B, Hq, Tq, D], lse [B, Hq, Tq])``, a
+    partial attention over other keys, when given. Returns (out ``[B, Hq, Tq, D]`` in q's dtype, lse
+    ``[B, Hq, Tq]`` fp32); a query row that sees no token gets zeros and ``-inf``."""
     lib = _load()
     B, Hq, Tq, D = q4.shape
     H = parts[0][0].shape[1]
-    G = Hq // H
-    M = G * Tq
-    qf = q4.reshape(B, H, M, D).float().contiguous()  # query head h*G + g reads KV head h; row g*Tq + t
+    M = (Hq // H) * Tq
     keep = []  # every tensor whose pointer is handed to C stays referenced until the call returns
 
     def ptr(t, dtype):
-        t = t.to(dtype).contiguous()
+        if t.dtype != dtype or not t.is_contiguous():
+            t = t.to(dtype).contiguous()
         keep.append(t)
         return t.data_ptr()
 
+    qf = q4.reshape(B, H, M, D)  # query head h*G + g reads KV head h; row g*Tq + t
     n = len(parts)
-    arr = lambda ctype, vals: (ctype * n)(*vals)  # noqa: E731
-    ns, kb, vb, kd, ks, kz, vd, vs, vz, vp, mk = ([] for _ in range(11))
-    for kp, vpk, mask in parts:
-        ns.append(kp.shape[-2])
-        kb.append(kp.bits)
-        vb.append(vpk.bits)
-        kd.append(ptr(kp.data, torch.uint8))
-        ks.append(ptr(kp.scale, torch.float32))
-        kz.append(ptr(kp.zero, torch.float32))
-        vd.append(ptr(vpk.data, torch.uint8))
-        vs.append(ptr(vpk.scale, torch.float32))
-        vz.append(ptr(vpk.zero, torch.float32))
-        vp.append(None if vpk.prescale is None else ptr(vpk.prescale, torch.float32))
-        mk.append(None if mask is None else ptr(mask, torch.uint8))
+    P = ctypes.c_void_p
+    ns, kb, vb = (ctypes.c_int64 * n)(), (ctypes.c_int * n)(), (ctypes.c_int * n)()
+    kd, ks, kz, vd, vs, vz, vp, mk = ((P * n)() for _ in range(8))
+    for i, (kp, vpk, mask) in enumerate(parts):
+        ns[i], kb[i], vb[i] = kp.shape[-2], kp.bits, vpk.bits
+        kd[i], ks[i], kz[i] = ptr(kp.data, torch.uint8), ptr(kp.scale, torch.float32), ptr(kp.zero, torch.float32)
+        vd[i], vs[i], vz[i] = ptr(vpk.data, torch.uint8), ptr(vpk.scale, torch.float32), ptr(vpk.zero, torch.float32)
+        vp[i] = None if vpk.prescale is None else ptr(vpk.prescale, torch.float32)
+        mk[i] = None if mask is None else ptr(mask, torch.uint8)
     ntot = sum(ns)
     scratch = torch.empty(B * H * M * max(ntot, 1), dtype=torch.float32)
     out = torch.empty(B, H, M, D, dtype=torch.float32)
     lse = torch.empty(B, H, M, dtype=torch.float32)
-    P = ctypes.c_void_p
-    rc = lib.kvkit_quant_attn(
-        n, arr(ctypes.c_int64, ns), arr(ctypes.c_int, kb), arr(ctypes.c_int, vb), arr(P, kd), arr(P, ks),
-        arr(P, kz), arr(P, vd), arr(P, vs), arr(P, vz), arr(P, vp), arr(P, mk), qf.data_ptr(), B, H, M, D,
-        float(scale), scratch.data_ptr(), out.data_ptr(), lse.data_ptr(), max(1, torch.get_num_threads()))
+    po = pl = None
+    if prior is not None:
+        po = ptr(prior[0].reshape(B, H, M, D), torch.float32)
+        pl = ptr(prior[1].reshape(B, H, M), torch.float32)
+    rc = lib.kvkit_quant_attn(n, ns, kb, vb, kd, ks, kz, vd, vs, vz, vp, mk, ptr(qf, torch.float32), B, H, M, D,
+                              float(scale), scratch.data_ptr(), po, pl, out.data_ptr(), lse.data_ptr(),
+                              max(1, torch.get_num_threads()))
     if rc != 0:
         raise RuntimeError(f"kvkit quant_cpu kernel refused shapes B={B} H={H} M={M} D={D}")
     del keep
-    out = out.view(B, Hq, Tq, D).to(q4.dtype)
-    return out, lse.view(B, Hq, Tq)
+    return out.view(B, Hq, Tq, D).to(q4.dtype), lse.view(B, Hq, Tq)

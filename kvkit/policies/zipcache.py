@@ -189,11 +189,16 @@ class ZipCacheStore(QuantizedSegmentStore):
         H = self.keys.shape[1]
         G = Hq // H
         q = query.float().reshape(B, H, G * T, D)
-        s = torch.matmul(q, self.keys.float().transpose(-1, -2)) * scaling  # [B, H, G*T, n]
+        s = torch.matmul(q, self.keys.float().transpose(-1, -2)).mul_(scaling)  # [B, H, G*T, n]
+        prob = s.sub_(lse.view(B, H, G * T, 1).float()).exp_()
         pos = self.pos[:, 0]  # [B, n]
+        if T == 1 and not bool((pos < 0).any()):  # one query per row that sees every tail token
+            self.sal_sum = self.sal_sum + prob.sum(2)
+            self.sal_cnt = self.sal_cnt + 1.0
+            return
         see = (pos[:, None, :] <= qpos.view(1, T, 1)) & (pos[:, None, :] >= 0)  # [B, T, n]
         see_g = see[:, None, None].expand(B, H, G, T, n).reshape(B, H, G * T, n)
-        prob = torch.exp(s - lse.view(B, H, G * T, 1).float()).masked_fill(~see_g, 0.0).nan_to_num(0.0)
+        prob = prob.masked_fill(~see_g, 0.0).nan_to_num(0.0)
         self.sal_sum = self.sal_sum + prob.sum(2)
         self.sal_cnt = self.sal_cnt + see.float().sum(1, keepdim=True)
 

@@ -20,10 +20,10 @@ which leaves per-channel min/max statistics unchanged). Tokens inside a part are
 position order: every segment is older than every query, so no causal mask is needed inside segments.
 The tail is the :class:`~kvkit.stores.SlotStore`'s ``keys``/``values``/``pos`` (uncompressed, with positions).
 
-Decode: all parts of all segments go to :func:`kvkit.kernels.quant_decode` in one call (one softmax over
-their union: Triton on CUDA, the packed-code C kernel on CPU, the torch reference otherwise), the tail to
-:func:`kvkit.stores.attend_slots` with ``return_lse=True``, and :func:`kvkit.kernels.merge_attn` combines the
-two. Compression of the tail happens only at the start of ``update`` (or right after prefill), so ``crop``
+Decode: the tail goes to :func:`kvkit.stores.attend_slots` with ``return_lse=True`` (causal by position,
+padding); all parts of all segments go to :func:`kvkit.kernels.quant_decode` in one call (one softmax over
+their union: Triton on CUDA, the packed-code C kernel on CPU, the torch reference otherwise) with the
+tail's ``(out, lse)`` as ``prior``, merged through the log-sum-exp. Compression of the tail happens only at the start of ``update`` (or right after prefill), so ``crop``
 of the tail is exact (the :class:`~kvkit.stores.SlotStore` contract).
 """
 
@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvkit.kernels import Packed, merge_attn, packed_nbytes, quant_decode, quantize
+from kvkit.kernels import Packed, packed_nbytes, quant_decode, quantize
 from kvkit.stores.attend import attend_slots
 from kvkit.stores.base import LayerInfo, SlotStore, tensor_bytes
 
@@ -198,14 +198,14 @@ class QuantizedSegmentStore(SlotStore):
         tail (causal by position); returns ``[B, T, Hq, D]``."""
         B, Hq, T, D = query.shape
         out = lse = None
-        parts = self.parts()
-        if parts:
-            ks, vs, ns = zip(*parts)
-            out, lse = quant_decode(query, list(ks), list(vs), scale=scaling, valid=list(ns), return_lse=True)
         if self.keys is not None and self.keys.shape[-2]:
-            o, s = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True)
-            o = o.transpose(1, 2)
-            out, lse = (o, s) if out is None else merge_attn(out, lse, o, s)
+            o, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True)
+            out = o.transpose(1, 2)
+        parts = self.parts()
+        if parts:  # the tail's partial attention is merged in by quant_decode (prior=...)
+            ks, vs, ns = zip(*parts)
+            out, lse = quant_decode(query, list(ks), list(vs), scale=scaling, valid=list(ns), return_lse=True,
+                                    prior=None if out is None else (out, lse))
         if out is None:
             return query.new_zeros(B, T, Hq, D)
         self.observe(query, qpos, scaling, lse)
