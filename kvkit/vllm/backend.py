@@ -1,0 +1,270 @@
+"""kvkit's CPU attention backend for vLLM: vLLM's own C++ op over reduced block tables.
+
+``KvkitCPUAttentionBackend`` subclasses vLLM's ``CPUAttentionBackend`` and is registered in
+place of ``CPU_ATTN`` by :func:`kvkit.vllm.register`. With no policy switched on for the engine,
+its builder and impl call vLLM's code and nothing else (plugin off == vanilla).
+
+With a policy, the metadata builder plans each step: a decode row (one query token) whose context
+spans more than ``budget_blocks`` blocks reads only ``budget_blocks`` of them. vLLM caches keys
+after RoPE, and the op's only use of positions at decode is the causal bound (a single query
+token sees every key it is given), so attending over a block table that lists a subset of a
+request's blocks, with ``seq_len`` shortened to the tokens in those blocks, is exact attention over
+the blocks read. Every listed block except the last is full, so the shortened ``seq_len`` is
+``(k - 1) * block_size + tokens in the last block``. Prefill rows keep their full table.
+
+* ``streaming``: sink blocks + the most recent blocks, in every layer (StreamingLLM); with
+  ``free=1`` the spec from :meth:`customize_spec` lets vLLM's block manager free the middle.
+* ``tidal``: layers 0, 1 and the selection layers (2 and ``round(0.4 L)``) read every block; a
+  selection layer then scores each block of each decode row with Quest's bound
+  ``sum_d max(q_d * kmax_d, q_d * kmin_d)`` from per-block key summaries (kept incrementally for
+  those layers only, as keys are written), softmax-normalises per query head, takes the max over
+  heads and keeps the sink blocks, the last block and the top-k others. The following layers reuse
+  that block table (TidalDecode's position persistence) until the next selection layer.
+
+The same plan (a reduced ``block_table`` + ``seq_lens`` per decode row, built in the metadata
+builder, the selection in the impl) carries over to a GPU backend whose kernel takes block tables
+and sequence lengths (FlashAttention's ``block_table`` / ``seqused_k``); that path is not built or
+tested here (no GPU on this machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.config import get_current_vllm_config_or_none
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvkit.vllm.config import PluginPolicy, policy_from
+from kvkit.vllm.stats import STATS, StepRecord
+
+_last_policy: PluginPolicy | None = None  # the policy of the engine built last in this process
+
+
+def _engine_policy(vllm_config) -> PluginPolicy | None:
+    global _last_policy
+    policy = policy_from(vllm_config)
+    _last_policy = policy
+    return policy
+
+
+@dataclass
+class StepPlan:
+    """What the decode rows of one step read; shared by every layer of the KV-cache group."""
+
+    policy: PluginPolicy
+    block_size: int
+    record: StepRecord
+    full_read: int  # blocks of the decode rows, one layer
+    rows: torch.Tensor | None = None  # indices of the decode rows that read fewer blocks
+    nb: torch.Tensor | None = None  # their block counts
+    reduced_read: int = 0  # blocks the reduced table hands the op, one layer
+    reduced: CPUAttentionMetadata | None = None  # streaming: built once; tidal: after each selection
+    reduced_seq_lens: torch.Tensor | None = None
+    reduced_sched: torch.Tensor | None = None
+    select_layers: tuple[int, ...] = ()
+
+
+class KvkitCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.policy = _engine_policy(vllm_config)
+        self.num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+        if self.policy is not None and self.policy.name != "full" and self.window_size != -1:
+            raise ValueError(
+                f"kvkit.vllm: policy {self.policy.name!r} on a sliding-window model is not supported "
+                "(the model's own window already bounds what attention reads)"
+            )
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self.policy is None or self.is_cross_attention or self.is_encoder_only_attention:
+            return md
+        md.kvkit = self._plan(md, common_attn_metadata.num_reqs)
+        return md
+
+    def _plan(self, md: CPUAttentionMetadata, num_reqs: int) -> StepPlan:
+        p, bs = self.policy, self.block_size
+        qsl = md.query_start_loc[: num_reqs + 1]
+        seq = md.seq_lens[:num_reqs]
+        nb = (seq + bs - 1) // bs
+        decode = (qsl[1:] - qsl[:-1]) == 1
+        full_read = int(nb[decode].sum())
+        plan = StepPlan(p, bs, STATS.new_step(int(decode.sum()), full_read), full_read)
+        plan.select_layers = p.select_layers(self.num_layers) if p.name == "tidal" else ()
+        k = p.budget_blocks(bs)
+        reduce = decode & (nb > k)
+        if p.name == "full" or not bool(reduce.any()):
+            return plan
+        if p.name == "tidal" and not plan.select_layers:
+            return plan  # fewer than 3 layers: nothing to select from
+        rows = reduce.nonzero().squeeze(1)
+        rnb = nb[rows]
+        last_fill = seq[rows] - (rnb - 1) * bs
+        red_seq = seq.clone()
+        red_seq[rows] = ((k - 1) * bs + last_fill).to(seq.dtype)
+        plan.rows, plan.nb = rows, rnb
+        plan.reduced_read = full_read - int(rnb.sum()) + k * rows.numel()
+        plan.reduced_seq_lens = red_seq
+        plan.reduced_sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=num_reqs,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            seq_lens=red_seq,
+            dtype=self.dtype,
+            query_start_loc=md.query_start_loc,
+            causal=md.causal,
+            sliding_window_size=self.window_size,
+            isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=md.dynamic_causal,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        if p.name == "streaming":
+            s, r = p.sink_blocks(bs), p.recent_blocks(bs)
+            cols = torch.cat(
+                [torch.arange(s).expand(rows.numel(), s), (rnb - r).unsqueeze(1) + torch.arange(r)], dim=1
+            )
+            plan.reduced = _with_table(md, plan, rows, cols)
+        return plan
+
+
+def _with_table(md: CPUAttentionMetadata, plan: StepPlan, rows: torch.Tensor, cols: torch.Tensor):
+    """A copy of ``md`` whose decode rows ``rows`` list the blocks at positions ``cols`` [n, k]."""
+    table = md.block_table.clone()
+    table[rows, : cols.shape[1]] = md.block_table[rows].gather(1, cols.to(md.block_table.dtype).long())
+    return replace(md, block_table=table, seq_lens=plan.reduced_seq_lens, scheduler_metadata=plan.reduced_sched)
+
+
+class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config = get_current_vllm_config_or_none()
+        self.kvkit_policy = _engine_policy(vllm_config) if vllm_config is not None else _last_policy
+        num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers if vllm_config is not None else 0
+        p = self.kvkit_policy
+        self._select_layers = p.select_layers(num_layers) if p is not None and p.name == "tidal" else ()
+        self._layer_idx: int | None = None
+        self._kmax: torch.Tensor | None = None  # tidal selection layers: per-block key max [blocks, kv_heads, D]
+        self._kmin: torch.Tensor | None = None
+
+    def _layer(self, layer) -> int:
+        if self._layer_idx is None:
+            self._layer_idx = extract_layer_index(layer.layer_name)
+        return self._layer_idx
+
+    # --- writes: vLLM's op, plus the key summaries at tidal's selection layers ----------------------
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self._select_layers and self._layer(layer) in self._select_layers:
+            self._update_summaries(key, kv_cache, slot_mapping)
+
+    def _update_summaries(self, key, kv_cache, slot_mapping) -> None:
+        num_blocks, kv_heads, block_size, _ = kv_cache.shape
+        if self._kmax is None or self._kmax.shape[0] != num_blocks:
+            self._kmax = torch.full((num_blocks, kv_heads, self.head_size), float("-inf"))
+            self._kmin = torch.full((num_blocks, kv_heads, self.head_size), float("inf"))
+        n = min(key.shape[0], slot_mapping.shape[0])
+        slots = slot_mapping[:n]
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, k = slots[valid], key[:n][valid]
+        else:
+            k = key[:n]
+        blk = (slots // block_size).long()
+        fresh = blk[(slots % block_size) == 0]  # a block written from its first slot: a new block
+        if fresh.numel():
+            self._kmax[fresh] = float("-inf")
+            self._kmin[fresh] = float("inf")
+        kf = k.float()
+        self._kmax.index_reduce_(0, blk, kf, "amax")
+        self._kmin.index_reduce_(0, blk, kf, "amin")
+
+    # --- reads ---------------------------------------------------------------------------------------
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        plan: StepPlan | None = getattr(attn_metadata, "kvkit", None)
+        if plan is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if kv_cache.shape[2] != plan.block_size:
+            raise RuntimeError(
+                f"kvkit.vllm: kernel block size {kv_cache.shape[2]} != manager block size {plan.block_size}"
+            )
+        rec = plan.record
+        rec.layer_calls += 1
+        li = self._layer(layer)
+        md = attn_metadata
+        if plan.rows is not None:
+            if plan.policy.name == "streaming":
+                md = plan.reduced
+            elif li not in plan.select_layers and plan.reduced is not None and li > plan.select_layers[0]:
+                md = plan.reduced
+        rec.blocks_read += plan.reduced_read if md is not attn_metadata else plan.full_read
+        out = super().forward(layer, query, key, value, kv_cache, md, output, output_scale, output_block_scale)
+        if plan.rows is not None and plan.policy.name == "tidal" and li in plan.select_layers:
+            plan.reduced = self._select(plan, query, attn_metadata)
+        return out
+
+    def _select(self, plan: StepPlan, query: torch.Tensor, md: CPUAttentionMetadata):
+        """Quest-style block scores from the key summaries; top-k blocks per decode row."""
+        if self._kmax is None:
+            return plan.reduced
+        p, bs = plan.policy, plan.block_size
+        rows, nb = plan.rows, plan.nb
+        n, maxnb = rows.numel(), int(nb.max())
+        k, s = p.budget_blocks(bs), p.sink_blocks(bs)
+        q = query[md.query_start_loc[rows].long()].float()  # [n, H, D]
+        kvh = self.num_kv_heads
+        q = q.view(n, kvh, self.num_queries_per_kv, self.head_size)
+        tbl = md.block_table[rows, :maxnb].long()
+        kmax = self._kmax[tbl].transpose(1, 2)  # [n, kvh, maxnb, D]
+        kmin = self._kmin[tbl].transpose(1, 2)
+        score = torch.matmul(q.clamp(min=0), kmax.transpose(-1, -2)) + torch.matmul(
+            q.clamp(max=0), kmin.transpose(-1, -2)
+        )  # [n, kvh, G, maxnb]
+        pos = torch.arange(maxnb)
+        valid = pos.unsqueeze(0) < nb.unsqueeze(1)  # [n, maxnb]
+        score = (score * self.scale).masked_fill(~valid[:, None, None, :], float("-inf"))
+        agg = torch.softmax(score, dim=-1).amax(dim=(1, 2))  # [n, maxnb]
+        forced = (pos.unsqueeze(0) < s) | (pos.unsqueeze(0) == (nb - 1).unsqueeze(1))
+        agg = agg.masked_fill(forced, -1.0).masked_fill(~valid, -2.0)
+        top = agg.topk(k - s - 1, dim=1).indices.sort(dim=1).values
+        cols = torch.cat([torch.arange(s).expand(n, s), top, (nb - 1).unsqueeze(1)], dim=1)
+        return _with_table(md, plan, rows, cols)
+
+
+class KvkitCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return KvkitCPUAttentionBackendImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KvkitCPUAttentionMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec):
+        spec = super().customize_spec(spec)
+        cfg = get_current_vllm_config_or_none()
+        policy = policy_from(cfg) if cfg is not None else _last_policy
+        if policy is None or policy.name != "streaming" or not policy.free or type(spec) is not FullAttentionSpec:
+            return spec
+        from kvkit.vllm.spec import KvkitStreamingSpec
+
+        bs = spec.block_size
+        return KvkitStreamingSpec.from_spec(spec, policy.sink_blocks(bs), policy.recent_blocks(bs))

@@ -1,0 +1,103 @@
+"""Helpers shared by kvkit's vLLM tests and benchmarks (in-process engine, offline models)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def default_model_dir() -> str:
+    """An HF folder of the bundled default model (SmolLM2-135M-Instruct) that vLLM can load.
+
+    kvkit.models converts the packaged GGUF once and caches the converted folder (no quantizer
+    state) under $KVKIT_CACHE; that folder is what vLLM loads.
+    """
+    from kvkit import models
+
+    conv = models._converted_dir(models.DEFAULT_MODEL)
+    if not ((conv / "config.json").exists() and (conv / "tokenizer_config.json").exists()):
+        models.load(models.DEFAULT_MODEL)
+    return str(conv)
+
+
+def tiny_llama_dir(path: str | os.PathLike, heads: int = 4, kv_heads: int = 2, layers: int = 6,
+                   head_dim: int = 64, hidden: int = 256, vocab: int = 512, seed: int = 0,
+                   max_positions: int = 4096) -> str:
+    """A tiny random Llama saved as an HF folder (no tokenizer: use token ids)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return str(path)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def make_llm(model: str, policy=None, max_model_len: int = 4096, kv_gib: float = 1.0, **kwargs):
+    """An in-process vLLM engine (uni executor) with kvkit's switch ``policy`` (None: off)."""
+    os.environ.update(IN_PROCESS_ENV)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    from vllm import LLM
+
+    extra = dict(kwargs.pop("additional_config", {}) or {})
+    if policy is not None:
+        extra["kvkit"] = policy
+    kwargs.setdefault("distributed_executor_backend", "uni")
+    kwargs.setdefault("enforce_eager", True)
+    kwargs.setdefault("dtype", "bfloat16")
+    return LLM(model, max_model_len=max_model_len, additional_config=extra, **kwargs)
+
+
+def engine_core(llm):
+    """The in-process EngineCore (scheduler, executor) behind an ``LLM``."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def kv_manager(llm):
+    return engine_core(llm).scheduler.kv_cache_manager
+
+
+def num_free_blocks(llm) -> int:
+    return kv_manager(llm).block_pool.get_num_free_blocks()
+
+
+def num_total_blocks(llm) -> int:
+    return kv_manager(llm).block_pool.num_gpu_blocks
+
+
+def request_blocks(llm, request_id: str) -> tuple[int, int]:
+    """(blocks a request holds, null placeholders in its table) in the first KV-cache group."""
+    mgr = kv_manager(llm).coordinator.single_type_managers[0]
+    blocks = mgr.req_to_blocks.get(request_id, [])
+    null = mgr._null_block
+    held = sum(1 for b in blocks if b is not null)
+    return held, len(blocks) - held
+
+
+def block_size(llm) -> int:
+    return kv_manager(llm).coordinator.single_type_managers[0].block_size
+
+
+def capacity_tokens(llm) -> int:
+    """Tokens the engine's KV cache holds: blocks x block size (as vLLM reports it)."""
+    return num_total_blocks(llm) * block_size(llm)
+
+
+def shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
