@@ -206,3 +206,80 @@ def test_long_chunk_is_exact_full_attention():
 def test_bad_options(opts, match):
     with pytest.raises(ValueError, match=match):
         kvkit.patch(_model(), "tidal", **opts)
+
+
+def test_select_layers_roles_and_equivalence():
+    """select_layers lists every selection layer; (2, r) is the paper's layout with reselect_layer=r."""
+    cache = kvkit.KVCache(_model(), "tidal", select_layers=[1, 3])
+    assert [s.role for s in cache.layers] == ["full", "select", "reuse", "select", "reuse", "reuse"]
+    cache = kvkit.KVCache(_model(), "tidal", select_layers=(2, 3, 5))
+    assert [s.role for s in cache.layers] == ["full", "full", "select", "select", "reuse", "select"]
+    model = _model()
+    ids = _ids(50)
+    outs = []
+    for opts in (dict(reselect_layer=4), dict(select_layers=[2, 4])):
+        kvkit.patch(model, "tidal", budget=6, selection="kv_head", **opts)
+        toks, logits, _ = _run(model, ids, steps=5)
+        outs.append((toks, logits))
+    kvkit.unpatch(model)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(select_layers=[]), "strictly increasing"),
+    (dict(select_layers=[3, 2]), "strictly increasing"),
+    (dict(select_layers=[2, 2]), "strictly increasing"),
+    (dict(select_layers=[-1, 2]), "strictly increasing"),
+    (dict(select_layers="2,4"), "strictly increasing"),
+    (dict(select_layers=[2, 6]), "must be < 6"),
+    (dict(select_layers=[2, 4], reselect_layer=4), "not both"),
+])
+def test_bad_select_layers(opts, match):
+    with pytest.raises(ValueError, match=match):
+        kvkit.patch(_model(), "tidal", **opts)
+
+
+def test_decode_past_headroom_equals_full():
+    """More decode steps than the buffers' headroom (re-allocation) and a rollback in the middle: still exactly
+    the full cache's output when the budget covers everything."""
+    from kvkit.policies.tidal import HEADROOM
+
+    model = _model()
+    ids = _ids(20)
+    steps = HEADROOM + 10
+    ref_toks, ref_logits, _ = _run(model, ids, steps=steps)
+    kvkit.patch(model, "tidal", budget=4096)
+    toks, logits, cache = _run(model, ids, steps=steps)
+    assert torch.equal(toks, ref_toks)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    store = cache.layers[3]
+    assert store.keys.data_ptr() == store._kbuf.data_ptr() and store._kbuf.shape[2] >= store.keys.shape[2]
+    n = cache.get_seq_length()
+    cache.crop(-5)
+    with torch.no_grad():
+        out = model(toks[:, -5:-4], past_key_values=cache, use_cache=True)  # writes over a cropped slot
+    assert cache.get_seq_length() == n - 4
+    assert store.keys.data_ptr() == store._kbuf.data_ptr()
+    kvkit.unpatch(model)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_gather_attend_triton_path_matches_torch(monkeypatch):
+    """The reuse layers' two paths (Triton sparse_decode on CUDA, index_select + sdpa elsewhere) agree;
+    the Triton one runs under TRITON_INTERPRET here."""
+    from _kernel_utils import HAS_TRITON, INTERPRET
+
+    if not (HAS_TRITON and INTERPRET):
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+    torch.manual_seed(1)
+    B, Hq, H, T, n, D, k = 2, 4, 2, 2, 30, 16, 7
+    q, keys, values = torch.randn(B, Hq, T, D), torch.randn(B, H, n, D), torch.randn(B, H, n, D)
+    for Hs in (Hq, H):
+        idx = torch.stack([torch.randperm(n)[:k].sort().values for _ in range(B * Hs * T)]).view(B, Hs, T, k)
+        valid = torch.rand(B, Hs, T, k) > 0.2
+        valid[..., 0] = True
+        want = gather_attend(q, keys, values, idx, valid, 0.25)
+        monkeypatch.setenv("KVKIT_KERNELS", "triton")
+        got = gather_attend(q, keys, values, idx, valid, 0.25)
+        monkeypatch.delenv("KVKIT_KERNELS")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
