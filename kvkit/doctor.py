@@ -14,15 +14,6 @@ import platform
 import torch
 
 #: options that make each policy compress on the tiny test contexts (tens of tokens)
-SMALL_OPTIONS: dict[str, dict] = {
-    "streaming": dict(budget=16, sink=2, tail=4),
-    "duo": dict(pattern=[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]], sparsity=0.5, sink=2, recent=8, tail=4),
-    "tidal": dict(budget=8),
-    "cake": dict(budget=16, window=4),
-    "shadowkv": dict(budget=16, min_prompt=16),
-    "zipcache": dict(),
-    "chelsea": dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8),
-}
 PROMPT_LENGTHS = (40, 27)
 NEW_TOKENS = 8
 
@@ -61,7 +52,9 @@ def environment() -> dict:
 
 
 def small_options(policy: str) -> dict:
-    return dict(SMALL_OPTIONS.get(policy, {}))
+    from kvkit.registry import policy_class
+
+    return dict(policy_class(policy).test_options)
 
 
 @torch.no_grad()

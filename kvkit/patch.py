@@ -39,6 +39,7 @@ class PatchState:
     attn_modules: list = field(default_factory=list)
     allow_beyond_context: bool = False
     warned_beyond_context: bool = False
+    own_generate: bool = False  # patch() set the context-checking model.generate (unpatch removes it)
 
 
 def _register() -> None:
@@ -162,6 +163,15 @@ def _model_pre_hook(model_ref, module, args, kwargs):
     model = model_ref()
     _check_inputs(args, kwargs)
     pkv = kwargs.get("past_key_values")
+    if isinstance(pkv, KVCache) and pkv.infos and model is not None:
+        tc = model.config.get_text_config(decoder=True)
+        want = (tc.num_hidden_layers, tc.num_key_value_heads or tc.num_attention_heads)
+        have = (len(pkv.layers), pkv.infos[0].num_kv_heads)
+        if want != have:
+            raise ValueError(
+                f"this KVCache was built for another model ({have[0]} layers, {have[1]} KV heads; this model has "
+                f"{want[0]} and {want[1]}): build it with kvkit.KVCache(model, ...) for the model you run"
+            )
     cached = pkv.get_seq_length() if isinstance(pkv, Cache) else 0
     check_context(model, cached, _new_tokens(args, kwargs))
     use_cache = kwargs.get("use_cache")
@@ -173,6 +183,22 @@ def _model_pre_hook(model_ref, module, args, kwargs):
         kwargs["past_key_values"] = KVCache(model)
         return args, kwargs
     return None
+
+
+def _generate_checked(model_ref, generate, *args, **kwargs):
+    """``model.generate`` while patched: refuse a request whose prompt + ``max_new_tokens`` crosses the trained
+    context before anything runs (instead of at the crossing step, losing the tokens generated so far)."""
+    model = model_ref()
+    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    n = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() >= 1 else 0
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    max_new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None) if "max_length" not in kwargs else None)
+    if max_new is None:
+        max_len = kwargs.get("max_length", getattr(gc, "max_length", None))
+        max_new = max(max_len - n, 0) if isinstance(max_len, int) else 0
+    if n and isinstance(max_new, int) and max_new > 0:
+        check_context(model, 0, n + max_new, where=f"the request (prompt {n} + max_new_tokens {max_new})")
+    return generate(*args, **kwargs)
 
 
 def _attn_pre_hook(module, args, kwargs):
@@ -207,6 +233,9 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, **options
         m._kvkit_store = None
         state.handles.append(m.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))
         state.attn_modules.append(m)
+    state.own_generate = "generate" not in vars(model)
+    if state.own_generate:
+        model.generate = functools.partial(_generate_checked, weakref.ref(model), model.generate)
     model._kvkit_state = state
     return model
 
@@ -222,6 +251,8 @@ def unpatch(model):
         if hasattr(m, "_kvkit_store"):
             del m._kvkit_store
     model.set_attn_implementation(state.old_impl)
+    if getattr(state, "own_generate", False) and "generate" in vars(model):
+        del model.generate
     del model._kvkit_state
     return model
 

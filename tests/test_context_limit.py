@@ -22,7 +22,7 @@ def _model(arch="llama"):
 def test_generate_refuses_prompt_beyond_context(arch, policy):
     model = _model(arch)
     kvkit.patch(model, policy, **small_options(policy))
-    with pytest.raises(ValueError, match=r"40 tokens exceed the trained context of 32 .*allow_beyond_context=True"):
+    with pytest.raises(ValueError, match=r"42 tokens exceed the trained context of 32 .*prompt 40 \+ max_new_tokens 2\).*allow_beyond_context=True"):
         model.generate(random_ids(40), max_new_tokens=2, do_sample=False)
     kvkit.unpatch(model)
 
@@ -30,8 +30,11 @@ def test_generate_refuses_prompt_beyond_context(arch, policy):
 def test_refused_when_generation_crosses_the_limit():
     model = _model()
     kvkit.patch(model, "streaming", budget=16, sink=2, tail=4)
-    with pytest.raises(ValueError, match=r"the cache holds 32 tokens and this forward adds 1.*prompt \+ max_new_tokens <= 32"):
+    # refused before anything runs (defect 11 of the reliability issue: no tokens generated and then lost)
+    with pytest.raises(ValueError, match=r"the request \(prompt 28 \+ max_new_tokens 8\) has 36 tokens.*<= 32"):
         model.generate(random_ids(28), max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match=r"prompt 28 \+ max_new_tokens 8"):
+        model.generate(random_ids(28), max_length=36, do_sample=False)
     out = model.generate(random_ids(24), max_new_tokens=8, do_sample=False)  # exactly at the limit: fine
     assert out.shape[1] == 32
 

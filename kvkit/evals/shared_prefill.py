@@ -25,13 +25,19 @@ import torch
 
 from kvkit.cache import KVCache
 
+
 #: policies whose prefill attention is exact full attention (the recorded inputs are valid for them)
-REPLAYABLE = ("full", "streaming", "duo", "tidal", "cake", "shadowkv", "zipcache", "chelsea")
-
-
 def replayable(policy) -> bool:
-    name = policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)
-    return name in REPLAYABLE
+    """Whether ``policy`` (a name or a policy object) declares an exact, replayable prefill (``Policy.replayable``)."""
+    from kvkit.registry import policy_class
+
+    return bool((policy_class(policy) if isinstance(policy, str) else type(policy)).replayable)
+
+
+def replayable_policies() -> list[str]:
+    from kvkit.registry import available_policies
+
+    return [name for name in available_policies() if replayable(name)]
 
 
 @dataclass
@@ -117,7 +123,7 @@ def replay_prefill(model, rec: PrefillRecording, cache: KVCache | None = None) -
         raise ValueError("replay_prefill needs a kvkit-patched model: call kvkit.patch(model, ...) first")
     if not replayable(pol):
         raise ValueError(f"policy {pol.name!r} does not prefill with exact attention; its prefill cannot be "
-                         f"replayed (replayable: {', '.join(REPLAYABLE)}); run its own prefill instead")
+                         f"replayed (replayable: {', '.join(replayable_policies())}); run its own prefill instead")
     cache = cache if cache is not None else KVCache(model)
     if cache.get_seq_length() != 0:
         raise ValueError("replay_prefill needs an empty cache")
@@ -134,4 +140,4 @@ def replay_prefill(model, rec: PrefillRecording, cache: KVCache | None = None) -
     return cache
 
 
-__all__ = ["PrefillRecording", "record_prefill", "replay_prefill", "replayable", "REPLAYABLE"]
+__all__ = ["PrefillRecording", "record_prefill", "replay_prefill", "replayable", "replayable_policies"]

@@ -24,6 +24,14 @@ class Policy:
     saves: ClassVar[str] = "nothing"
     #: needs rotary position embeddings in the model
     needs_rope: ClassVar[bool] = True
+    #: options for tiny random test models (``kvkit doctor``'s support matrix, tests/test_policy_contract.py)
+    test_options: ClassVar[dict] = {}
+    #: options under which the policy keeps and reads everything of a short (<= 256 tokens) context, so its
+    #: output equals ``full``'s; None when no setting is lossless (e.g. quantisation)
+    covering_options: ClassVar[dict | None] = None
+    #: the prefill is exact attention over the prompt whose K/V the store receives unchanged, so a recorded
+    #: prefill can be replayed into this policy's cache (``kvkit.evals.shared_prefill``)
+    replayable: ClassVar[bool] = True
 
     def new_layer(self, info: LayerInfo):
         """Return the store for one full-attention layer."""

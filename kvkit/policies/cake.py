@@ -38,14 +38,15 @@ unknown models). Options ``tau1``/``tau2`` override.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
+from kvkit.stores.scored import pool_group, window_attention
 
 #: CAKE's tau1/tau2 at cache size 1024 (paper / reference config): name fragment -> (tau1, tau2)
 TAU_TABLE = {
@@ -119,6 +120,8 @@ class Cake(Policy):
 
     description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
     saves = "memory+reads"
+    test_options: ClassVar[dict] = dict(budget=16, window=4)
+    covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):
         for name in ("budget", "window", "pool_kernel"):
@@ -261,22 +264,10 @@ class CakeStore(SlotStore):
         return out
 
     def _window_attention(self, qw: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
-        """``softmax(qw K^T * scaling)`` in fp32 over the held slots, causal by position: ``[B, Hq, w, n]``."""
-        B, Hq, w, D = qw.shape
-        H, n = self.keys.shape[1], self.keys.shape[2]
-        s = torch.einsum("bhgwd,bhnd->bhgwn", qw.float().view(B, H, Hq // H, w, D), self.keys.float()) * self.scaling
-        pos = self.pos[:, :, None, None, :]
-        allowed = (pos <= qpos.view(1, 1, 1, w, 1)) & (pos >= 0)
-        a = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-        return torch.nan_to_num(a, nan=0.0).view(B, Hq, w, n)
+        return window_attention(qw, self.keys, self.pos, qpos, self.scaling)
 
     def _pool_group(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, Hq, m]`` -> avg-pooled along keys, averaged over each KV group: ``[B, H, m]``."""
-        B, Hq, m = x.shape
-        H = self.keys.shape[1]
-        if m > 0:
-            x = F.avg_pool1d(x, kernel_size=self.kernel, padding=self.kernel // 2, stride=1)
-        return x.view(B, H, Hq // H, m).mean(dim=2)
+        return pool_group(x, self.kernel, self.keys.shape[1])
 
     def on_prefill(self, query, module) -> None:
         B, Hq, S, D = query.shape

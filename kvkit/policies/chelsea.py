@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from kvkit.kernels import merge_attn, weighted_decode
 from kvkit.policies.base import Policy, check_fraction, check_positive_int
 from kvkit.registry import register
-from kvkit.stores import LayerInfo, SlotStore
+from kvkit.stores import LayerInfo, SlotStore, attend_slots
 from kvkit.stores import tensor_bytes as _tensor_bytes
 
 
@@ -73,6 +74,8 @@ class Chelsea(Policy):
 
     description = "Chelsea: chunked soft-matching merge of similar keys/values into sized centroids (2506.11418)"
     saves = "memory+reads"
+    test_options: ClassVar[dict] = dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8)
+    covering_options: ClassVar[dict | None] = dict(ratio=1.0)
 
     def __post_init__(self):
         check_fraction("chelsea", "ratio", self.ratio)
@@ -252,31 +255,21 @@ class ChelseaStore(SlotStore):
 
     # ---- attention ---------------------------------------------------------------------------
     def decode(self, query, qpos, scaling):
-        B, Hq, T, D = query.shape
-        n = self.keys.shape[-2]
-        old = n - T  # committed slots: all strictly before the queries
-        H = self.keys.shape[1]
-        G = Hq // H
-        # the T new tokens: exact causal attention among themselves
-        q = query.float().reshape(B, H, G * T, D)
-        kt, vt = self.keys[:, :, old:].float(), self.values[:, :, old:].float()
-        s = torch.matmul(q, kt.transpose(-1, -2)) * scaling  # [B, H, G*T, T]
-        pt = self.pos[:, 0, old:]
-        see = (pt[:, None, :] <= qpos.view(1, T, 1)) & (pt[:, None, :] >= 0)  # [B, T, T]
-        s = s.masked_fill(~see[:, None, None].expand(B, H, G, T, T).reshape(B, H, G * T, T), float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        out = torch.matmul(torch.softmax(s, -1).nan_to_num(0.0), vt).view(B, Hq, T, D).to(query.dtype)
-        lse = lse.view(B, Hq, T)
-        if old > 0:
-            held = self.pos[..., :old] >= 0
-            if self.p.size_bias:
-                lw = self.size[..., :old].float().clamp(min=1).log()
-            else:
-                lw = torch.zeros(held.shape, dtype=torch.float32, device=held.device)
-            lw = lw.masked_fill(~held, float("-inf"))
-            o1, l1 = weighted_decode(query, self.keys[:, :, :old], self.values[:, :, :old], lw, scale=scaling,
-                                     return_lse=True)
-            out, lse = merge_attn(o1, l1, out, lse)
-        if T > 1:
-            out = torch.nan_to_num(out, nan=0.0)
+        """Slot attention with ``log(cluster size)`` added to each merged key's score (``size_bias``).
+
+        CUDA: the committed slots (all strictly before the queries) through the ``weighted_decode`` kernel, the T
+        new ones causally through :func:`attend_slots`, merged by their log-sum-exp; elsewhere one
+        :func:`attend_slots` call over all slots."""
+        T, n = query.shape[2], self.keys.shape[-2]
+        lw = self.size.float().clamp(min=1).log() if self.p.size_bias else None
+        if not query.is_cuda or n <= T:
+            return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, log_weight=lw)
+        old = n - T
+        w = lw[..., :old] if lw is not None else torch.zeros(self.pos[..., :old].shape, device=query.device)
+        w = w.masked_fill(self.pos[..., :old] < 0, float("-inf"))
+        o1, l1 = weighted_decode(query, self.keys[:, :, :old], self.values[:, :, :old], w, scale=scaling,
+                                 return_lse=True)
+        o2, l2 = attend_slots(query, self.keys[:, :, old:], self.values[:, :, old:], self.pos[..., old:], qpos,
+                              scaling, return_lse=True)
+        out, _ = merge_attn(o1, l1, o2.transpose(1, 2), l2)
         return out.transpose(1, 2)

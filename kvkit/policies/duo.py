@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
@@ -238,6 +239,8 @@ class Duo(Policy):
 
     description = "DuoAttention: full KV for retrieval heads, sink+recent for streaming heads (2410.10819)"
     saves = "memory+reads"
+    test_options: ClassVar[dict] = dict(pattern=[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]], sparsity=0.5, sink=2, recent=8, tail=4)
+    covering_options: ClassVar[dict | None] = dict(pattern=[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]], sparsity=0.5, sink=2, recent=4096)
 
     def __post_init__(self):
         check_positive_int("duo", "recent", self.recent)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvkit.policies.base import Policy
 from kvkit.registry import register
@@ -16,6 +17,8 @@ class Full(Policy):
 
     description = "no compression; identical outputs to the unpatched model (baseline)"
     saves = "nothing"
+    test_options: ClassVar[dict] = {}
+    covering_options: ClassVar[dict | None] = {}
 
     def new_layer(self, info: LayerInfo):
         return FullStore(info)

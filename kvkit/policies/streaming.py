@@ -19,12 +19,14 @@ than ``tail`` tokens never compresses in its middle and its rollback is always e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
-from kvkit.stores import LayerInfo, SlotStore
+from kvkit.stores import LayerInfo
+from kvkit.stores.scored import ScoredStore
 
 
 @register("streaming")
@@ -48,6 +50,8 @@ class Streaming(Policy):
 
     description = "StreamingLLM: sink tokens + recent window, middle evicted (2309.17453)"
     saves = "memory+reads"
+    test_options: ClassVar[dict] = dict(budget=16, sink=2, tail=4)
+    covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):
         check_positive_int("streaming", "budget", self.budget)
@@ -64,19 +68,13 @@ class Streaming(Policy):
         return StreamingStore(info, self.budget, self.sink, self.tail)
 
 
-class StreamingStore(SlotStore):
-    """Sinks + recent window; all KV heads hold the same positions."""
+class StreamingStore(ScoredStore):
+    """Sinks + recent window (a :class:`ScoredStore` whose protected set is the whole budget); all KV heads hold
+    the same positions. Each query reads exactly its sinks and the ``window`` positions before it."""
 
     def __init__(self, info: LayerInfo, budget: int, sink: int, tail: int, num_heads: int | None = None):
-        super().__init__(info, num_heads)
-        self.budget, self.sink, self.tail = budget, sink, tail
-        self.window = budget - sink
-        self.rolled_back = False  # a crop happened since the last update: a speculative round starts
-
-    def _is_sink(self) -> torch.Tensor:
-        # [B, Hp, n]: the first `sink` real (non-padding) tokens of each row
-        first = self.first_pos.view(-1, 1, 1)
-        return (self.pos >= first) & (self.pos < first + self.sink)
+        super().__init__(info, budget, sink, budget - sink, tail, num_heads=num_heads)
+        self.rolled_back = False  # a rollback ended a speculative round: compress early at the next update
 
     def should_compress(self) -> bool:
         held = self.keys.shape[-2]
@@ -90,11 +88,6 @@ class StreamingStore(SlotStore):
     def on_round_end(self) -> None:
         self.rolled_back = True  # also on crop(0): every rollback call ends a round
 
-    def reserve(self, n: int) -> None:
-        if self.keys is not None and self.keys.shape[-2] + n >= self.budget + self.tail:
-            self.compress()
-            self.committed = self.seen
-
     def crop_floor(self) -> int:
         # held after a compression at length `committed`: positions >= committed - window (+ sinks);
         # the next query after a crop to c reads (c - window, c], all held iff c >= committed - 1
@@ -104,15 +97,9 @@ class StreamingStore(SlotStore):
         super().reset()
         self.rolled_back = False
 
-    def compress(self) -> None:
-        # Score: sinks first, then recency; padding never kept (evict_by_score).
-        score = self.pos.float() + self._is_sink().float() * (self.seen + 1)
-        self.evict_by_score(score, self.budget)
-
-    def on_prefill(self, query, module) -> None:
-        if self.keys.shape[-2] > self.budget:
-            self.compress()
-
     def visible(self, qpos: torch.Tensor) -> torch.Tensor:
-        recent = self.pos[:, :, None, :] > (qpos.view(1, 1, -1, 1) - self.window)
-        return recent | self._is_sink()[:, :, None, :]
+        window = min(self.window, self.seen + 1)  # a python int below 2**31: no int32 overflow
+        recent = self.pos[:, :, None, :] > (qpos.view(1, 1, -1, 1) - window)
+        first = self.first_pos.view(-1, 1, 1, 1)
+        sink = (self.pos[:, :, None, :] >= first) & (self.pos[:, :, None, :] < first + self.sink)
+        return recent | sink

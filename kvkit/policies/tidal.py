@@ -51,7 +51,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import ClassVar
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -101,8 +100,6 @@ class Tidal(Policy):
 
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
     saves = "reads"
-    test_options: ClassVar[dict] = dict(budget=8)
-    covering_options: ClassVar[dict | None] = dict(budget=4096)
     test_options: ClassVar[dict] = dict(budget=8)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 
