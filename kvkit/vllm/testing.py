@@ -44,10 +44,10 @@ def tiny_llama_dir(path: str | os.PathLike, heads: int = 4, kv_heads: int = 2, l
     return str(path)
 
 
-def make_llm(model: str, policy=None, max_model_len: int = 4096, kv_gib: float = 1.0, **kwargs):
+def make_llm(model: str, policy=None, max_model_len: int = 4096, kv_gib: int = 1, **kwargs):
     """An in-process vLLM engine (uni executor) with kvkit's switch ``policy`` (None: off)."""
     os.environ.update(IN_PROCESS_ENV)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_gib))
     from vllm import LLM
 
     extra = dict(kwargs.pop("additional_config", {}) or {})
