@@ -23,8 +23,8 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
     verification) on a GQA model, transformers repeats every K/V head ``num_key_value_groups`` times
     (a full copy of the layer's KV per forward, because CUDA's masked GQA would fall back to the math
     kernel). torch's CPU flash kernel runs masked GQA natively (``enable_gqa``) and gives the same
-    bits (``tests/test_core.py::test_cpu_masked_gqa_matches_transformers_bitwise``); a 5-token forward at
-    8K costs 1.60 instead of 2.43 decode steps (``results/speculative/profile_verify.py``).
+    bits (``tests/test_core.py::test_cpu_masked_gqa_matches_transformers_bitwise``); cost measured by
+    ``benchmarks/speculative/profile_verify.py`` (results/speculative).
     """
     if (
         attention_mask is not None
@@ -50,8 +50,8 @@ def causal_suffix_attention(query, keys, values, attention_mask, scaling):
     otherwise this returns None and the caller uses the masked kernel. The prefix (n - T keys) runs
     through torch's CPU flash kernel with no mask and the query heads of each K/V head folded into one
     block (K/V read once per K/V head), the T x T causal suffix in plain torch, and the two merge by
-    their log-sum-exp. For speculative verification (T = gamma + 1); with the tall lm_head a 5-token forward
-    at 8K costs 1.27 instead of 1.60 decode steps (``results/speculative/profile_verify.py``). Same math as sdpa, different rounding (~1e-6). Returns ``[B, T, Hq, D]``.
+    their log-sum-exp. For speculative verification (T = gamma + 1; cost in results/speculative). Same math as
+    sdpa, different rounding (~1e-6). Returns ``[B, T, Hq, D]``.
     """
     B, Hq, T, D = query.shape
     H, n = keys.shape[1], keys.shape[2]

@@ -33,9 +33,8 @@ class FullStore(StoreMixin, DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         """Append into preallocated storage: same values as ``DynamicLayer``'s ``torch.cat``, but the held K/V
         are a prefix view of a buffer with ``headroom`` free slots, re-allocated (one copy) only when full,
-        instead of a copy of the whole layer at every decode step (``kvkit speculate --baselines dynamic``:
-        plain decoding 1.10x / 1.33x as fast as transformers' DynamicCache in 2 of 3 CPU runs, equal in the
-        third, ``results/speculative``).
+        instead of a copy of the whole layer at every decode step (compared with transformers' DynamicCache by
+        ``kvkit speculate --baselines dynamic``, results/speculative).
         Crops shrink the view; the next update writes over the cropped slots. Anything that replaced
         ``keys`` (beam reordering, offloading) is detected and copied into a fresh buffer."""
         if not self.is_initialized:

@@ -1,0 +1,49 @@
+"""The package's layers import downwards only: kernels <- stores <- policies <- cache <- patch, no import circle."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import kvkit
+
+ROOT = pathlib.Path(kvkit.__file__).parent
+
+#: package -> kvkit packages/modules it must never import (at any depth of its own files)
+FORBIDDEN = {
+    "kernels": ("kvkit.stores", "kvkit.policies", "kvkit.cache", "kvkit.model_info", "kvkit.patch", "kvkit.registry"),
+    "stores": ("kvkit.policies", "kvkit.cache", "kvkit.patch", "kvkit.registry", "kvkit.speculative", "kvkit.evals"),
+    "policies": ("kvkit.cache", "kvkit.patch", "kvkit.speculative", "kvkit.evals"),
+}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.level:  # relative import inside kvkit
+                base = path.relative_to(ROOT.parent).with_suffix("").parts[: -node.level]
+                out.add(".".join(base + (node.module,)))
+            else:
+                out.add(node.module)
+    return out
+
+
+def test_lower_layers_never_import_upper_layers():
+    bad = []
+    for pkg, forbidden in FORBIDDEN.items():
+        for f in (ROOT / pkg).rglob("*.py"):
+            for mod in _imports(f):
+                if any(mod == x or mod.startswith(x + ".") for x in forbidden):
+                    bad.append(f"{f.relative_to(ROOT.parent)} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_circle_from_any_entry_point():
+    # each module imported first in a fresh interpreter: a circle shows up as an ImportError on partial init
+    for mod in ("kvkit.stores", "kvkit.model_info", "kvkit.cache", "kvkit.policies.snapkv"):
+        r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, text=True)
+        assert r.returncode == 0, f"import {mod} failed:\n{r.stderr}"
