@@ -1,4 +1,6 @@
-"""``kvkit calibrate duo``: learn a DuoAttention head pattern for a model and write it as JSON (or TSV)."""
+"""``kvkit calibrate duo``: learn a DuoAttention head pattern for a model and write it as JSON (or TSV).
+``kvkit calibrate shadowkv|tidal|zipcache``: a per-model knob, written as one section of the model's
+calibration file (:mod:`kvkit.calibrate.store`), which the policy then finds from the model's config."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import json
 
 
 def add_commands(subparsers) -> None:
-    cal = subparsers.add_parser("calibrate", help="learn a per-model pattern for a policy (duo)")
+    cal = subparsers.add_parser("calibrate", help="per-model calibration of a policy (duo, shadowkv, tidal, zipcache)")
     sub = cal.add_subparsers(dest="calibrate_policy", required=True)
     d = sub.add_parser(
         "duo",
@@ -31,6 +33,75 @@ def add_commands(subparsers) -> None:
                    help="stop after the first step that ends past this many seconds (the pattern is still written)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     d.set_defaults(func=cmd_calibrate_duo)
+    _add_knob_commands(sub)
+
+
+def _common(p, length: int, samples: int) -> None:
+    p.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    p.add_argument("--out", default=None,
+                   help="calibration file to add this policy's section to (default: "
+                        "$KVKIT_CALIBRATION_DIR or ~/.cache/kvkit/calibration/<model>.json, found automatically)")
+    p.add_argument("--length", type=int, default=length, help="tokens per calibration sample")
+    p.add_argument("--samples", type=int, default=samples, help="calibration samples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _add_knob_commands(sub) -> None:
+    s = sub.add_parser("shadowkv", help="ShadowKV SVD rank from the spectral energy of the pre-RoPE keys",
+                       description="Smallest SVD rank whose rebuilt pre-RoPE keys stay within --max-error "
+                       "(relative Frobenius error) in every layer, on essay text; records the error per rank.")
+    _common(s, 2048, 3)
+    s.add_argument("--max-error", type=float, default=0.10, help="relative key error bound (0.10 = 99%% energy)")
+    s.set_defaults(func=cmd_calibrate_knob, knob="shadowkv")
+    t = sub.add_parser("tidal", help="TidalDecode selection layers from a needle sweep",
+                       description="Needles (kvkit's own words and 7-digit codes) in essay text; every "
+                       "candidate layout of selection layers decodes them from one shared prefill per sample; "
+                       "the layout answering most needles is kept.")
+    _common(t, 2048, 8)
+    t.add_argument("--budget-fraction", type=float, default=0.25, help="tidal budget as a fraction of --length")
+    t.add_argument("--selection", default="kv_head", choices=["kv_head", "q_head"])
+    t.set_defaults(func=cmd_calibrate_knob, knob="tidal")
+    z = sub.add_parser("zipcache", help="ZipCache bit widths: the cheapest that keeps calibration needles",
+                       description="Candidate (high_ratio, high_bits, low_bits, key_bits) settings in order of "
+                       "bytes; the first that answers every needle the full cache answers is kept.")
+    _common(z, 2048, 8)
+    z.set_defaults(func=cmd_calibrate_knob, knob="zipcache")
+
+
+def cmd_calibrate_knob(args) -> int:
+    import shlex
+    import sys
+
+    import torch
+
+    from kvkit.calibrate import knobs, store
+    from kvkit.models import load, resolve_name
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"loading model {args.model!r} ...", flush=True)
+    model, tok = load(args.model, device=args.device)
+    model.eval()
+    name = resolve_name(args.model)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    if args.knob == "shadowkv":
+        opts, ev = knobs.calibrate_shadowkv(model, tok, length=args.length, samples=args.samples,
+                                            max_error=args.max_error, seed=args.seed, log=log)
+    elif args.knob == "tidal":
+        opts, ev = knobs.calibrate_tidal(model, tok, length=args.length, samples=args.samples,
+                                         budget_fraction=args.budget_fraction, selection=args.selection,
+                                         seed=args.seed, log=log)
+    else:
+        opts, ev = knobs.calibrate_zipcache(model, tok, length=args.length, samples=args.samples, seed=args.seed,
+                                            log=log)
+    out = args.out or store.default_out(name)
+    argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("kvkit") else ["calibrate", args.knob, *getattr(args, "_argv", [])]
+    command = "kvkit " + " ".join(shlex.quote(a) for a in argv)
+    path = store.write_section(out, store.identity(model.config, name), args.knob, opts, command, ev)
+    print(f"{args.knob}: {json.dumps(opts)} -> {path} ({ev.get('seconds')} s)")
+    return 0
 
 
 def cmd_calibrate_duo(args) -> int:
@@ -77,4 +148,5 @@ def main_calibrate(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvkit")
     add_commands(p.add_subparsers(dest="command"))
     args = p.parse_args(["calibrate", *(argv or [])])
+    args._argv = list(argv or [])[1:]
     return args.func(args) or 0

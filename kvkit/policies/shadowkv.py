@@ -80,7 +80,9 @@ class ShadowKV(Policy):
     budget : int
         Tokens selected per KV head at each decode step (``budget // chunk_size`` chunks); 2048 in the paper.
     rank : int or None
-        SVD rank of the pre-RoPE keys (per model: higher = smaller key error, more bytes); None:
+        SVD rank of the pre-RoPE keys (per model: higher = smaller key error, more bytes); None: the model's
+        calibrated rank when it has one (``kvkit calibrate shadowkv``: smallest rank whose rebuilt keys stay
+        within a relative error bound in every layer; shipped for the bundled models), else
         ``round(160 / 1024 * Hkv*D)`` (paper: 160 at ``Hkv*D = 1024``).
     chunk_size : int
         Tokens per chunk / landmark; 8 in the paper.
@@ -90,6 +92,9 @@ class ShadowKV(Policy):
         Last chunks of the prompt kept exact (paper: 4 chunks = 32 tokens), plus ``S mod chunk_size``.
     min_prompt : int
         Only prompts longer than this are compressed (paper: 4096); shorter ones run as ``full``.
+    calibrated : bool
+        True (default): ``rank=None`` takes the model's calibrated rank if one is found from its config
+        (:mod:`kvkit.calibrate.store`). False: the paper's rank ``round(160 / 1024 * Hkv*D)``.
     """
 
     budget: int = PAPER_BUDGET  # ShadowKV sparse budget, 2048 tokens
@@ -98,6 +103,7 @@ class ShadowKV(Policy):
     outliers: int | None = None  # ShadowKV: 48 outlier chunks at budget 2048; None scales with budget
     local_chunks: int = 4  # ShadowKV local window: 4 chunks (32 tokens)
     min_prompt: int = 4096  # ShadowKV applies to long contexts; shorter prompts behave as full
+    calibrated: bool = True  # kvkit: rank=None uses the model's calibrated rank; False = paper's 160/1024 scaling
 
     description = "ShadowKV: low-rank pre-RoPE keys + landmarks on device, values offloaded, top-k chunks (2410.21465)"
     saves = "memory+reads"
@@ -141,13 +147,17 @@ class ShadowKV(Policy):
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.rank_for(kv * head_dim)
+        from kvkit.calibrate.store import resolve
+
+        resolve(self, config).rank_for(kv * head_dim)
 
     def new_shared(self, infos):
         return ShadowKVShared()
 
     def new_layer(self, info: LayerInfo):
-        rank = self.rank_for(info.num_kv_heads * info.head_dim)
+        from kvkit.calibrate.store import resolve
+
+        rank = resolve(self, info.config).rank_for(info.num_kv_heads * info.head_dim)
         return ShadowKVStore(info, self, rank)
 
 

@@ -90,6 +90,10 @@ class Tidal(Policy):
     select_layers : sequence of int or None
         All selection layers, strictly increasing (e.g. ``[2, 12, 15, 18, 21]``); replaces layer 2 +
         ``reselect_layer`` (give one or the other). Layers before the first one read everything.
+    calibrated : bool
+        True (default): when neither ``reselect_layer`` nor ``select_layers`` is given, use the model's
+        calibrated selection layers (``kvkit calibrate tidal``; shipped for the bundled models, found from
+        the config by :mod:`kvkit.calibrate.store`). False: the paper's layout (layer 2 + round(0.4 L)).
     """
 
     budget: int = 2048  # TidalDecode default token budget (128 for needle tests, 4096 for LongBench)
@@ -97,6 +101,7 @@ class Tidal(Policy):
     selection: str = "q_head"  # TidalDecode selects per query head; "kv_head" is the GQA variant
     kv_reduce: str = "max"  # kvkit: group reduction for selection="kv_head"
     select_layers: tuple | None = None  # kvkit: explicit selection layers (per-model tuning, issue 19)
+    calibrated: bool = True  # kvkit: the model's calibrated select_layers when none given; False = paper layout
 
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
     saves = "reads"
@@ -150,6 +155,9 @@ class Tidal(Policy):
         return (SELECT_LAYER,) if r is None else (SELECT_LAYER, r)
 
     def validate(self, config) -> None:
+        from kvkit.calibrate.store import resolve
+
+        self = resolve(self, config)
         n = config.num_hidden_layers
         if n <= SELECT_LAYER and self.select_layers is None:
             raise ValueError(
@@ -162,7 +170,9 @@ class Tidal(Policy):
         return TidalSelection()
 
     def new_layer(self, info: LayerInfo):
-        return TidalStore(info, self)
+        from kvkit.calibrate.store import resolve
+
+        return TidalStore(info, resolve(self, info.config))
 
 
 @dataclass

@@ -63,6 +63,11 @@ class ZipCache(Policy):
         Seed of the random probe positions.
     probe_chunk : int
         Probe queries scored at once (bounds the prefill scoring memory; kvkit, not the paper).
+    calibrated : bool
+        True (default): when ``high_ratio``, ``high_bits``, ``low_bits`` and ``key_bits`` are all left at
+        their defaults, the model's calibrated widths are used if one is found from its config
+        (``kvkit calibrate zipcache``: the fewest bytes that keep calibration needles; shipped for the
+        bundled models, :mod:`kvkit.calibrate.store`). False: the paper's 60% 4-bit / 40% 2-bit split.
     """
 
     high_ratio: float = 0.6  # ZipCache: 60% salient tokens at 4 bits, 40% at 2 bits
@@ -73,6 +78,7 @@ class ZipCache(Policy):
     requant_interval: int = 100  # ZipCache: streaming re-quantisation every 100 decoded tokens
     seed: int = 0
     probe_chunk: int = 256
+    calibrated: bool = True  # kvkit: the model's calibrated bit widths when none given; False = paper's 4/2 split
 
     description = "ZipCache: saliency (probe-query attention) picks 4-bit vs 2-bit tokens, packed KV (2405.14256)"
     saves = "memory+reads"  # decode reads the packed codes (Triton quant_decode on CUDA)
@@ -103,9 +109,14 @@ class ZipCache(Policy):
         d = getattr(config, "head_dim", None) or config.hidden_size // heads
         if d % 4:
             raise ValueError(f"zipcache: head_dim {d} must be a multiple of 4 to pack 2-bit values into bytes")
+        from kvkit.calibrate.store import resolve
+
+        resolve(self, config)  # a malformed calibration file for this model is refused at patch time
 
     def new_layer(self, info: LayerInfo):
-        return ZipCacheStore(info, self)
+        from kvkit.calibrate.store import resolve
+
+        return ZipCacheStore(info, resolve(self, info.config))
 
 
 def probe_positions(n_real: int, ratio: float, seed: int) -> torch.Tensor:

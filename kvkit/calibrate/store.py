@@ -1,0 +1,269 @@
+"""Per-model calibration files: where they live, how a model's file is found, how a policy reads it.
+
+A calibration file is JSON, one per model::
+
+    {
+      "format": "kvkit-calibration", "version": 1,
+      "model": {"name": ..., "model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "hidden_size": 576, "vocab_size": 49152, ...},
+      "policies": {
+        "shadowkv": {"options": {"rank": 96}, "command": "kvkit calibrate shadowkv ...",
+                     "date": "2026-11-23T23:40Z", "evidence": {...}},
+        "tidal": {"options": {"select_layers": [2, 15]}, ...},
+        ...
+      }
+    }
+
+A model's file is the one whose ``model`` fields all equal the model's (text) config (the way
+:func:`kvkit.policies.duo.shipped_pattern` finds a duo pattern): the architecture and its sizes, never the
+path it was loaded from, so a GGUF, a converted copy and a hub checkout of the same model share it.
+Searched, first match per policy wins: ``$KVKIT_CALIBRATION_DIR`` (``os.pathsep``-separated folders),
+then the user's folder ``~/.cache/kvkit/calibration`` (``kvkit calibrate`` writes there by default), then
+the files shipped in ``kvkit/data/calibration``.
+
+How a policy uses it (:func:`resolve`): when the policy's ``calibrated`` option is True (default) and the
+user left every option the calibration sets at its default, those options take the calibrated values;
+``calibrated=False`` gives the paper's settings. A malformed file is refused with a ValueError that names
+the file and what is wrong (also a file of another model in a searched folder: it cannot be matched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from importlib import resources
+from pathlib import Path
+
+FORMAT = "kvkit-calibration"
+VERSION = 1
+
+#: The options each policy's calibration may set. The calibration applies only when the user left all
+#: of them at their defaults (so it never mixes with a setting the user chose).
+CALIBRATED_OPTIONS: dict[str, tuple[str, ...]] = {
+    "tidal": ("select_layers", "reselect_layer"),
+    "shadowkv": ("rank",),
+    "zipcache": ("high_ratio", "high_bits", "low_bits", "key_bits"),
+    "cake": ("tau1", "tau2"),
+}
+
+#: The config fields that identify a model (all must be equal; a file may omit the optional ones).
+IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "hidden_size", "intermediate_size", "vocab_size")
+REQUIRED_IDENTITY = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "hidden_size")
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used (the message names the file and the problem)."""
+
+
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def identity(config, name: str | None = None) -> dict:
+    """The identity fields of a model config (what a calibration file is matched on), plus ``name``."""
+    tc = _text_config(config)
+    heads = tc.num_attention_heads
+    out = {
+        "name": name or getattr(tc, "_name_or_path", "") or tc.model_type,
+        "model_type": tc.model_type,
+        "num_hidden_layers": tc.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        "hidden_size": tc.hidden_size,
+    }
+    for k in ("intermediate_size", "vocab_size"):
+        v = getattr(tc, k, None)
+        if isinstance(v, int):
+            out[k] = v
+    return out
+
+
+def file_stem(name: str) -> str:
+    """A file name for a model name or path (``./models/My Model`` -> ``my-model``)."""
+    stem = Path(str(name).rstrip("/")).name or str(name)
+    if stem.endswith(".gguf"):
+        stem = stem[: -len(".gguf")]
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem.lower()).strip("-") or "model"
+
+
+def shipped_dir() -> Path:
+    return Path(str(resources.files("kvkit") / "data" / "calibration"))
+
+
+def user_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvkit" / "calibration"
+
+
+def search_dirs() -> list[Path]:
+    dirs = [Path(p).expanduser() for p in os.environ.get("KVKIT_CALIBRATION_DIR", "").split(os.pathsep) if p]
+    return [*dirs, user_dir(), shipped_dir()]
+
+
+def default_out(name: str) -> Path:
+    """Where ``kvkit calibrate`` writes without ``--out``: the first ``$KVKIT_CALIBRATION_DIR`` folder, else
+    the user folder (both are searched before the shipped files)."""
+    dirs = [p for p in os.environ.get("KVKIT_CALIBRATION_DIR", "").split(os.pathsep) if p]
+    return (Path(dirs[0]).expanduser() if dirs else user_dir()) / f"{file_stem(name)}.json"
+
+
+# ---- reading and checking ------------------------------------------------------------------------------
+def _bad(path, what: str) -> CalibrationError:
+    return CalibrationError(f"kvkit calibration file {str(path)!r} is malformed: {what}")
+
+
+def check_section(policy: str, section, path) -> dict:
+    """A policy's section -> its options (checked: known policy, options it may set, values it accepts)."""
+    from kvkit.registry import policy_class
+
+    if policy not in CALIBRATED_OPTIONS:
+        raise _bad(path, f"policy {policy!r} has no calibrated options (known: {', '.join(CALIBRATED_OPTIONS)})")
+    if not isinstance(section, dict):
+        raise _bad(path, f"policies.{policy} must be an object with an 'options' object, got {type(section).__name__}")
+    opts = section.get("options")
+    if not isinstance(opts, dict) or not opts:
+        raise _bad(path, f"policies.{policy}.options must be a non-empty object of option values")
+    allowed = CALIBRATED_OPTIONS[policy]
+    unknown = sorted(set(opts) - set(allowed))
+    if unknown:
+        raise _bad(path, f"policies.{policy}.options sets {', '.join(unknown)}; a calibration may set only "
+                         f"{', '.join(allowed)}")
+    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}
+    try:
+        policy_class(policy)(**opts)
+    except (TypeError, ValueError) as e:
+        raise _bad(path, f"policies.{policy}.options {json.dumps(section['options'])} are refused by the policy: {e}")
+    return opts
+
+
+def check(data, path) -> dict:
+    """Validate a parsed calibration file; returns it with each section's options normalised."""
+    if not isinstance(data, dict):
+        raise _bad(path, f"expected a JSON object, got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise _bad(path, f"'format' must be {FORMAT!r}, got {data.get('format')!r}")
+    if data.get("version") != VERSION:
+        raise _bad(path, f"unsupported 'version' {data.get('version')!r} (this kvkit reads {VERSION})")
+    model = data.get("model")
+    if not isinstance(model, dict):
+        raise _bad(path, "'model' must be an object of config fields (model_type, num_hidden_layers, ...)")
+    missing = [k for k in REQUIRED_IDENTITY if k not in model]
+    if missing:
+        raise _bad(path, f"'model' lacks {', '.join(missing)} (needed to match a model's config)")
+    pols = data.get("policies")
+    if not isinstance(pols, dict):
+        raise _bad(path, "'policies' must be an object: policy name -> {'options': {...}, 'command': ..., 'date': ...}")
+    out = dict(data)
+    out["policies"] = {}
+    for name, section in pols.items():
+        opts = check_section(name, section, path)
+        out["policies"][name] = {**section, "options": opts}
+    return out
+
+
+_CACHE: dict = {}
+
+
+def read(path) -> dict:
+    """Read and check one calibration file (cached on its modification time)."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise CalibrationError(f"kvkit calibration file {str(path)!r} cannot be read: {e}") from None
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _CACHE:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _bad(path, f"not valid JSON ({e})") from None
+        _CACHE[key] = check(data, path)
+    return _CACHE[key]
+
+
+def matches(model: dict, ident: dict) -> bool:
+    return all(model.get(k) == ident.get(k) for k in IDENTITY_FIELDS if k in model)
+
+
+def files() -> list[Path]:
+    out = []
+    for d in search_dirs():
+        if d.is_dir():
+            out += sorted(p for p in d.glob("*.json") if p.is_file())
+    return out
+
+
+def lookup(config, policy: str) -> tuple[dict, Path] | None:
+    """``(options, file)`` of the first calibration of ``policy`` for this model config, or None."""
+    if config is None:
+        return None
+    try:
+        ident = identity(config)
+    except AttributeError:
+        return None
+    for path in files():
+        data = read(path)
+        if matches(data["model"], ident) and policy in data["policies"]:
+            return dict(data["policies"][policy]["options"]), path
+    return None
+
+
+def resolve(policy, config):
+    """The policy with its calibrated options filled in for this model (itself when nothing applies)."""
+    group = CALIBRATED_OPTIONS.get(policy.name)
+    if not group or not getattr(policy, "calibrated", False):
+        return policy
+    defaults = {f.name: f.default for f in dataclasses.fields(policy)}
+    if any(getattr(policy, k) != defaults.get(k) for k in group):
+        return policy  # the user chose (part of) the setting: no calibration
+    found = lookup(config, policy.name)
+    if found is None:
+        return policy
+    opts, path = found
+    try:
+        return dataclasses.replace(policy, **opts)
+    except (TypeError, ValueError) as e:
+        raise _bad(path, f"policies.{policy.name}.options do not combine with the other options: {e}") from None
+
+
+def describe(policy, config) -> str:
+    """One line: which calibrated options a policy would use for this model, and from which file."""
+    found = lookup(config, policy.name)
+    if found is None:
+        return f"{policy.name}: no calibration for this model"
+    opts, path = found
+    return f"{policy.name}: {', '.join(f'{k}={v}' for k, v in opts.items())} from {path}"
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+def write_section(path, model: dict, policy: str, options: dict, command: str, evidence: dict | None = None) -> Path:
+    """Add or replace ``policy``'s section of the calibration file ``path`` (created when missing)."""
+    path = Path(path)
+    if path.exists():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        check(data, path)
+        if not matches(data["model"], model):
+            raise CalibrationError(f"{str(path)!r} belongs to another model ({data['model'].get('name')!r}); "
+                                   "choose another --out")
+    else:
+        data = {"format": FORMAT, "version": VERSION, "model": model, "policies": {}}
+    section = {
+        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+        "command": command,
+        "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+    }
+    if evidence:
+        section["evidence"] = evidence
+    check_section(policy, section, path)
+    data["policies"][policy] = section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    _CACHE.clear()
+    return path
