@@ -84,6 +84,30 @@ AI __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(ok, _mm512_scalef_ps(y, n));
 }
 
+/* lane t of the result = sum of the 16 lanes of v[t]: four levels of (permute, permute, add), each halving the
+   number of vectors and the partial sums per token (level i: 16/2^(i+1) vectors of 2^(i+1) tokens x 8/2^i sums) */
+static const int HS_X[4][16] __attribute__((aligned(64))) = {
+  {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+  {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+  {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+  {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+static const int HS_Y[4][16] __attribute__((aligned(64))) = {
+  {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+  {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+  {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+  {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+
+AI __m512 hsum16(__m512 *v) {
+  int n = 16;
+  for (int lvl = 0; lvl < 4; lvl++) {
+    __m512i X = _mm512_load_si512(HS_X[lvl]), Y = _mm512_load_si512(HS_Y[lvl]);
+    for (int i = 0; i < n / 2; i++)
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], X, v[2 * i + 1]), _mm512_permutex2var_ps(v[2 * i], Y, v[2 * i + 1]));
+    n /= 2;
+  }
+  return v[0];
+}
+
 /* scores of R query rows (already multiplied by the key scale: qs [R, D]; bias qz [R]) over n tokens */
 AI void qk_rows(const float *qs, const float *qz, const uint8_t *kd, const uint8_t *msk, int64_t n, int R, int D,
                 int KB, float scaling, float *s, int64_t lds) {
@@ -91,7 +115,28 @@ AI void qk_rows(const float *qs, const float *qz, const uint8_t *kd, const uint8
   __m512 qv[RB][16];
   for (int r = 0; r < R; r++) for (int j = 0; j < P; j++) for (int c = 0; c < NC; c++)
     qv[r][j * NC + c] = ld(qs + r * D + j * DB + c * CW, CW);
-  for (int64_t t = 0; t < n; t++) {
+  int64_t t0 = 0;
+  for (; t0 + 16 <= n; t0 += 16) {  /* 16 tokens: per-token partial vectors, then one transposed reduction */
+    __m512 acc[RB][16];
+    for (int tt = 0; tt < 16; tt++) {
+      const uint8_t *row = kd + (t0 + tt) * DB;
+      for (int r = 0; r < R; r++) acc[r][tt] = _mm512_setzero_ps();
+      for (int c = 0; c < NC; c++) {
+        __m512 cv[4];
+        unpack(row + c * CW, CW, KB, cv);
+        for (int j = 0; j < P; j++) for (int r = 0; r < R; r++) acc[r][tt] = _mm512_fmadd_ps(qv[r][j * NC + c], cv[j], acc[r][tt]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      __m512 sc = _mm512_mul_ps(_mm512_add_ps(hsum16(acc[r]), _mm512_set1_ps(qz[r])), _mm512_set1_ps(scaling));
+      if (msk) {
+        __mmask16 keep = _mm512_cmpneq_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(msk + t0))), _mm512_setzero_si512());
+        sc = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), sc);
+      }
+      _mm512_storeu_ps(s + r * lds + t0, sc);
+    }
+  }
+  for (int64_t t = t0; t < n; t++) {
     const uint8_t *row = kd + t * DB;
     __m512 acc[RB];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -106,17 +151,27 @@ AI void qk_rows(const float *qs, const float *qz, const uint8_t *kd, const uint8
 }
 
 /* acc_out[R, D] += vp * (sum_t p_t vs_t code_t + sum_t p_t vz_t) over n tokens */
-AI void pv_rows(const float *p, int64_t ldp, const uint8_t *vd, const float *vs, const float *vz, const float *vp,
+AI void pv_rows(float *p, int64_t ldp, const uint8_t *vd, const float *vs, const float *vz, const float *vp,
                 int64_t n, int R, int D, int VB, float *acc_out) {
   const int P = 8 / VB, DB = D / P, CW = DB < 16 ? DB : 16, NC = DB / CW;
   __m512 acc[RB][16];
   float zs[RB];
-  for (int r = 0; r < R; r++) { zs[r] = 0.f; for (int i = 0; i < P * NC; i++) acc[r][i] = _mm512_setzero_ps(); }
+  for (int r = 0; r < R; r++) {  /* zs = sum_t p_t vz_t, then p_t <- p_t vs_t (p is this part's scratch) */
+    float *pr = p + r * ldp;
+    __m512 z = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      __m512 pv = _mm512_loadu_ps(pr + t);
+      z = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vz + t), z);
+      _mm512_storeu_ps(pr + t, _mm512_mul_ps(pv, _mm512_loadu_ps(vs + t)));
+    }
+    zs[r] = _mm512_reduce_add_ps(z);
+    for (; t < n; t++) { zs[r] += pr[t] * vz[t]; pr[t] *= vs[t]; }
+    for (int i = 0; i < P * NC; i++) acc[r][i] = _mm512_setzero_ps();
+  }
   for (int64_t t = 0; t < n; t++) {
     __m512 w[RB];
-    int any = 0;
-    for (int r = 0; r < R; r++) { float pr = p[r * ldp + t]; any |= pr != 0.f; zs[r] += pr * vz[t]; w[r] = _mm512_set1_ps(pr * vs[t]); }
-    if (!any) continue;
+    for (int r = 0; r < R; r++) w[r] = _mm512_set1_ps(p[r * ldp + t]);
     const uint8_t *row = vd + t * DB;
     for (int c = 0; c < NC; c++) {
       __m512 cv[4];
@@ -177,7 +232,7 @@ AI void qk_rows(const float *qs, const float *qz, const uint8_t *kd, const uint8
   }
 }
 
-AI void pv_rows(const float *p, int64_t ldp, const uint8_t *vd, const float *vs, const float *vz, const float *vp,
+AI void pv_rows(float *p, int64_t ldp, const uint8_t *vd, const float *vs, const float *vz, const float *vp,
                 int64_t n, int R, int D, int VB, float *acc_out) {
   const int P = 8 / VB, DB = D / P, vm = (1 << VB) - 1;
   float acc[RB][256], code[256], zs[RB];
