@@ -245,7 +245,8 @@ def test_sampling_follows_target_distribution():
     with torch.no_grad():
         m(input_ids=ids[:, :-1], past_key_values=base, use_cache=True)  # prefill once; each call copies it
     for _ in range(N):
-        out = generate(m, ids, past_key_values=copy.deepcopy(base), gamma=2, draft_options={"budget": 3, "sink": 1}, max_new_tokens=3, do_sample=True,
+        # 4 new tokens: the first round drafts 2 (a round never drafts past the tokens still needed)
+        out = generate(m, ids, past_key_values=copy.deepcopy(base), gamma=2, draft_options={"budget": 3, "sink": 1}, max_new_tokens=4, do_sample=True,
                        temperature=temp, top_k=None, top_p=None, eos_token_id=None, stats=st)
         counts[out[0, T + 1] * V + out[0, T + 2]] += 1
     kvkit.unpatch(m)
@@ -257,7 +258,9 @@ def test_bad_inputs():
     m = tiny_model("llama")
     ids = _prompt(30)
     with pytest.raises(ValueError, match="batch size 1"):
-        generate(m, ids.repeat(2, 1), max_new_tokens=4)
+        generate(m, ids.repeat(2, 1), assistant=tiny_model("llama", seed=5, num_hidden_layers=1), max_new_tokens=4)
+    with pytest.raises(ValueError, match="left padding"):
+        generate(m, ids.repeat(2, 1), attention_mask=torch.ones(2, 30).index_fill_(1, torch.tensor([29]), 0), max_new_tokens=4)
     for g in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="gamma"):
             generate(m, ids, gamma=g, max_new_tokens=4)
@@ -285,7 +288,9 @@ def test_greedy_check_reports_a_broken_verifier(monkeypatch):
     settings = [("streaming", {"budget": 8, "sink": 2}, 4)]
     (good,) = check_prompt(m, ids, 10, settings)
     assert good.identical and good.first_mismatch is None
-    monkeypatch.setattr(gen, "accept_greedy", lambda drafts, logits: (drafts.shape[0], int(logits[-1].argmax())))
+    # accepts every draft of every row
+    monkeypatch.setattr(gen, "accept_greedy", lambda drafts, logits: (torch.full((drafts.shape[0],), drafts.shape[1]),
+                                                                       logits[:, -1].argmax(-1)))
     (bad,) = check_prompt(m, ids, 10, settings)
     assert not bad.identical and bad.first_mismatch is not None and bad.margin is not None and bad.margin > 0
     assert "first difference at new token" in format_result(bad)
@@ -388,18 +393,30 @@ def test_stats_count_decode_tokens_without_the_prefill_token():
     assert 0 < st.draft_seconds + st.verify_seconds <= st.decode_seconds
 
 
-def test_tall_lm_head_same_logits_and_restored():
-    from kvkit.speculative.generate import tall_lm_head
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+def test_explicit_head_logits_equal_the_model_and_nothing_is_swapped(arch):
+    # issue 15: the gamma + 1 logits come from the decoder's hidden states times the head's weight, computed here;
+    # no module's forward is replaced at run time
+    from kvkit.speculative.forward import explicit_head, logits
 
-    m = tiny_model("llama", seed=4)
-    ids = torch.randint(0, m.config.vocab_size, (1, 30))
+    m = tiny_model(arch, seed=4)
+    ids = torch.randint(0, m.config.vocab_size, (2, 30))
+    head = m.get_output_embeddings()
     with torch.no_grad():
         ref = m(input_ids=ids, logits_to_keep=5).logits
-        with tall_lm_head(m, 5):
-            assert "forward" in vars(m.get_output_embeddings())
-            out = m(input_ids=ids, logits_to_keep=5).logits
-    assert "forward" not in vars(m.get_output_embeddings())
-    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+        out = logits(m, 5, input_ids=ids)
+    assert explicit_head(m) is head and "forward" not in vars(head)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_head_falls_back_for_a_final_logit_softcap():
+    from kvkit.speculative.forward import explicit_head, logits
+
+    m = tiny_model("gemma2", seed=4, final_logit_softcapping=3.0)
+    ids = torch.randint(0, m.config.vocab_size, (1, 12))
+    assert explicit_head(m) is None
+    with torch.no_grad():
+        torch.testing.assert_close(logits(m, 3, input_ids=ids), m(input_ids=ids, logits_to_keep=3).logits)
 
 
 def test_verification_forwards_take_the_suffix_attention_path(monkeypatch):

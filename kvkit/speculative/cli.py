@@ -1,9 +1,10 @@
 """``kvkit speculate``: acceptance rate and decode speed of self-speculative decoding vs plain decoding.
 
-One run loads the model, prefills a long prompt once (the prompt minus its last token; every setting
-continues from a copy of that cache), then decodes ``--new-tokens`` tokens with plain greedy
-decoding and with each speculative setting (draft policy x gamma), and prints acceptance rate,
-decode tokens/s, speedup and whether the output equals plain greedy decoding token for token.
+One run loads the model, prefills a batch of ``--batch`` long prompts once (each prompt minus its last
+token; every setting continues from a copy of that cache), then decodes ``--new-tokens`` tokens per
+row with plain batched greedy decoding and with each speculative setting (draft policy x gamma), and
+prints acceptance rate, decode tokens/s (all rows), speedup and whether every row equals plain
+greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def add_commands(subparsers) -> None:
     s.add_argument("--task", default="needle", choices=["needle", "continue"],
                    help="needle: question about a fact deep in the prompt; continue: continue raw essay text (PG-19 style)")
     s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--batch", type=int, default=1,
+                   help="rows decoded together (needle: one needle prompt per row, left padded; continue: essay text "
+                        "from a different offset per row)")
     s.add_argument("--gamma", default="4", help="draft length(s), comma separated")
     s.add_argument("--draft-policy", default="streaming", help="streaming | retrieval (comma separated for several)")
     s.add_argument("--budget", default=None, help="draft view budget(s), comma separated (default: the view's)")
@@ -51,30 +55,35 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def plain_decode(model, cache, ids, new_tokens: int, device):
-    """Greedy decoding continuing ``cache`` (which holds ``ids[:, :-1]``): (tokens, decode seconds).
+def plain_decode(model, cache, ids, new_tokens: int, device, mask=None):
+    """Batched greedy decoding continuing ``cache`` (which holds ``ids[:, :-1]``): (tokens per row, decode seconds).
 
-    The first forward (the prompt's last token, which gives the first new token) is not timed, as in
+    mask ``[B, n]``: left padding of ``ids`` (None: none); position ids as ``model.generate`` gives them. The
+    first forward (the prompt's last token, which gives the first new token) is not timed, as in
     :func:`kvkit.speculative.generate`, which counts it as prefill: the decode seconds cover the
     ``new_tokens - 1`` one-token steps after it.
     """
     import torch
 
-    toks = []
+    toks = [[] for _ in range(ids.shape[0])]
     nxt = ids[:, -1:]
+    pos = None if mask is None else mask.long().sum(-1, keepdim=True) - 1
     with torch.no_grad():
         for i in range(new_tokens):
             if i == 1:
                 _sync(device)
                 t0 = time.perf_counter()
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=pos)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            toks.append(int(nxt))
+            for row, t in zip(toks, nxt[:, 0].tolist()):
+                row.append(t)
+            if mask is not None:
+                mask, pos = torch.cat([mask, torch.ones_like(nxt)], dim=1), pos + 1
     _sync(device)
     return toks, time.perf_counter() - t0
 
 
-def plain_decode_hf(kind: str, model, base, ids, new_tokens: int, device):
+def plain_decode_hf(kind: str, model, base, ids, new_tokens: int, device, mask=None):
     """:func:`plain_decode` over a transformers ``DynamicCache`` / ``StaticCache`` holding a copy of ``base``'s prompt KV."""
     from transformers import DynamicCache, StaticCache
 
@@ -84,7 +93,24 @@ def plain_decode_hf(kind: str, model, base, ids, new_tokens: int, device):
         cache = DynamicCache(config=model.config)
     for src, dst in zip(base.layers, cache.layers):
         dst.update(src.keys, src.values)  # both copy: DynamicLayer concatenates, StaticLayer index_copy_s
-    return plain_decode(model, cache, ids, new_tokens, device)
+    return plain_decode(model, cache, ids, new_tokens, device, mask)
+
+
+def _prompt(tok, task: str, length: int, seed: int):
+    """One prompt ``[1, n]``: a needle question (--length counts the whole chat prompt) or essay text from an offset."""
+    import torch
+
+    from kvkit.demo import essay_text, needle_prompt
+
+    if task == "needle":
+        ids, _ = needle_prompt(tok, context_tokens=length, seed=seed)
+        extra = ids.shape[1] - length
+        if 0 < extra < length:
+            ids, _ = needle_prompt(tok, context_tokens=length - extra, seed=seed)
+        return ids
+    text_ids = tok(essay_text(), add_special_tokens=False)["input_ids"]
+    start = (seed * 7919) % max(1, len(text_ids) - length)
+    return torch.tensor([text_ids[start : start + length]])
 
 
 def _int_list(flag: str, text) -> list[int]:
@@ -102,9 +128,8 @@ def cmd_speculate(args) -> int:
 
     import kvkit
     from kvkit.cli import parse_options
-    from kvkit.demo import essay_text, needle_prompt
     from kvkit.models import load
-    from kvkit.speculative import SpeculativeStats, generate
+    from kvkit.speculative import SpeculativeStats, batch_cache, generate
 
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
@@ -115,7 +140,8 @@ def cmd_speculate(args) -> int:
     for b in baselines:
         if b not in ("dynamic", "static"):
             raise ValueError(f"--baselines takes dynamic and/or static, got {b!r}")
-    for name, value in (("--length", args.length), ("--threads", args.threads), ("--repeat", args.repeat)):
+    for name, value in (("--length", args.length), ("--threads", args.threads), ("--repeat", args.repeat),
+                        ("--batch", args.batch)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if args.new_tokens < 2:
@@ -131,15 +157,13 @@ def cmd_speculate(args) -> int:
     if args.assistant:
         print(f"loading assistant {args.assistant!r} ...", flush=True)
         assistant, _ = load(args.assistant, dtype=dtype, device=args.device)
-    if args.task == "needle":  # --length counts the whole chat prompt, question and template included
-        ids, _ = needle_prompt(tok, context_tokens=args.length, seed=args.seed)
-        extra = ids.shape[1] - args.length
-        if 0 < extra < args.length:
-            ids, _ = needle_prompt(tok, context_tokens=args.length - extra, seed=args.seed)
-    else:
-        text_ids = tok(essay_text(), add_special_tokens=False)["input_ids"]
-        start = (args.seed * 7919) % max(1, len(text_ids) - args.length)
-        ids = torch.tensor([text_ids[start : start + args.length]])
+    rows = [_prompt(tok, args.task, args.length, args.seed * args.batch + b) for b in range(args.batch)]
+    width = max(r.shape[1] for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):  # left padding
+        ids[b, width - r.shape[1] :], mask[b, width - r.shape[1] :] = r[0], 1
+    mask = None if bool(mask.all()) else mask.to(args.device)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit and ids.shape[1] + args.new_tokens > limit:
         raise ValueError(
@@ -147,11 +171,11 @@ def cmd_speculate(args) -> int:
             f"{limit} tokens; use --length {limit - args.new_tokens - 8} or less"
         )
     ids = ids.to(args.device)
-    print(f"prompt: {ids.shape[1]} tokens; prefilling once ...", flush=True)
+    print(f"prompt: {args.batch} x {ids.shape[1]} tokens; prefilling once ...", flush=True)
     kvkit.patch(model, "full")
-    base = kvkit.KVCache(model)
+    base = batch_cache(model) if args.batch > 1 else kvkit.KVCache(model)
     t0 = time.perf_counter()
-    kvkit.prefill(model, ids[:, :-1], chunk_size=4096, cache=base)
+    kvkit.prefill(model, ids[:, :-1], None if mask is None else mask[:, :-1], chunk_size=4096 // args.batch, cache=base)
     _sync(args.device)
     print(f"prefill {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -163,22 +187,23 @@ def cmd_speculate(args) -> int:
     for rep in range(args.repeat):
         if args.repeat > 1:
             print(f"repeat {rep + 1}/{args.repeat}", flush=True)
-        plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.new_tokens, args.device)
-        plain_runs.append((len(plain) - 1) / plain_s)
-        print(f"  plain greedy: {plain_runs[-1]:.2f} tok/s ({1e3 * plain_s / (len(plain) - 1):.0f} ms/step)", flush=True)
+        plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.new_tokens, args.device, mask)
+        steps = args.new_tokens - 1
+        plain_runs.append(args.batch * steps / plain_s)
+        print(f"  plain greedy: {plain_runs[-1]:.2f} tok/s ({1e3 * plain_s / steps:.0f} ms/step)", flush=True)
         for b in baselines:
-            toks, secs = plain_decode_hf(b, model, base, ids, args.new_tokens, args.device)
-            extra_runs[b].append(((len(toks) - 1) / secs, toks == plain))
+            toks, secs = plain_decode_hf(b, model, base, ids, args.new_tokens, args.device, mask)
+            extra_runs[b].append((args.batch * steps / secs, toks == plain))
             print(f"  plain greedy, transformers {b} cache: {extra_runs[b][-1][0]:.2f} tok/s", flush=True)
         for i, (policy, gamma, budget, helper) in enumerate(settings):
             o = dict(opts)
             if budget is not None:
                 o["budget"] = budget
             st = SpeculativeStats()
-            out = generate(model, ids, past_key_values=copy.deepcopy(base), draft_policy=policy, draft_options=o,
+            out = generate(model, ids, attention_mask=mask, past_key_values=copy.deepcopy(base), draft_policy=policy, draft_options=o,
                            gamma=gamma, assistant=helper, assistant_gamma=args.assistant_gamma if helper is not None else None,
                            adaptive=args.adaptive or False, max_new_tokens=args.new_tokens, eos_token_id=None, stats=st)
-            new = out[0, ids.shape[1]:].tolist()
+            new = out[:, ids.shape[1]:].tolist()
             name = f"{policy}({', '.join(f'{k}={v}' for k, v in o.items())}) gamma={gamma}"
             if helper is not None:
                 name += f" + assistant {args.assistant}"
@@ -186,7 +211,7 @@ def cmd_speculate(args) -> int:
             print(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s", flush=True)
 
     plain_med = statistics.median(plain_runs)
-    plain_step = 1.0 / plain_med
+    plain_step = args.batch / plain_med  # seconds of one plain batched decode step
     rows = [dict(setting="plain greedy", acceptance=None, tokens_per_round=1.0, tok_s=plain_med, speedup=1.0, same=True,
                  assistant=None, assistant_acceptance=None, tok_s_runs=plain_runs, speedup_runs=[1.0] * args.repeat,
                  draft_step_vs_plain=None, verify_vs_plain=None)]
@@ -202,9 +227,9 @@ def cmd_speculate(args) -> int:
         tps = [r[1].decode_tokens_per_second for r in reps]
         ratios = [t / p for t, p in zip(tps, plain_runs)]
         # cost of one draft step and of one verification forward, in plain decode steps (all repeats pooled)
-        drafted = sum(r[1].drafted for r in reps)
+        steps = sum(r[1].draft_steps for r in reps)
         rounds = sum(r[1].rounds for r in reps)
-        draft_step = sum(r[1].draft_seconds for r in reps) / drafted if drafted else None
+        draft_step = sum(r[1].draft_seconds for r in reps) / steps if steps else None
         verify = sum(r[1].verify_seconds for r in reps) / rounds if rounds else None
         rows.append(dict(setting=name, acceptance=st.acceptance_rate, tokens_per_round=st.tokens_per_round,
                          tok_s=statistics.median(tps), speedup=statistics.median(ratios), same=all(r[2] for r in reps),
@@ -218,7 +243,8 @@ def cmd_speculate(args) -> int:
     kvkit.unpatch(model)
 
     print()
-    print(f"model {args.model}, task {args.task}, prompt {ids.shape[1]} tokens, {args.new_tokens} new tokens, device {args.device}")
+    print(f"model {args.model}, task {args.task}, batch {args.batch} x prompt {ids.shape[1]} tokens, {args.new_tokens} new "
+          f"tokens per row, device {args.device}")
     if args.repeat > 1:
         print(f"medians of {args.repeat} interleaved repeats; speedup = median of per-repeat ratios to plain")
     print(f"{'setting':<58} {'accept':>7} {'tok/round':>9} {'tok/s':>7} {'speedup':>8} {'draft':>6} {'verify':>6}  same as plain")
@@ -228,14 +254,15 @@ def cmd_speculate(args) -> int:
         v = "-" if r["verify_vs_plain"] is None else f"{r['verify_vs_plain']:.2f}"
         print(f"{r['setting'][:58]:<58} {acc:>7} {r['tokens_per_round']:>9.2f} {r['tok_s']:>7.2f} "
               f"{r['speedup']:>7.2f}x {d:>6} {v:>6}  {'yes' if r['same'] else 'NO'}")
-    print("draft / verify: seconds of one draft step / one verification forward, in plain decode steps")
+    print("draft / verify: seconds of one (batched) draft step / one verification forward, in plain batched decode steps")
     for b in extra_runs:
         print(f"speedup vs plain greedy over transformers' {b} cache: "
               + ", ".join(f"{r['setting'].split(' + ')[0]} {r[f'speedup_vs_{b}']:.2f}x" for r in rows if f"speedup_vs_{b}" in r))
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in rows:
-                f.write(json.dumps(dict(r, model=args.model, task=args.task, prompt_tokens=ids.shape[1], new_tokens=args.new_tokens,
+                f.write(json.dumps(dict(r, model=args.model, task=args.task, batch=args.batch, prompt_tokens=ids.shape[1],
+                                        new_tokens=args.new_tokens,
                                         device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
                                         command=" ".join(sys.argv))) + "\n")
     return 0 if all(r["same"] for r in rows) else 1  # (the --baselines rows too: they must decode the same tokens)

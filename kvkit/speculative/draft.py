@@ -212,12 +212,14 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         self.sel = None  # (keys, values, slot pos, token pos, window) of the view for the current round
         self.base_len = base.get_seq_length()
         self.token_pos = None  # [B, n] token position of every base slot (-1: never read); None: = slot pos
+        self.bufs = None  # (keys, values) buffers holding a gathered view and room for `room` draft tokens
+        self.room = 16
         self.start = None  # [B] token position of the first tail token
 
     # drafting rounds
     def begin_round(self, token_pos=None, start=None) -> None:
         self.tail_k = self.tail_v = None
-        self.sel = None
+        self.sel = self.bufs = None
         self.base_len = self.base.get_seq_length()
         self.token_pos, self.start = token_pos, start
 
@@ -264,7 +266,13 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         hp = idx.shape[1] if spos.shape[1] == 1 else spos.shape[1]
         gather = lambda p: p.expand(B, hp, -1).gather(2, idx.expand(B, hp, -1))  # noqa: E731
         p = torch.where(ok.expand(B, hp, -1), gather(spos), -1)
-        self.sel = (keys.gather(2, g), values.gather(2, g), p, gather(tpos), window)
+        # the view goes into buffers with room for the round's draft tokens, so a draft step copies only the tail
+        k = g.shape[2]
+        kb, vb = keys.new_empty(B, H, k + self.room, D), values.new_empty(B, H, k + self.room, values.shape[-1])
+        kb[:, :, :k].copy_(keys.gather(2, g))
+        vb[:, :, :k].copy_(values.gather(2, g))
+        self.sel = (kb[:, :, :k], vb[:, :, :k], p, gather(tpos), window)
+        self.bufs = (kb, vb)
 
     # transformers cache-layer API
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -324,9 +332,15 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         if keys is None:
             keys, values, spos, tpos = self.tail_k, self.tail_v, tail_spos.expand(B, 1, t), tail_tpos
         else:
-            hp = spos.shape[1]
-            keys = torch.cat([keys, self.tail_k], dim=-2)
-            values = torch.cat([values, self.tail_v], dim=-2)
+            hp, k = spos.shape[1], keys.shape[-2]
+            if self.bufs is not None and t <= self.room:  # the view's buffers: copy the tail in
+                kb, vb = self.bufs
+                kb[:, :, k : k + t].copy_(self.tail_k)
+                vb[:, :, k : k + t].copy_(self.tail_v)
+                keys, values = kb[:, :, : k + t], vb[:, :, : k + t]
+            else:
+                keys = torch.cat([keys, self.tail_k], dim=-2)
+                values = torch.cat([values, self.tail_v], dim=-2)
             spos = torch.cat([spos, tail_spos.expand(B, hp, t).to(spos.dtype)], dim=-1)
             tpos = torch.cat([tpos.expand(B, hp, -1), tail_tpos.expand(B, hp, t).to(tpos.dtype)], dim=-1)
         qpos = torch.arange(total - T, total, device=query.device, dtype=torch.int32)

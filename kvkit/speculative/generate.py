@@ -75,8 +75,9 @@ class SpeculativeStats:
     new_tokens: int = 0
     rounds: int = 0
     row_rounds: int = 0  # rounds x rows in the batch at each round
-    drafted: int = 0
+    drafted: int = 0  # drafts, summed over rows
     accepted: int = 0
+    draft_steps: int = 0  # top-level draft forwards (each covers every row of the batch)
     assistant_drafted: int = 0
     assistant_accepted: int = 0
     decode_tokens: int = 0  # tokens emitted by the rounds (new_tokens minus each row's prefill token)
@@ -194,6 +195,7 @@ def decode(model, cache: KVCache, draft, rows: Rows, gamma: int, limit: int | No
         st.rounds += 1
         st.row_rounds += rows.size
         st.drafted += drafts.numel()
+        st.draft_steps += drafts.shape[1]
         st.accepted += int(n.sum())
         rows.commit(cache, drafts, n, nxt)
         rows.retire([cache, draft.cache] if isinstance(draft, SelfDraft) else [cache],
