@@ -44,6 +44,7 @@ from kvkit.policies.base import Policy, check_positive_int
 from kvkit.policies.streaming import StreamingStore
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, StoreMixin, crop_count
+from kvkit.stores.base import SeenLength
 
 PATTERN_FORMAT = "kvkit-duo-pattern"
 
@@ -334,7 +335,7 @@ class _RetrievalStore(SlotStore):
         return 0
 
 
-class DuoStore(StoreMixin, CacheLayerMixin):
+class DuoStore(SeenLength, StoreMixin, CacheLayerMixin):
     """Retrieval KV heads in a full :class:`SlotStore`, streaming KV heads in a :class:`StreamingStore`.
 
     ``update`` splits the new keys/values ``[B, H, T, D]`` by KV head; ``attend`` routes each group of
@@ -422,15 +423,6 @@ class DuoStore(StoreMixin, CacheLayerMixin):
         ]
         out = torch.cat(outs, dim=2)  # [B, T, Hq, D] in parts order
         return out if self._identity else out.index_select(2, self._inv)
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         for store, _, _ in self.parts:

@@ -110,7 +110,24 @@ def crop_count(seen: int, tokens_to_remove: int) -> int:
     return -tokens_to_remove
 
 
-class SlotStore(StoreMixin, CacheLayerMixin):
+class SeenLength:
+    """transformers' length API for stores that count the tokens they have *seen* (``self.seen``), whatever they
+    hold: position ids stay right after eviction; the generic mask stays position-indexed (kvkit reads only its
+    padding information)."""
+
+    seen: int
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
     """Tokens held as slots, each with its absolute position.
 
     Tensors (B batch, H = the store's KV heads, n slots):
@@ -153,16 +170,6 @@ class SlotStore(StoreMixin, CacheLayerMixin):
             self.committed = self.seen
         self.append(key_states, value_states)
         return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The generic mask stays position-indexed; kvkit only reads its padding information.
-        return self.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         self.keys = self.values = self.pos = self.first_pos = None
