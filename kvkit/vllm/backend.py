@@ -35,6 +35,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config_or_none
+from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -249,6 +250,10 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         valid = pos.unsqueeze(0) < nb.unsqueeze(1)  # [n, maxnb]
         score = (score * self.scale).masked_fill(~valid[:, None, None, :], float("-inf"))
         agg = torch.softmax(score, dim=-1).amax(dim=(1, 2))  # [n, maxnb]
+        if get_tensor_model_parallel_world_size() > 1:
+            # each rank holds a slice of the heads: take the max over all heads of the model, so every rank
+            # reads the same blocks and TP=N selects exactly as TP=1
+            torch.distributed.all_reduce(agg, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
         forced = (pos.unsqueeze(0) < s) | (pos.unsqueeze(0) == (nb - 1).unsqueeze(1))
         agg = agg.masked_fill(forced, -1.0).masked_fill(~valid, -2.0)
         top = agg.topk(k - s - 1, dim=1).indices.sort(dim=1).values

@@ -79,7 +79,9 @@ def num_total_blocks(llm) -> int:
 def request_blocks(llm, request_id: str) -> tuple[int, int]:
     """(blocks a request holds, null placeholders in its table) in the first KV-cache group."""
     mgr = kv_manager(llm).coordinator.single_type_managers[0]
-    blocks = mgr.req_to_blocks.get(request_id, [])
+    blocks = mgr.req_to_blocks.get(request_id)
+    if blocks is None:  # the engine may suffix the user's request id
+        blocks = next((v for k, v in mgr.req_to_blocks.items() if k.startswith(request_id)), [])
     null = mgr._null_block
     held = sum(1 for b in blocks if b is not null)
     return held, len(blocks) - held
