@@ -52,6 +52,10 @@ class StoreMixin:
         """Bytes this layer keeps off-device (e.g. ShadowKV's value store)."""
         return 0
 
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated on the device, free append headroom included (``nbytes`` counts held data only)."""
+        return self.nbytes()
+
     def read_nbytes(self) -> int:
         """K/V bytes one single-token decode step's attention reads from this layer (on-device data plus
         what it fetches from an offload store). Default: everything held on the device; policies that
@@ -172,6 +176,7 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
         return key_states, value_states
 
     def reset(self) -> None:
+        self.__dict__.pop("_bufs", None)
         self.keys = self.values = self.pos = self.first_pos = None
         self.seen = 0
         self.committed = 0
@@ -230,6 +235,7 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
 
     # ---- storage -----------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``T`` new tokens ``[B, H, T, D]`` at the end (positions ``seen .. seen + T - 1``)."""
         B, _, T, _ = k.shape
         new_pos = torch.arange(self.seen, self.seen + T, device=k.device, dtype=torch.int32)
         hp = 1 if self.pos is None else self.pos.shape[1]
@@ -237,10 +243,28 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
         if self.keys is None:
             self.keys, self.values, self.pos = k, v, new_pos.contiguous()
         else:
-            self.keys = torch.cat([self.keys, k], dim=-2)
-            self.values = torch.cat([self.values, v], dim=-2)
-            self.pos = torch.cat([self.pos, new_pos], dim=-1)
+            self.keys = self._grow("keys", self.keys, k)
+            self.values = self._grow("values", self.values, v)
+            self.pos = self._grow("pos", self.pos, new_pos)
         self.seen += T
+
+    headroom = 64  # slots allocated past the held ones, so decoding does not copy the whole layer every step
+
+    def _grow(self, name: str, cur: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``cat([cur, new], dim=2)`` written in place into a preallocated buffer of which ``cur`` is a prefix view
+        (re-allocated, one copy, only when full or when ``cur`` is no longer that view: after an eviction,
+        a beam reorder, a deepcopy). Crops shrink the view; the next append writes over the cropped slots."""
+        bufs = self.__dict__.setdefault("_bufs", {})
+        buf = bufs.get(name)
+        n, t = cur.shape[2], new.shape[2]
+        if not (buf is not None and cur.data_ptr() == buf.data_ptr() and cur.stride() == buf.stride()
+                and cur.shape[:2] == buf.shape[:2] and cur.shape[3:] == buf.shape[3:] and n + t <= buf.shape[2]
+                and buf.dtype == new.dtype and buf.device == new.device):
+            buf = new.new_empty((*cur.shape[:2], n + t + self.headroom, *cur.shape[3:]))
+            buf[:, :, :n].copy_(cur)
+            bufs[name] = buf
+        buf[:, :, n : n + t].copy_(new)
+        return buf[:, :, : n + t]
 
     def mark_padding(self, attention_mask: torch.Tensor | None, T: int) -> None:
         """Read which of the ``T`` newest tokens are padding from the model's mask ``[B, 1, T, kv]``."""
@@ -282,6 +306,15 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
 
     def nbytes(self) -> int:
         return tensor_bytes(self.keys, self.values, self.pos)
+
+    def allocated_nbytes(self) -> int:
+        """``nbytes`` plus the free headroom of the append buffers."""
+        extra = 0
+        for name, buf in self.__dict__.get("_bufs", {}).items():
+            cur = getattr(self, name, None)
+            if cur is not None and cur.data_ptr() == buf.data_ptr():
+                extra += (buf.numel() - cur.numel()) * buf.element_size()
+        return self.nbytes() + extra
 
     def num_slots(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
