@@ -63,12 +63,17 @@ def attend(q, kg, vg, ok, bias=None, *, scale: float, upcast: bool = True):
 
 
 def _gather_rows(x, idx, hkv_of):
-    """x ``[B, Hkv, N, F]`` -> rows ``[B, Hidx, Ti, L, F]`` at token ids ``idx [B, Hidx, Ti, L]`` (clamped)."""
+    """x ``[B, Hkv, N, F]`` -> rows ``[B, Hidx, Ti, L, F]`` at token ids ``idx [B, Hidx, Ti, L]`` (clamped).
+    A contiguous x is read with one ``index_select`` of whole rows (a row copy, not per-element indexing)."""
     B, Hidx, Ti, L = idx.shape
-    N = x.shape[2]
+    Hkv, N, F = x.shape[1], x.shape[2], x.shape[3]
     b = torch.arange(B, device=idx.device).view(B, 1, 1, 1)
     h = hkv_of.view(1, Hidx, 1, 1)
-    return x[b, h, idx.clamp(0, max(N - 1, 0))]
+    t = idx.clamp(0, max(N - 1, 0))
+    if x.is_contiguous() and N > 0:
+        rows = ((b * Hkv + h) * N + t).view(-1)
+        return x.view(-1, F).index_select(0, rows).view(B, Hidx, Ti, L, F)
+    return x[b, h, t]
 
 
 def chunks_to_tokens(chunk_ids, chunk_size: int, n: int):
@@ -191,15 +196,17 @@ def reconstruct_keys(U, SV, tok, inv_freq, *, positions=None, position_offset=No
     t = tok.long().clamp(0, max(N - 1, 0))
     b = torch.arange(B, device=U.device).view(B, 1, 1, 1)
     dt = torch.float64 if U.dtype == torch.float64 else torch.float32
-    u = U[b, t].to(dt)  # [B, Hkv, Ti, L, r]
+    rows = (b * N + t).view(-1)  # row copies (index_select), not per-element indexing
+    u = U.reshape(B * N, r).index_select(0, rows).view(*t.shape, r).to(dt)  # [B, Hkv, Ti, L, r]
     k_pre = torch.einsum("bhtlr,bhrd->bhtld", u, SV.to(dt))
     if positions is not None:
-        pos = positions.long()[b, t]
+        pos = positions.long().reshape(-1).index_select(0, rows).view(t.shape)
     else:
         off = position_offset.long().view(B, 1, 1, 1) if position_offset is not None else 0
         pos = t + off
     if rope_table is not None:
-        cos, sin = rope_table[0][pos], rope_table[1][pos]
+        cos = rope_table[0].index_select(0, pos.view(-1)).view(*pos.shape, -1)
+        sin = rope_table[1].index_select(0, pos.view(-1)).view(*pos.shape, -1)
     else:
         cos, sin = rope_cos_sin(pos, inv_freq, attention_scaling)  # angles in fp32, as transformers computes them
     return apply_rope(k_pre, cos.to(dt), sin.to(dt))

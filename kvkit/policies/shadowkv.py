@@ -197,6 +197,9 @@ class ShadowKVStore(SlotStore):
         self._clear()
 
     def _clear(self) -> None:
+        self._rope_params = None  # (device, inv_freq, attention_scaling) of the rotary module
+        self._rope_hi = 0  # 1 + the largest RoPE position of a chunk token
+        self._lm_all_valid = False  # every landmark belongs to a real chunk (no row has fewer chunks)
         self.compressed = False
         self.decoding = False
         self.rpos = None  # [B, n] int32 RoPE positions of the held tokens (only before compression)
@@ -318,8 +321,10 @@ class ShadowKVStore(SlotStore):
         base = rp[:, :1]
         if bool(((rp == base + j[None].to(rp.dtype)) | ~tok_valid).all()):
             self.rope_base, self.rope_pos = base.contiguous(), None
+            self._rope_hi = int(base.max()) + N
         else:
             self.rope_base, self.rope_pos = None, rp.contiguous()
+            self._rope_hi = int(rp.max()) + 1
 
         # landmarks and outliers (post-RoPE keys, per KV head)
         k5 = kc.float().view(B, H, C, c, D)
@@ -335,6 +340,7 @@ class ShadowKVStore(SlotStore):
         self.lm_ids = torch.sort(is_out.to(torch.int8), dim=-1, stable=True).indices[..., : C - n_out].to(torch.int32)
         self.landmarks = mean.gather(2, self.lm_ids.long()[..., None].expand(-1, -1, -1, D)).to(keys.dtype)
         self.n_chunks = n_chunks.to(torch.int32)
+        self._lm_all_valid = bool((self.lm_ids < self.n_chunks.view(B, 1, 1)).all())
         out_tok = (out_ids[..., None] * c + torch.arange(c, device=dev)).flatten(2)  # [B, H, n_out*c] in [0, N)
         og = out_tok[..., None].expand(-1, -1, -1, D)
         self.out_k = kc.gather(2, og).contiguous()
@@ -369,9 +375,10 @@ class ShadowKVStore(SlotStore):
         B, Hq, T, D = query.shape
         H, Cl = self.lm_ids.shape[1], self.lm_ids.shape[-1]
         k = min(self.budget // self.chunk, Cl)
-        lm_valid = self.lm_ids < self.n_chunks.view(B, 1, 1)  # [B, H, Cl]
+        lm_valid = None if self._lm_all_valid else self.lm_ids < self.n_chunks.view(B, 1, 1)  # [B, H, Cl]
         s = chunk_scores(query, self.landmarks, softmax=True, chunk_mask=lm_valid, per_token=True)  # [B, H, T, Cl]
-        s = s.masked_fill(~lm_valid[:, :, None], float("-inf"))  # softmax gave them 0: never select them
+        if lm_valid is not None:
+            s = s.masked_fill(~lm_valid[:, :, None], float("-inf"))  # softmax gave them 0: never select them
         sel = topk_indices(s, k)  # landmark slots, -1 = none
         ids = self.lm_ids[:, :, None].expand(B, H, T, Cl).gather(-1, sel.clamp(min=0))
         return torch.where(sel >= 0, ids, -1)
@@ -379,17 +386,15 @@ class ShadowKVStore(SlotStore):
     def _lowrank(self, query: torch.Tensor, ids: torch.Tensor, scaling: float):
         """``lowrank_decode`` over the chunks ``ids``: (out ``[B, Hq, T, D]``, lse ``[B, Hq, T]``)."""
         B, dev = query.shape[0], query.device
-        if self.rope_base is not None:
-            kw = dict(position_offset=self.rope_base.view(B))
-            hi = int(self.rope_base.max()) + self.U.shape[1]
-        else:
-            kw = dict(positions=self.rope_pos)
-            hi = int(self.rope_pos.max()) + 1
-        params = getattr(self.info.rope, "params", None)
-        params = params() if params is not None else None
-        inv, a = (params[0].to(dev, torch.float32), params[1]) if params is not None else (None, 1.0)
+        kw = dict(position_offset=self.rope_base.view(B)) if self.rope_base is not None else dict(positions=self.rope_pos)
+        if self._rope_params is None or self._rope_params[0] != dev:
+            params = getattr(self.info.rope, "params", None)
+            params = params() if params is not None else None
+            inv, a = (params[0].to(dev, torch.float32), params[1]) if params is not None else (None, 1.0)
+            self._rope_params = (dev, inv, a)
+        _, inv, a = self._rope_params
         fused = inv is not None and use_triton(query, self.U)
-        table = None if fused else self.info.shared.rope_table(self.info.rope, hi, dev)
+        table = None if fused else self.info.shared.rope_table(self.info.rope, self._rope_hi, dev)
         v, gathered = self.v_off, False
         if v.device != dev:  # offloaded values: fetch the selected chunks' rows (in list order)
             tok = chunks_to_tokens(ids.to(v.device), self.chunk, self.U.shape[1]).clamp(min=0)

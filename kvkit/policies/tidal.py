@@ -42,9 +42,9 @@ Decode cost. K/V live in preallocated buffers with ``HEADROOM`` free slots (a de
 token in place instead of concatenating the layer). A selection layer computes ``q K^T`` once (fp32),
 takes the attention output and the top-k from the same scores, and stores the selected slot lists
 (sorted, current token appended) once for the reuse layers. A reuse layer gathers the listed rows of
-its K/V into buffers shared by the layers of the cache (``index_select``, no mask) and attends over them
-(the torch path, CPU); on CUDA it calls :func:`kvkit.kernels.sparse_decode` (Triton: the rows are read
-in place).
+its K/V into buffers shared by the layers of the cache (``index_select``, a few batch rows at a time so the
+copy is read back from cache) and attends over them with batched matmuls (the torch path, CPU); on CUDA it
+calls :func:`kvkit.kernels.sparse_decode` (Triton: the rows are read in place).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from kvkit.kernels import sparse_decode, use_triton
 from kvkit.policies.base import Policy, check_positive_int
@@ -65,6 +64,7 @@ SELECT_LAYER = 2  # TidalDecode: the first token-selection layer
 RESELECT_FRACTION = 0.4  # TidalDecode: re-selection at layer 13 of 32 (Llama-3-8B), about 0.4 of depth
 MAX_SPARSE_CHUNK = 16  # longer multi-token forwards (chunked prefill) run exact full attention
 HEADROOM = 64  # free slots past the held tokens: decode appends in place, one re-allocation per HEADROOM steps
+GATHER_BYTES = 1 << 21  # torch path: gathered K/V per block of batch rows (cache-sized)
 SELECTIONS = ("q_head", "kv_head")
 REDUCTIONS = ("max", "sum")
 
@@ -364,9 +364,10 @@ def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
     query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]``; idx ``[B, Hs, T, L]`` slot indices (int) with
     Hs = Hq (one list per query head, read from KV head ``h // G``) or Hs = H (one list per KV head, shared
     by its query group); valid ``[B, Hs, T, L]`` bool or None (every entry a real slot). Only the indexed rows
-    are read. On CUDA: :func:`kvkit.kernels.sparse_decode` (Triton). Elsewhere the rows are copied with
-    ``index_select`` into ``bufs`` (a dict reused across calls; new buffers when None) and attended with
-    ``scaled_dot_product_attention``. Returns ``[B, T, Hq, D]``.
+    are read. On CUDA: :func:`kvkit.kernels.sparse_decode` (Triton). Elsewhere, a few batch rows at a time
+    (``GATHER_BYTES`` of gathered K/V, so they are still in cache when read back), the rows are copied with
+    ``index_select`` into ``bufs`` (a dict reused across calls; new buffers when None) and attended with two
+    batched matmuls and an fp32 softmax. Returns ``[B, T, Hq, D]``.
     """
     B, Hq, T, D = query.shape
     H = keys.shape[1]
@@ -375,30 +376,40 @@ def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
         mode = "kv_head" if Hs == H else "q_head"
         ind = idx if valid is None else torch.where(valid, idx, -1)
         return sparse_decode(query, keys, values, ind.to(torch.int32), scale=scaling, index_mode=mode).transpose(1, 2)
-    Gq = Hq // Hs  # query heads per list
+    Gq, Dv = Hq // Hs, values.shape[-1]  # query heads per list
     kr, cap = _rows_view(keys)
     vr, vcap = _rows_view(values)
     base = (torch.arange(B, device=idx.device).view(B, 1) * H
             + torch.arange(Hs, device=idx.device).view(1, Hs) // (Hs // H)).view(B, Hs, 1, 1)
-    flat = (idx + base * cap).view(-1)
-    vflat = flat if vcap == cap else (idx + base * vcap).view(-1)
-    M = flat.numel()
-    key_ = (query.device, keys.dtype, M, D)
+    flat = (idx + base * cap).view(B, -1)
+    vflat = flat if vcap == cap else (idx + base * vcap).view(B, -1)
+    per_row = Hs * T * L * (D + Dv) * keys.element_size()
+    nb = max(1, min(B, GATHER_BYTES // max(per_row, 1)))
+    M = nb * Hs * T * L
+    key_ = (query.device, keys.dtype, M, D, Dv)
     bk = None if bufs is None else bufs.get(key_)
     if bk is None:
-        bk = (keys.new_empty(M, D), values.new_empty(M, values.shape[-1]))
+        bk = (keys.new_empty(M, D), values.new_empty(M, Dv))
         if bufs is not None:
-            bufs.clear()  # one live shape at a time (shapes change only with T or the budget)
+            bufs.clear()  # one live shape at a time (shapes change only with T, the batch or the budget)
             bufs[key_] = bk
-    kg = torch.index_select(kr, 0, flat, out=bk[0]).view(B, Hs * T, L, D)
-    vg = torch.index_select(vr, 0, vflat, out=bk[1]).view(B, Hs * T, L, -1)
     # queries: [B, Hs*T, Gq, D], row (hs*T + t, g) = query head hs*Gq + g at token t
-    q = query.reshape(B, Hs, Gq, T, D).transpose(2, 3).reshape(B, Hs * T, Gq, D).to(keys.dtype)
-    mask = None if valid is None else valid.reshape(B, Hs * T, 1, L)
-    out = F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, scale=scaling)
-    if mask is not None:
-        out = torch.nan_to_num(out, nan=0.0)  # a list with no real entry reads zeros
-    return out.view(B, Hs, T, Gq, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D).to(query.dtype)
+    q = query.reshape(B, Hs, Gq, T, D).transpose(2, 3).reshape(B * Hs * T, Gq, D).to(keys.dtype)
+    ok = None if valid is None else valid.reshape(B * Hs * T, 1, L)
+    out = torch.empty(B * Hs * T, Gq, Dv, dtype=values.dtype, device=query.device)
+    for b0 in range(0, B, nb):
+        b1 = min(B, b0 + nb)
+        r0, r1, m = b0 * Hs * T, b1 * Hs * T, (b1 - b0) * Hs * T * L
+        kg = torch.index_select(kr, 0, flat[b0:b1].reshape(-1), out=bk[0][:m]).view(r1 - r0, L, D)
+        vg = torch.index_select(vr, 0, vflat[b0:b1].reshape(-1), out=bk[1][:m]).view(r1 - r0, L, Dv)
+        s = torch.bmm(q[r0:r1], kg.transpose(1, 2)).float().mul_(scaling)  # [rows, Gq, L]
+        if ok is not None:
+            s.masked_fill_(~ok[r0:r1], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if ok is not None:
+            p = torch.nan_to_num(p, nan=0.0)  # a list with no real entry reads zeros
+        torch.bmm(p.to(vg.dtype), vg, out=out[r0:r1])
+    return out.view(B, Hs, T, Gq, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv).to(query.dtype)
 
 
 def decode_read_bytes(cache) -> dict:
