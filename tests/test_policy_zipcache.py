@@ -134,7 +134,7 @@ def test_salient_tokens_get_high_precision():
     v = torch.randn(1, 2, n, D)
     sal = torch.rand(1, 2, n)
     sal[..., 7] = 10.0
-    seg = store._quantize_block(k, v, torch.ones(1, n, dtype=torch.bool), sal)
+    seg = store.quantize_block(k, v, torch.ones(1, n, dtype=torch.bool), sal)
     (k8, v8, n8), (k2, v2, n2) = seg.parts
     assert (k8.bits, k2.bits, int(n8), int(n2)) == (8, 2, 4, 28)
     from kvkit.kernels import dequantize

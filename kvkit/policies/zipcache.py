@@ -35,7 +35,7 @@ from kvkit.policies.base import Policy, check_fraction, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, QuantizedSegmentStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
-from kvkit.stores.quantized import Segment, rank_groups  # noqa: F401  (Segment: re-exported for callers)
+from kvkit.stores.quantized import rank_groups
 
 BITS = (2, 4, 8)
 
@@ -178,10 +178,6 @@ class ZipCacheStore(QuantizedSegmentStore):
         kb = self.p.key_bits
         bits = ((kb or self.p.high_bits, self.p.high_bits), (kb or self.p.low_bits, self.p.low_bits))
         return rank_groups(score, valid, (self.p.high_ratio,), bits)
-
-    def _quantize_block(self, k, v, valid, sal) -> Segment:
-        """k, v ``[B, H, n, D]``; valid ``[B, n]`` bool; sal ``[B, H, n]`` -> a two-group Segment."""
-        return self.quantize_block(k, v, valid, sal)
 
     def tail_score(self):
         """Decode saliency of the tail: attention mass / queries that saw each token."""

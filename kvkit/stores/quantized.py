@@ -112,6 +112,7 @@ class QuantizedSegmentStore(SlotStore):
         self.bits = bits
         self.value_prescale = value_prescale
         self.segments: list[Segment] = []
+        self._read = None  # (kpacks, vpacks, valid lengths or None where every row is full): built once per change
 
     # ---- what a quantizer overrides --------------------------------------------------------------
     def split_block(self, k, v, valid, score) -> list[Group]:
@@ -138,11 +139,13 @@ class QuantizedSegmentStore(SlotStore):
     def reset(self) -> None:
         super().reset()
         self.segments = []
+        self._read = None
 
     def _apply_batch(self, fn) -> None:
         super()._apply_batch(fn)
         for seg in self.segments:
             seg.parts = [(map_packed(k, fn), map_packed(v, fn), fn(n)) for k, v, n in seg.parts]
+        self._read = None
 
     def nbytes(self) -> int:
         n = tensor_bytes(self.keys, self.values, self.pos, self.first_pos)
@@ -179,6 +182,7 @@ class QuantizedSegmentStore(SlotStore):
             return
         valid = self.pos[:, 0] >= 0
         self.segments.append(self.quantize_block(self.keys, self.values, valid, score))
+        self._read = None
         self.keys = self.keys[..., :0, :]
         self.values = self.values[..., :0, :]
         self.pos = self.pos[..., :0]
@@ -201,10 +205,13 @@ class QuantizedSegmentStore(SlotStore):
         if self.keys is not None and self.keys.shape[-2]:
             o, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True)
             out = o.transpose(1, 2)
-        parts = self.parts()
-        if parts:  # the tail's partial attention is merged in by quant_decode (prior=...)
-            ks, vs, ns = zip(*parts)
-            out, lse = quant_decode(query, list(ks), list(vs), scale=scaling, valid=list(ns), return_lse=True,
+        if self._read is None and self.segments:
+            parts = self.parts()
+            self._read = ([k for k, _, _ in parts], [v for _, v, _ in parts],
+                          [None if int(n.min()) >= k.shape[-2] else n for k, _, n in parts])
+        if self._read is not None:  # the tail's partial attention is merged in by quant_decode (prior=...)
+            ks, vs, ns = self._read
+            out, lse = quant_decode(query, ks, vs, scale=scaling, valid=ns, return_lse=True,
                                     prior=None if out is None else (out, lse))
         if out is None:
             return query.new_zeros(B, T, Hq, D)
