@@ -15,7 +15,7 @@ over the first spec (``full``), the KV bytes read per step (``KVCache.read_nbyte
 
 Run from the repository root: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_ab.py ...``.
 """
-import argparse, json, statistics, subprocess, sys, time, types
+import argparse, json, os, statistics, subprocess, sys, time, types
 import torch
 import kvkit
 import kvkit.models
@@ -23,7 +23,8 @@ from kvkit.evals.shared_prefill import record_prefill, replay_prefill
 
 
 def load_before(name, rev):
-    src = subprocess.check_output(["git", "show", f"{rev}:kvkit/policies/{name}.py"], cwd="/work/main").decode()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = subprocess.check_output(["git", "show", f"{rev}:kvkit/policies/{name}.py"], cwd=root).decode()
     src = src.replace(f'@register("{name}")', f'@register("{name}_before")')
     mod = types.ModuleType(f"kvkit.policies.{name}_before")
     sys.modules[mod.__name__] = mod
