@@ -276,7 +276,7 @@ def test_bad_inputs():
 
 
 def test_greedy_check_reports_a_broken_verifier(monkeypatch):
-    """The identity check (results/speculative/check_greedy.py) must flag a verifier that accepts bad drafts."""
+    """The identity check (benchmarks/speculative/check_greedy.py) must flag a verifier that accepts bad drafts."""
     import importlib
 
     from kvkit.speculative.check import check_prompt, format_result

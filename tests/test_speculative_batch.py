@@ -262,3 +262,25 @@ def test_defect7_compressing_targets_that_stay_lossless():
         finally:
             kvkit.unpatch(m)
         assert torch.equal(out, ref), policy
+
+
+@pytest.mark.parametrize("task", ["needle", "continue"])
+def test_speculate_cli_batch(tmp_path, task):
+    # `kvkit speculate --batch 3`: plain batched greedy (kvkit full and transformers' DynamicCache) and the settings
+    # decode the same tokens in every row (exit status 0); needle rows differ in length (left padded)
+    import json
+
+    from kvkit.cli import main
+    from kvkit.models import load_tokenizer
+
+    tok = load_tokenizer("default")
+    d = tmp_path / "target"
+    tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048).save_pretrained(d)
+    tok.save_pretrained(d)
+    out = tmp_path / "spec.jsonl"
+    assert main(["speculate", "--model", str(d), "--task", task, "--batch", "3", "--length", "200", "--new-tokens", "8",
+                 "--gamma", "3", "--draft-policy", "streaming,retrieval", "--budget", "64", "--baselines", "dynamic",
+                 "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [3] * 4 and all(r["same"] for r in rows)
+    assert rows[2]["draft_step_vs_plain"] > 0 and rows[3]["verify_vs_plain"] > 0

@@ -11,7 +11,6 @@ Usage: .venv/bin/python benchmarks/speculative/profile_batch.py --batch 8 --leng
 """
 
 import argparse
-import copy
 import statistics
 import time
 
@@ -73,7 +72,7 @@ variants = {
 }
 times = {k: [] for k in variants}
 cpu = {k: [] for k in variants}  # process CPU seconds: with 1 thread, what the forward costs without other load
-for name, fn in variants.items():  # warm-up (retrieval builds its selection once)
+for fn in variants.values():  # warm-up (retrieval builds its selection once)
     fn()
 for _ in range(args.rounds):
     for name, fn in variants.items():

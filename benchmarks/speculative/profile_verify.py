@@ -19,7 +19,7 @@ import kvkit
 import kvkit.stores.full
 from kvkit.models import load
 from kvkit.speculative.draft import DraftCache, make_view
-from kvkit.speculative.generate import suffix_attention, tall_lm_head
+from kvkit.speculative.forward import logits
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -38,13 +38,19 @@ def transformers_sdpa(module, query, key, value, attention_mask, scaling, dropou
 
 
 def forward(c, tokens: int, fast: bool, hf: bool = False) -> None:
+    """A forward of ``tokens`` tokens; fast: kvkit.speculative's verification (``cache.verification()``: prefix +
+    causal-suffix attention; the head applied as a tall-skinny product, kvkit.speculative.forward)."""
     x = torch.randint(100, 20000, (1, tokens))
     kvkit_sdpa = kvkit.stores.full.hf_sdpa
     if hf:
         kvkit.stores.full.hf_sdpa = transformers_sdpa
     try:
-        with torch.no_grad(), tall_lm_head(model, tokens if fast else 1), suffix_attention(c, fast):
-            model(input_ids=x, past_key_values=c, use_cache=True, logits_to_keep=tokens)
+        with torch.no_grad():
+            if fast:
+                with c.verification():
+                    logits(model, tokens, input_ids=x, past_key_values=c)
+            else:
+                model(input_ids=x, past_key_values=c, use_cache=True, logits_to_keep=tokens)
     finally:
         kvkit.stores.full.hf_sdpa = kvkit_sdpa
     for layer in c.layers:

@@ -1,6 +1,6 @@
 """Greedy identity on long real prompts: speculative output == plain greedy output, token for token.
 
-Used by ``results/speculative/check_greedy.py`` and the slow test on the bundled model. Each prompt
+Used by ``benchmarks/speculative/check_greedy.py`` and the slow test on the bundled model. Each prompt
 is prefilled once (the prompt minus its last token, ``full`` KV); plain greedy decoding and every
 speculative setting continue from their own copy of that cache, as in ``kvkit speculate``. On a
 mismatch the result records where the outputs first differ and the plain step's top-1 minus top-2
