@@ -54,12 +54,20 @@ _SRC = r"""
 #include <immintrin.h>
 int kvkit_has_avx512(void) { return 1; }
 
-/* CW (4, 8 or 16) bytes of codes -> P = 8/BITS vectors of CW channels (lanes >= CW are zero) */
+/* float value of the low 4 bits of a lane: the code itself (4-bit) or its low 2 bits (2-bit) */
+static const float LUT4[16] __attribute__((aligned(64))) = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const float LUT2[16] __attribute__((aligned(64))) = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+
+/* CW (4, 8 or 16) bytes of codes -> P = 8/BITS vectors of CW channels (lanes >= CW are zero). 2/4-bit codes go
+   from integer lanes to floats through one permute of a 16-entry table (it reads only the low 4 bits of each
+   lane, so no mask and no int-to-float conversion is needed) */
 AI void unpack(const uint8_t *p, int CW, int BITS, __m512 *c) {
   __m128i b = CW == 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8((__mmask16)((1u << CW) - 1), p);
   __m512i x = _mm512_cvtepu8_epi32(b);
-  const __m512i msk = _mm512_set1_epi32((1 << BITS) - 1);
-  for (int j = 0; j < 8 / BITS; j++) c[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, j * BITS), msk));
+  if (BITS == 8) { c[0] = _mm512_cvtepi32_ps(x); return; }
+  const __m512 tab = _mm512_load_ps(BITS == 4 ? LUT4 : LUT2);
+  c[0] = _mm512_permutexvar_ps(x, tab);
+  for (int j = 1; j < 8 / BITS; j++) c[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, j * BITS), tab);
 }
 
 AI __m512 ld(const float *p, int CW) {
