@@ -21,7 +21,7 @@ reads the packed store directly in ``quant_attn.py`` (Triton) or via :func:`dequ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class Packed:
     shape: tuple  # the original shape [..., N, D]
     dtype: torch.dtype  # the original dtype (default of dequantize)
     prescale: torch.Tensor | None = None  # [..., 1, D] fp32 channel pre-scale c (ZipCache values)
+    #: the CPU kernel's cached (pointers, fp32 statistics) of this pack; not copied by ``dataclasses.replace``
+    cpu_view: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

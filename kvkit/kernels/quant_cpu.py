@@ -438,6 +438,17 @@ def supported(kpack: Packed, vpack: Packed, D: int) -> bool:
             and kpack.prescale is None and vpack.axis == -1 and vpack.group_size == D)
 
 
+def _view(p: Packed):
+    """(pointers of data, scale, zero, prescale as uint8 / fp32 contiguous tensors, the tensors they point into),
+    cached on the pack (statistics of 16-bit models are converted to fp32 once)."""
+    v = p.cpu_view
+    if v is None or v[0][0] != p.data.data_ptr():
+        ts = [p.data.contiguous()] + [None if t is None else t.to(torch.float32).contiguous()
+                                      for t in (p.scale, p.zero, p.prescale)]
+        v = p.cpu_view = (tuple(None if t is None else t.data_ptr() for t in ts), ts)
+    return v[0]
+
+
 def quant_attn(q4: torch.Tensor, parts, scale: float, prior=None):
     """Attention of ``q4 [B, Hq, Tq, D]`` over the union of packed parts ``[(kpack, vpack, mask [B, N] bool | None)]``
     (every query sees every unmasked token), merged with ``prior = (out [B, Hq, Tq, D], lse [B, Hq, Tq])``, a
@@ -458,14 +469,14 @@ def quant_attn(q4: torch.Tensor, parts, scale: float, prior=None):
     qf = q4.reshape(B, H, M, D)  # query head h*G + g reads KV head h; row g*Tq + t
     n = len(parts)
     P = ctypes.c_void_p
-    ns, kb, vb = (ctypes.c_int64 * n)(), (ctypes.c_int * n)(), (ctypes.c_int * n)()
-    kd, ks, kz, vd, vs, vz, vp, mk = ((P * n)() for _ in range(8))
-    for i, (kp, vpk, mask) in enumerate(parts):
-        ns[i], kb[i], vb[i] = kp.shape[-2], kp.bits, vpk.bits
-        kd[i], ks[i], kz[i] = ptr(kp.data, torch.uint8), ptr(kp.scale, torch.float32), ptr(kp.zero, torch.float32)
-        vd[i], vs[i], vz[i] = ptr(vpk.data, torch.uint8), ptr(vpk.scale, torch.float32), ptr(vpk.zero, torch.float32)
-        vp[i] = None if vpk.prescale is None else ptr(vpk.prescale, torch.float32)
-        mk[i] = None if mask is None else ptr(mask, torch.uint8)
+    kv = [(_view(kp), _view(vpk)) for kp, vpk, _ in parts]
+    ns = (ctypes.c_int64 * n)(*(kp.shape[-2] for kp, _, _ in parts))
+    kb = (ctypes.c_int * n)(*(kp.bits for kp, _, _ in parts))
+    vb = (ctypes.c_int * n)(*(vp.bits for _, vp, _ in parts))
+    kd, ks, kz = (P * n)(*(k[0] for k, _ in kv)), (P * n)(*(k[1] for k, _ in kv)), (P * n)(*(k[2] for k, _ in kv))
+    vd, vs, vz = (P * n)(*(v[0] for _, v in kv)), (P * n)(*(v[1] for _, v in kv)), (P * n)(*(v[2] for _, v in kv))
+    vp = (P * n)(*(v[3] for _, v in kv))
+    mk = (P * n)(*(None if m is None else ptr(m, torch.uint8) for _, _, m in parts))
     ntot = sum(ns)
     scratch = torch.empty(B * H * M * max(ntot, 1), dtype=torch.float32)
     out = torch.empty(B, H, M, D, dtype=torch.float32)
