@@ -4,17 +4,20 @@
 #        bash benchmarks/policies/run_issue19.sh qaware     # SnapKV with the question in the prefill (own prefills),
 #                                                           # budgets interleaved sample-by-sample (index-major)
 # The calibrated tidal / zipcache / shadowkv runs use no options: the policy reads the model's shipped
-# calibration (kvkit/data/calibration/<model>.json); CAL=0 leaves them out.
+# calibration (kvkit/data/calibration/<model>.json); CAL="shadowkv" (a subset) or CAL="" limits them.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 TQDM_MININTERVAL=60 TOKENIZERS_PARALLELISM=false
 P=results/policies/ruler-4096-s5.jsonl
 case ${1:-agnostic} in
 agnostic)
   RUNS="--run snapkv2048-4k=snapkv:budget=2048 --run snapkv1024-4k=snapkv:budget=1024"
-  if [ "${CAL:-1}" = 1 ]; then
-    RUNS="$RUNS --run tidalcal1732kv-4k=tidal:budget=1732,selection=kv_head --run zipcachecal-4k=zipcache
- --run shadowkvcal1024-4k=shadowkv:budget=1024,min_prompt=2048"
-  fi
+  for c in ${CAL-shadowkv tidal zipcache}; do
+    case $c in
+    shadowkv) RUNS="$RUNS --run shadowkvcal1024-4k=shadowkv:budget=1024,min_prompt=2048" ;;
+    tidal) RUNS="$RUNS --run tidalcal1732kv-4k=tidal:budget=1732,selection=kv_head" ;;
+    zipcache) RUNS="$RUNS --run zipcachecal-4k=zipcache" ;;
+    esac
+  done
   nice -n 5 .venv/bin/kvkit eval sweep --model default --prompts $P --out-root results/policies --resume $RUNS ;;
 qaware)
   for n in 1 2 3 4 5; do

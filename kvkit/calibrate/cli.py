@@ -66,7 +66,7 @@ def _add_knob_commands(sub) -> None:
     z = sub.add_parser("zipcache", help="ZipCache bit widths: the cheapest that keeps calibration needles",
                        description="Candidate (high_ratio, high_bits, low_bits, key_bits) settings in order of "
                        "bytes; the first that answers every needle the full cache answers is kept.")
-    _common(z, 2048, 8)
+    _common(z, 2048, 4)
     z.set_defaults(func=cmd_calibrate_knob, knob="zipcache")
 
 
