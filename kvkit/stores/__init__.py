@@ -3,9 +3,10 @@
 from kvkit.stores.attend import attend_slots, causal_suffix_attention, hf_sdpa, plain_sdpa_call
 from kvkit.stores.base import LayerInfo, SlotStore, StoreMixin, crop_count, tensor_bytes
 from kvkit.stores.full import FullStore, SlidingStore
-from kvkit.stores.quantized import QuantizedSegmentStore  # noqa: F401  (packed segments + fp tail + LSE merge)
+from kvkit.stores.quantized import QuantizedSegmentStore
+from kvkit.stores.scored import ScoredStore
 
 __all__ = [
     "LayerInfo", "StoreMixin", "SlotStore", "FullStore", "SlidingStore", "tensor_bytes", "crop_count",
-    "attend_slots", "causal_suffix_attention", "hf_sdpa", "plain_sdpa_call",
+    "attend_slots", "causal_suffix_attention", "hf_sdpa", "plain_sdpa_call", "QuantizedSegmentStore", "ScoredStore",
 ]
