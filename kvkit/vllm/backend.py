@@ -112,13 +112,13 @@ class KvkitCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         decode = (qsl[1:] - qsl[:-1]) == 1
         full_read = int(nb[decode].sum())
         plan = StepPlan(p, bs, STATS.new_step(int(decode.sum()), full_read), full_read)
-        plan.select_layers = p.select_layers(self.num_layers) if p.name == "tidal" else ()
+        plan.select_layers = p.select_layers(self.num_layers) if p.name in ("tidal", "quest") else ()
         k = p.budget_blocks(bs)
         reduce = decode & (nb > k)
         forced = _force_full and not (p.name == "streaming" and p.free)  # freed blocks cannot be read back
         if p.name == "full" or forced or not bool(reduce.any()):
             return plan
-        if p.name == "tidal" and not plan.select_layers:
+        if p.name in ("tidal", "quest") and not plan.select_layers:
             return plan  # fewer than 3 layers: nothing to select from
         rows = reduce.nonzero().squeeze(1)
         rnb = nb[rows]
@@ -166,10 +166,12 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         self.kvkit_policy = _engine_policy(vllm_config) if vllm_config is not None else _last_policy
         num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers if vllm_config is not None else 0
         p = self.kvkit_policy
-        self._select_layers = p.select_layers(num_layers) if p is not None and p.name == "tidal" else ()
+        self._select_layers = p.select_layers(num_layers) if p is not None and p.name in ("tidal", "quest") else ()
+        self._score = "quest" if p is not None and p.name == "quest" else (p.score if p is not None else "exact")
         self._layer_idx: int | None = None
         self._kmax: torch.Tensor | None = None  # tidal selection layers: per-block key max [blocks, kv_heads, D]
         self._kmin: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None  # tidal score=exact: selection layers' keys [slots, kv_heads, D]
 
     def _layer(self, layer) -> int:
         if self._layer_idx is None:
@@ -184,7 +186,7 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
 
     def _update_summaries(self, key, kv_cache, slot_mapping) -> None:
         num_blocks, kv_heads, block_size, _ = kv_cache.shape
-        if self._kmax is None or self._kmax.shape[0] != num_blocks:
+        if self._score == "quest" and (self._kmax is None or self._kmax.shape[0] != num_blocks):
             self._kmax = torch.full((num_blocks, kv_heads, self.head_size), float("-inf"))
             self._kmin = torch.full((num_blocks, kv_heads, self.head_size), float("inf"))
         n = min(key.shape[0], slot_mapping.shape[0])
@@ -196,9 +198,14 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             k = key[:n]
         blk = (slots // block_size).long()
         fresh = blk[(slots % block_size) == 0]  # a block written from its first slot: a new block
-        if fresh.numel():
+        if fresh.numel() and self._kmax is not None:
             self._kmax[fresh] = float("-inf")
             self._kmin[fresh] = float("inf")
+        if self._score == "exact":
+            if self._keys is None or self._keys.shape[0] != num_blocks * block_size:
+                self._keys = torch.zeros((num_blocks * block_size, kv_heads, self.head_size), dtype=key.dtype)
+            self._keys.index_copy_(0, slots.long(), k.to(self._keys.dtype))
+            return
         kf = k.float()
         self._kmax.index_reduce_(0, blk, kf, "amax")
         self._kmin.index_reduce_(0, blk, kf, "amin")
@@ -221,6 +228,9 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         if plan.rows is not None:
             if plan.policy.name == "streaming":
                 md = plan.reduced
+            elif plan.policy.name == "quest":
+                if li in plan.select_layers:  # this layer's own selection, from its own query, then read it
+                    md = self._select(plan, query, attn_metadata) or attn_metadata
             elif li not in plan.select_layers and plan.reduced is not None and li > plan.select_layers[0]:
                 md = plan.reduced
         rec.blocks_read += plan.reduced_read if md is not attn_metadata else plan.full_read
@@ -231,7 +241,7 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
 
     def _select(self, plan: StepPlan, query: torch.Tensor, md: CPUAttentionMetadata):
         """Quest-style block scores from the key summaries; top-k blocks per decode row."""
-        if self._kmax is None:
+        if self._kmax is None and self._keys is None:
             return plan.reduced
         p, bs = plan.policy, plan.block_size
         rows, nb = plan.rows, plan.nb
@@ -241,15 +251,27 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         kvh = self.num_kv_heads
         q = q.view(n, kvh, self.num_queries_per_kv, self.head_size)
         tbl = md.block_table[rows, :maxnb].long()
-        kmax = self._kmax[tbl].transpose(1, 2)  # [n, kvh, maxnb, D]
-        kmin = self._kmin[tbl].transpose(1, 2)
-        score = torch.matmul(q.clamp(min=0), kmax.transpose(-1, -2)) + torch.matmul(
-            q.clamp(max=0), kmin.transpose(-1, -2)
-        )  # [n, kvh, G, maxnb]
         pos = torch.arange(maxnb)
         valid = pos.unsqueeze(0) < nb.unsqueeze(1)  # [n, maxnb]
-        score = (score * self.scale).masked_fill(~valid[:, None, None, :], float("-inf"))
-        agg = torch.softmax(score, dim=-1).amax(dim=(1, 2))  # [n, maxnb]
+        if self._keys is not None:
+            # TidalDecode: exact scores q.k of every token (this layer reads everything anyway); a block
+            # scores the max softmax probability of its tokens over all query heads
+            slots = (tbl.unsqueeze(-1) * bs + torch.arange(bs)).view(n, maxnb * bs)
+            keys = self._keys[slots].to(q.dtype).permute(0, 2, 3, 1)  # [n, kvh, D, maxnb*bs]
+            score = torch.matmul(q, keys) * self.scale  # [n, kvh, G, maxnb*bs]
+            seq = md.seq_lens[rows].long()
+            tok_ok = torch.arange(maxnb * bs).unsqueeze(0) < seq.unsqueeze(1)
+            score = score.masked_fill(~tok_ok[:, None, None, :], float("-inf"))
+            agg = torch.softmax(score, dim=-1).view(n, kvh, -1, maxnb, bs).amax(dim=(1, 2, 4))
+        else:
+            # Quest: upper bound of q.k in a block from its per-channel key min / max
+            kmax = self._kmax[tbl].transpose(1, 2)  # [n, kvh, maxnb, D]
+            kmin = self._kmin[tbl].transpose(1, 2)
+            score = torch.matmul(q.clamp(min=0), kmax.transpose(-1, -2)) + torch.matmul(
+                q.clamp(max=0), kmin.transpose(-1, -2)
+            )  # [n, kvh, G, maxnb]
+            score = (score * self.scale).masked_fill(~valid[:, None, None, :], float("-inf"))
+            agg = torch.softmax(score, dim=-1).amax(dim=(1, 2))  # [n, maxnb]
         if get_tensor_model_parallel_world_size() > 1:
             # each rank holds a slice of the heads: take the max over all heads of the model, so every rank
             # reads the same blocks and TP=N selects exactly as TP=1

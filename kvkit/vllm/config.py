@@ -21,7 +21,7 @@ ENV_VAR = "KVKIT_VLLM_POLICY"
 CONFIG_KEY = "kvkit"
 
 # Policies the vLLM plugin runs, and the kvkit policies it does not run (yet): named in the error.
-VLLM_POLICIES = ("full", "streaming", "tidal")
+VLLM_POLICIES = ("full", "streaming", "tidal", "quest")
 NOT_IN_VLLM = ("duo", "cake", "shadowkv", "zipcache", "chelsea")
 
 
@@ -29,11 +29,16 @@ NOT_IN_VLLM = ("duo", "cake", "shadowkv", "zipcache", "chelsea")
 class PluginPolicy:
     """A policy as the vLLM plugin runs it, at the granularity of vLLM's KV blocks.
 
-    name : "full" (the plugin's backend with nothing changed), "streaming" or "tidal".
+    name : "full" (the plugin's backend with nothing changed), "streaming", "tidal" or "quest"
+        (Quest, arXiv:2406.10774: every layer from 2 on picks its own top-k blocks from its own query
+        and per-block key min/max summaries, before reading; layers 0-1 read everything).
     budget : tokens read per decoded token (streaming: also tokens held); rounded up to whole blocks.
     sink : streaming / tidal: leading tokens always read (rounded up to whole blocks; 0: none).
     reselect_layer : tidal: the re-selection layer (None: round(0.4 * num_layers), TidalDecode).
     free : streaming: free the middle blocks during decoding (1, default) or only skip reading them (0).
+    score : tidal: how a selection layer scores blocks: "exact" (TidalDecode: softmax of q.k over every
+        token, from a copy of the selection layers' keys, max over a block's tokens and over heads) or
+        "quest" (Quest's upper bound from per-block key min/max summaries: no key copy, coarser).
     """
 
     name: str = "full"
@@ -41,6 +46,7 @@ class PluginPolicy:
     sink: int = 4
     reselect_layer: int | None = None
     free: int = 1
+    score: str = "exact"
 
     def __post_init__(self):
         if self.name not in VLLM_POLICIES:
@@ -58,6 +64,8 @@ class PluginPolicy:
             raise ValueError(f"kvkit.vllm: budget must be >= 1, got {self.budget}")
         if self.name == "streaming" and self.sink >= self.budget:
             raise ValueError(f"kvkit.vllm: streaming sink ({self.sink}) must be smaller than budget ({self.budget})")
+        if self.score not in ("exact", "quest"):
+            raise ValueError(f"kvkit.vllm: score must be 'exact' or 'quest', got {self.score!r}")
         if self.reselect_layer is not None and (not isinstance(self.reselect_layer, int) or self.reselect_layer < 3):
             raise ValueError(f"kvkit.vllm: reselect_layer must be an integer >= 3, got {self.reselect_layer!r}")
 
@@ -73,9 +81,12 @@ class PluginPolicy:
         return self.budget_blocks(block_size) - self.sink_blocks(block_size)
 
     def select_layers(self, num_layers: int) -> tuple[int, ...]:
-        """tidal: the layers that read everything and (re)select the blocks the next layers read."""
+        """tidal: the layers that read everything and (re)select the blocks the next layers read;
+        quest: the layers that select (from layer 2 on) and read only what they selected."""
         if num_layers < 3:
             return ()
+        if self.name == "quest":
+            return tuple(range(2, num_layers))
         layers = [2]
         r = self.reselect_layer
         if r is None and num_layers >= 5:
@@ -132,7 +143,7 @@ def parse_policy(spec) -> PluginPolicy | None:
     unknown = set(kwargs) - known
     if unknown:
         raise ValueError(f"kvkit.vllm: unknown option(s) {sorted(unknown)} for {name!r}; known: {sorted(known)}")
-    clean = {k: (_int_or_none(k, v) if isinstance(v, str) else v) for k, v in kwargs.items()}
+    clean = {k: (_int_or_none(k, v) if isinstance(v, str) and k != "score" else v) for k, v in kwargs.items()}
     return PluginPolicy(name=name, **clean)
 
 
