@@ -321,9 +321,25 @@ def cmd_bench(args) -> int:
         if not name.strip():
             raise ValueError(f"--add {spec!r} must look like POLICY or POLICY:key=value,key=value")
         more.append((name.strip(), resolve_policy_options(name.strip(), parse_opts([opts] if opts else None))))
+    if args.batch is not None and args.batch <= 0:
+        raise ValueError(f"--batch must be a positive number of sequences, got {args.batch}")
+    if args.memory is not None and not args.memory > 0:
+        raise ValueError(f"--memory must be a positive number of GiB, got {args.memory}")
+    if args.max_batch <= 0:
+        raise ValueError(f"--max-batch must be a positive number of sequences, got {args.max_batch}")
+    threads = _ints(args.threads, "--threads") if args.threads else None
+    if (args.memory is not None or args.profile) and not args.batch:
+        raise ValueError("--memory and --profile measure batched decode: give --batch B too")
+    if args.batch and not args.prefill_chunk:
+        return _bench_batch(args, policy, options, lengths, more, threads)
     model, tok = _load(args)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads[0])
     rows = bench.with_ratios(bench.run(model, tok, policy, options, lengths, args.decode_tokens,
-                                       prefill_chunk=args.prefill_chunk, more=more))
+                                       prefill_chunk=args.prefill_chunk, more=more, batch=args.batch or 1,
+                                       oneshot=args.oneshot))
     out = _out(args, "bench", run_label(args.model, policy, options, max(lengths)))
     cfg = _config(args, "bench", policy, options, lengths=lengths, decode_tokens=args.decode_tokens,
                   prefill_chunk=args.prefill_chunk)
@@ -340,6 +356,44 @@ def cmd_bench(args) -> int:
     write_summary(out, dict(cfg, rows=rows, device_name=_device_name(args.device)), header, table,
                   title=f"kvkit bench - {args.model} - {policy} {options or ''} - {_device_name(args.device)}")
     print((out / "summary.md").read_text())
+    return 0
+
+
+def _bench_batch(args, policy, options, lengths, more, threads) -> int:
+    """``kvkit bench --batch B``: :func:`kvkit.evals.bench.decode_bench` at each length."""
+    import subprocess
+
+    import torch
+
+    from kvkit.evals import bench
+    from kvkit.evals.common import run_label
+
+    configs = bench.check_configs([(policy, options)] + more)  # unknown policies refused before the model loads
+    model, tok = _load(args)
+    threads = threads or [torch.get_num_threads()]
+    try:
+        commit = os.environ.get("KVKIT_GIT_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvkit"], capture_output=True, text=True,
+                               timeout=10, cwd=Path(__file__).resolve().parent).stdout.split("\n")
+        dirty = [x.strip() for x in dirty if x.strip()]
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    out_root = _out(args, "bench", run_label(args.model, policy, options, max(lengths)) + f"-b{args.batch}")
+    cfg = _config(args, "bench", policy, options, lengths=lengths, added=[list(c) for c in more], git_commit=commit,
+                  git_dirty_kvkit=dirty, device_name=_device_name(args.device), cpu_count=os.cpu_count())
+    for L in lengths:
+        out = out_root if len(lengths) == 1 else out_root / f"len{L}"
+        res = bench.decode_bench(model, tok, configs[1:], batch=args.batch, length=L, threads=threads,
+                                 rounds=args.rounds, steps=args.steps, memory_gib=args.memory,
+                                 max_batch=args.max_batch, profile=args.profile, spill_dir=args.prefill_cache,
+                                 reuse_prefill=args.prefill_cache is not None,
+                                 log=lambda m: print(m, file=sys.stderr, flush=True),
+                                 on_partial=lambda r, o=out: bench.write_partial(o, r, cfg))
+        md = bench.write_decode_results(out, res, cfg, title=f"kvkit bench --batch {args.batch} - {args.model} - "
+                                                            f"{L} tokens - {_device_name(args.device)}")
+        print(md)
     return 0
 
 
@@ -438,5 +492,24 @@ def add_commands(sub) -> None:
                         "full cache, next to the one-shot prefill: peak prefill memory of both modes")
     b.add_argument("--add", action="append", metavar="POLICY[:KEY=VALUE,...]",
                    help="another policy setting measured in the same run against the same full-cache rows (repeatable)")
+    b.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="batched decode: B left-padded essay passages per length; every policy prefilled once, then "
+                        "interleaved rounds of decode steps: step time, tok/s, KV held/read, byte bound, fraction of "
+                        "it (with --prefill-chunk: the prefill-memory rows at batch B instead)")
+    b.add_argument("--threads", default=None, metavar="N[,N...]", help="torch CPU threads of the decode steps "
+                   "(comma-separated: each measured; default: torch's current count)")
+    b.add_argument("--rounds", type=int, default=3, help="--batch: interleaved rounds per thread count")
+    b.add_argument("--steps", type=int, default=4, help="--batch: timed decode steps per policy per round")
+    b.add_argument("--memory", type=float, default=None, metavar="GIB",
+                   help="--batch: the largest batch whose KV fits in GIB GiB for each policy, and the decode "
+                        "throughput measured there (capped at --max-batch)")
+    b.add_argument("--max-batch", type=int, default=32, help="--memory: largest batch actually decoded")
+    b.add_argument("--profile", action="store_true",
+                   help="--batch: torch.profiler over a few decode steps per policy, top ops by self CPU time")
+    b.add_argument("--prefill-cache", default=None, metavar="DIR",
+                   help="--batch: keep the recorded exact prefill in DIR and reuse it in later runs with the same "
+                        "model and prompts (it does not depend on the policies)")
+    b.add_argument("--oneshot", default="all", choices=("all", "full"),
+                   help="--prefill-chunk: which settings also run the one-shot prefill (default all)")
     b.add_argument("--out", default=None, help="output folder (default results/bench/<model>-<policy>-<len>)")
     b.set_defaults(func=cmd_bench)

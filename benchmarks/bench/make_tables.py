@@ -1,0 +1,169 @@
+"""Issue-17 tables (markdown) and the "decode throughput vs batch" figure from `kvkit bench --batch` runs.
+
+    python benchmarks/bench/make_tables.py --before results/bench/batch-8x4096-before \
+        --after results/bench/batch-8x4096-after [--small-before ... --small-after ...] \
+        [--memory results/bench/batch-memory2-...] [--figure results/bench/throughput_vs_batch.png]
+
+Prints markdown: per thread count, each policy's speed-up over full / byte bound / fraction of the bound before
+and after, against the issue-17 targets (8 x 4096: speed-up >= 1 + 0.7 (bound - 1); 1 x 1024: speed-up >= 0.9;
+--memory: fits >= 0.9 x (full's bytes / the policy's) as many sequences as full, and more throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(d):
+    if d is None:
+        return None
+    p = Path(d)
+    return json.loads((p / "summary.json" if p.is_dir() else p).read_text())
+
+
+def f2(x, nd=2):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def rows_by(s, t):
+    return {r["label"]: r for r in s["rows"] if r["threads"] == t}
+
+
+def target_table(before, after, threads):
+    out = []
+    labels = [r["label"] for r in (after or before)["rows"] if r["threads"] == threads and r["label"] != "full"]
+    b, a = rows_by(before, threads) if before else {}, rows_by(after, threads) if after else {}
+    ref = a or b
+    full = ref["full"]
+    out.append(f"**{ref[labels[0]]['batch']} x {ref[labels[0]]['length']}, {threads} thread(s)** - full's median "
+               f"step {f2(b.get('full', {}).get('step_ms'), 0) if b else '-'} ms before, "
+               f"{f2(a.get('full', {}).get('step_ms'), 0) if a else '-'} ms after\n")
+    out.append("| policy | KV held vs full | read/step vs full | byte bound | target speed-up | before: speed-up "
+               "(fraction) | after: speed-up (fraction) | meets the target (after) |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for lab in labels:
+        r = ref[lab]
+        bound = r["bound"]
+        tgt = 1 + 0.7 * (bound - 1) if bound >= 1.01 else None
+
+        def cell(x):
+            if not x:
+                return "-"
+            return f"{x['speedup']:.2f}" + (f" ({x['fraction']:.2f})" if x.get("fraction") is not None else "")
+
+        ra = a.get(lab)
+        if tgt is not None and ra:
+            meet = "yes" if ra["speedup"] >= tgt else f"no: {ra['speedup'] / tgt - 1:+.0%} vs target"
+        elif ra:
+            meet = "(reads as much as full)"
+        else:
+            meet = "-"
+        out.append(f"| {lab} | {f2(r['kv_held_vs_full'])} | {f2(r['kv_read_vs_full'])} | {f2(bound)} | "
+                   f"{f2(tgt)} | {cell(b.get(lab))} | {cell(ra)} | {meet} |")
+    return "\n".join(out) + "\n"
+
+
+def small_table(before, after, threads):
+    b, a = rows_by(before, threads) if before else {}, rows_by(after, threads) if after else {}
+    ref = a or b
+    out = [f"**{ref['full']['batch']} x {ref['full']['length']}, {threads} thread(s)** - full's median step "
+           f"{f2(b.get('full', {}).get('step_ms'), 1) if b else '-'} ms before, "
+           f"{f2(a.get('full', {}).get('step_ms'), 1) if a else '-'} ms after\n",
+           "| policy | before: speed-up vs full | after: speed-up vs full | target >= 0.90 (after) |", "|---|---|---|---|"]
+    for lab, r in ref.items():
+        if lab == "full":
+            continue
+        ra = a.get(lab)
+        meet = "-" if not ra else ("yes" if ra["speedup"] >= 0.9 else f"no: {ra['speedup'] / 0.9 - 1:+.0%}")
+        out.append(f"| {lab} | {f2(b.get(lab, {}).get('speedup'))} | {f2(ra and ra['speedup'])} | {meet} |")
+    return "\n".join(out) + "\n"
+
+
+def memory_table(mem):
+    fits = {f["label"]: f for f in mem["fits"]}
+    out = [f"**--memory {mem['memory_gib']} GiB, context {mem['length']}** (decode headroom {mem['headroom_tokens']} "
+           f"tokens per sequence; measured at min(fit, --max-batch {mem['max_batch']}))\n",
+           "| policy | KV held / seq | full's bytes / policy's | fits | fits vs full | target >= 0.9 x bytes ratio | "
+           "meets | measured batch | tok/s (full's at its batch, same rounds) | throughput vs full |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for lab, f in fits.items():
+        rs = [r for r in mem["memory"] if r["label"] == lab and not r.get("paired_with")]
+        if lab == "full":
+            out.append(f"| full | {f['kv_held_per_seq'] / 2**20:.1f} MiB | 1.00 | {f['fit_batch']} | 1.00 | - | - | "
+                       f"{f['measured_batch']} | - | - |")
+            continue
+        tgt = 0.9 * f["held_ratio"]
+        meet = "yes" if f["fit_vs_full"] >= tgt else f"no ({f['fit_vs_full'] / tgt - 1:+.0%})"
+        tok = "; ".join(f"{r['tok_s']:.1f} ({r['full_tok_s']:.1f}) @{r['threads']}t" for r in rs)
+        thr = "; ".join(f"{r['throughput_vs_full']:.2f}" for r in rs)
+        out.append(f"| {lab} | {f['kv_held_per_seq'] / 2**20:.1f} MiB | {f['held_ratio']:.2f} | {f['fit_batch']} | "
+                   f"{f['fit_vs_full']:.2f} | {tgt:.2f} | {meet} | {f['measured_batch']} | {tok} | {thr} |")
+    return "\n".join(out) + "\n"
+
+
+def profile_table(before, after, top=4):
+    pb, pa = (before or {}).get("profile", {}), (after or {}).get("profile", {})
+    out = [f"| policy | before: step ms, top {top} ops (% self CPU) | after: step ms, top {top} ops |", "|---|---|---|"]
+
+    def cell(p):
+        if not p:
+            return "-"
+        return f"{p['step_ms']:.0f} ms: " + "; ".join(f"{o['name'].replace('aten::', '')} {o['pct']:.0f}%"
+                                                      for o in p["ops"][:top])
+
+    for lab in dict.fromkeys(list(pb) + list(pa)):
+        out.append(f"| {lab} | {cell(pb.get(lab))} | {cell(pa.get(lab))} |")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before")
+    ap.add_argument("--after")
+    ap.add_argument("--small-before")
+    ap.add_argument("--small-after")
+    ap.add_argument("--memory", action="append", default=[])
+    ap.add_argument("--figure", default=None)
+    ap.add_argument("--figure-runs", nargs="*", default=None, help="runs for the figure (default --after, --memory)")
+    args = ap.parse_args()
+    before, after = load(args.before), load(args.after)
+    sb, sa = load(args.small_before), load(args.small_after)
+    md = []
+    for s, name in ((before, "before"), (after, "after"), (sb, "1x1024 before"), (sa, "1x1024 after")):
+        if s:
+            md.append(f"- {name}: commit `{(s.get('git_commit') or '?')[:10]}`, `{s.get('command')}`")
+    md.append("")
+    ref = after or before
+    if ref:
+        for t in ref["threads"]:
+            md.append(target_table(before, after, t))
+    ref = sa or sb
+    if ref:
+        for t in ref["threads"]:
+            md.append(small_table(sb, sa, t))
+    for m in args.memory:
+        md.append(memory_table(load(m)))
+    if (before or after) and (before or after).get("profile"):
+        md.append(f"Profile, {ref and (after or before)['batch']} x {(after or before)['length']}:\n")
+        md.append(profile_table(before, after))
+    if sb or sa:
+        md.append("Profile, 1 x 1024:\n")
+        md.append(profile_table(sb, sa))
+    print("\n".join(md))
+    if args.figure:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from kvkit.evals.bench import throughput_figure
+
+        runs = [load(d) for d in (args.figure_runs or ([args.after or args.before] + args.memory))]
+        png = throughput_figure(runs, title="decode throughput vs batch, default model fp32, CPU, context 4096")
+        if png:
+            Path(args.figure).write_bytes(png)
+            print(f"\nwrote {args.figure}")
+
+
+if __name__ == "__main__":
+    main()
