@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
         prompt = _prompts(1, length, 500 if a.model.startswith("tiny:") else 49000, a.seed + 1)[0]
         eng.add_request("trace", {"prompt_token_ids": prompt},
                         SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-        free, held, ctx = [], [], []
+        free, held = [], []
         STATS.reset()
         while eng.has_unfinished_requests():
             eng.step()
