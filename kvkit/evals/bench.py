@@ -493,7 +493,9 @@ class _Run:
     replayed: bool
     kv_held: int = 0
     kv_offloaded: int = 0
-    times: dict = None  # threads -> [step seconds]
+    times: dict = None  # threads -> [step seconds, wall clock]
+    cpu: dict = None  # threads -> [step seconds of process CPU time (all threads)]
+    last_cpu: float = 0.0
 
 
 def _prefill_run(model, name, opts, ids, mask, rec=None, batch=None) -> _Run:
@@ -529,20 +531,24 @@ def _prefill_run(model, name, opts, ids, mask, rec=None, batch=None) -> _Run:
         kvkit.unpatch(model)
     return _Run(name=name, options=dict(opts), batch=batch, cache=cache, nxt=last.argmax(-1, keepdim=True),
                 mask=mask_b, pos=_positions(mask_b)[:, -1:], prefill_s=dt, replayed=replayed,
-                kv_held=int(cache.nbytes()), kv_offloaded=int(cache.offloaded_nbytes()), times={})
+                kv_held=int(cache.nbytes()), kv_offloaded=int(cache.offloaded_nbytes()), times={}, cpu={})
 
 
 def _decode_step(model, r: _Run) -> float:
-    """One greedy decode step of the whole batch (patched model); returns its wall time."""
+    """One greedy decode step of the whole batch (patched model); returns its wall time (its process CPU time,
+    all threads, goes to ``r.last_cpu``)."""
     import torch
 
+    c0 = time.process_time()
     t0 = time.perf_counter()
     r.mask = torch.cat([r.mask, r.mask.new_ones(r.mask.shape[0], 1)], 1)
     r.pos = r.pos + 1
     out = model(input_ids=r.nxt, attention_mask=r.mask, position_ids=r.pos, past_key_values=r.cache, use_cache=True)
     r.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     _sync(r.nxt.device)
-    return time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    r.last_cpu = time.process_time() - c0
+    return dt
 
 
 def _rounds(model, runs: list[_Run], threads: list[int], rounds: int, steps: int, warmup: int = 1, bar=None) -> None:
@@ -562,13 +568,15 @@ def _rounds(model, runs: list[_Run], threads: list[int], rounds: int, steps: int
                         _decode_step(model, r)
                 finally:
                     kvkit.unpatch(model)
-                r.times[t] = []
+                r.times[t], r.cpu[t] = [], []
             for k in range(rounds):
                 order = runs[k % len(runs):] + runs[:k % len(runs)]
                 for r in order:
                     kvkit.patch(model, r.name, **r.options)
                     try:
-                        r.times[t] += [_decode_step(model, r) for _ in range(steps)]
+                        for _ in range(steps):
+                            r.times[t].append(_decode_step(model, r))
+                            r.cpu[t].append(r.last_cpu)
                     finally:
                         kvkit.unpatch(model)
                     if bar is not None:
@@ -588,9 +596,11 @@ def _rows(runs: list[_Run], threads: list[int], weights: int, length: int) -> li
     full = next((r for r in runs if r.name == "full" and not r.options), None)
     for t in threads:
         f_step = _median(full.times[t]) if full is not None else None
+        f_cpu = _median(full.cpu[t]) if full is not None else None
         f_read = int(full.cache.read_nbytes()) if full is not None else None
         for r in runs:
             step = _median(r.times[t])
+            cpu = _median(r.cpu[t])
             read = int(r.cache.read_nbytes())
             held_seq = r.kv_held / r.batch
             tok_s = r.batch / step
@@ -600,7 +610,8 @@ def _rows(runs: list[_Run], threads: list[int], weights: int, length: int) -> li
                        step_ms_min=round(min(r.times[t]) * 1e3, 2), step_ms_max=round(max(r.times[t]) * 1e3, 2),
                        tok_s=round(tok_s, 2), kv_held=r.kv_held, kv_held_per_seq=int(held_seq),
                        kv_offloaded=r.kv_offloaded, kv_read_step=read, weights=weights,
-                       prefill_s=round(r.prefill_s, 2), replayed_prefill=r.replayed)
+                       prefill_s=round(r.prefill_s, 2), replayed_prefill=r.replayed,
+                       cpu_ms=round(cpu * 1e3, 2), cpu_ms_mean=round(sum(r.cpu[t]) / len(r.cpu[t]) * 1e3, 2))
             if f_step and full.batch == r.batch:
                 speed = f_step / step
                 bound = byte_bound(weights, f_read, read)
@@ -609,6 +620,9 @@ def _rows(runs: list[_Run], threads: list[int], weights: int, length: int) -> li
                            else round(fraction_of_bound(speed, bound), 3),
                            kv_held_vs_full=round(r.kv_held / max(1, full.kv_held), 4),
                            kv_read_vs_full=round(read / max(1, f_read), 4))
+                cspeed = f_cpu / max(cpu, 1e-9)
+                cfrac = fraction_of_bound(cspeed, bound)
+                row.update(cpu_speedup=round(cspeed, 3), cpu_fraction=None if cfrac is None else round(cfrac, 3))
             rows.append(row)
     return rows
 
@@ -722,6 +736,7 @@ def decode_bench(model, tokenizer, configs, batch: int = 8, length: int = 4096, 
 
         rows, prof, held = [], {}, {}
         full_times = {t: [] for t in threads}
+        full_cpu = {t: [] for t in threads}
         bar = progress(total=len(configs), desc=f"decode {batch}x{length}")
         for k, (name, opts) in enumerate(configs[1:] or [("full", {})]):
             torch.set_num_threads(pthreads)
@@ -732,6 +747,7 @@ def decode_bench(model, tokenizer, configs, batch: int = 8, length: int = 4096, 
             _rounds(model, pair if k % 2 == 0 else pair[::-1], threads, rounds, steps)
             for t in threads:
                 full_times[t] += full.times[t]
+                full_cpu[t] += full.cpu[t]
             if r is not full:
                 rows += [x for x in _pair_rows(full, r, threads, weights, length) if x["label"] != "full"]
             if k == 0:  # the full row: its steps over all pairs, its bytes from the first (no cache kept)
@@ -752,10 +768,11 @@ def decode_bench(model, tokenizer, configs, batch: int = 8, length: int = 4096, 
             gc.collect()
             bar.update(1)
         bar.close()
-        full_run.times = full_times
+        full_run.times, full_run.cpu = full_times, full_cpu
         frows = _rows([full_run], threads, weights, length)
         for x in frows:
-            x.update(speedup=1.0, bound=1.0, fraction=None, kv_held_vs_full=1.0, kv_read_vs_full=1.0,
+            x.update(speedup=1.0, bound=1.0, fraction=None, kv_held_vs_full=1.0, kv_read_vs_full=1.0, cpu_speedup=1.0,
+                     cpu_fraction=None,
                      full_step_ms=x["step_ms"], full_tok_s=x["tok_s"], full_batch=x["batch"], pairs=len(configs) - 1)
         result["rows"] = sorted(frows + rows, key=lambda x: (x["threads"], x["label"] != "full"))
         if profile:
@@ -825,10 +842,11 @@ def decode_tables(result: dict) -> dict[str, tuple[list[str], list[list]]]:
     "fits": ..., "profile": ...}`` (the last three when measured)."""
     tables = {}
     h = ["policy", "threads", "batch x length", "step ms (median)", "full's step ms (same rounds)", "tok/s",
-         "speed-up vs full", "byte bound", "fraction of bound", "KV held", "held vs full", "KV read/step",
-         "read vs full", "offloaded", "step ms mean", "steps"]
+         "speed-up vs full", "CPU ms/step", "speed-up in CPU time", "fraction (CPU time)", "byte bound",
+         "fraction of bound", "KV held", "held vs full", "KV read/step", "read vs full", "offloaded", "step ms mean",
+         "steps"]
     rows = [[r["label"], r["threads"], f"{r['batch']} x {r['length']}", r["step_ms"], r.get("full_step_ms"),
-             r["tok_s"], r.get("speedup"),
+             r["tok_s"], r.get("speedup"), r.get("cpu_ms"), r.get("cpu_speedup"), r.get("cpu_fraction"),
              r.get("bound"), r.get("fraction"), _mib(r["kv_held"]), r.get("kv_held_vs_full"), _mib(r["kv_read_step"]),
              r.get("kv_read_vs_full"), _mib(r["kv_offloaded"]) if r["kv_offloaded"] else "-", r["step_ms_mean"],
              r["steps"]] for r in result["rows"]]
@@ -882,7 +900,8 @@ def write_decode_results(out, result: dict, config: dict, title: str = "") -> st
     md += (f"batch {result['batch']} x {result['length']} tokens (left-padded essay passages: {result['real_tokens']} "
            f"real + {result['padded_tokens']} padding tokens), weights {_mib(result['weights'])}; "
            f"{result['rounds']} interleaved rounds x {result['steps']} decode steps per policy and thread count; "
-           "speed-up = full's median step / the policy's; byte bound = (weights + full's KV read per step) / "
+           "speed-up = full's median step / the policy's (wall clock; 'in CPU time': the process's CPU time per step, "
+           "all threads, which a shared, oversubscribed CPU inflates less); byte bound = (weights + full's KV read per step) / "
            "(weights + the policy's); fraction = (speed-up - 1) / (bound - 1).\n\n")
     names = {"decode": "Decode at batch", "fits": f"Largest batch in --memory {result.get('memory_gib')} GiB",
              "memory": "Decode throughput at the memory-fit batch (capped at --max-batch "
