@@ -4,13 +4,15 @@
 #        bash benchmarks/policies/run_issue19.sh qaware     # SnapKV with the question in the prefill (own prefills),
 #                                                           # budgets interleaved sample-by-sample (index-major)
 # The calibrated tidal / zipcache / shadowkv runs use no options: the policy reads the model's shipped
-# calibration (kvkit/data/calibration/<model>.json); CAL="shadowkv" (a subset) or CAL="" limits them.
+# calibration (kvkit/data/calibration/<model>.json); CAL="shadowkv" (a subset) or CAL="" limits them,
+# SNAP=0 leaves the SnapKV runs out (this session: one sweep SNAP=1 CAL=shadowkv, one SNAP=0 CAL="tidal zipcache").
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 TQDM_MININTERVAL=60 TOKENIZERS_PARALLELISM=false
 P=results/policies/ruler-4096-s5.jsonl
 case ${1:-agnostic} in
 agnostic)
-  RUNS="--run snapkv2048-4k=snapkv:budget=2048 --run snapkv1024-4k=snapkv:budget=1024"
+  RUNS=""
+  [ "${SNAP:-1}" = 1 ] && RUNS="--run snapkv2048-4k=snapkv:budget=2048 --run snapkv1024-4k=snapkv:budget=1024"
   for c in ${CAL-shadowkv tidal zipcache}; do
     case $c in
     shadowkv) RUNS="$RUNS --run shadowkvcal1024-4k=shadowkv:budget=1024,min_prompt=2048" ;;
