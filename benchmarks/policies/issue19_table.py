@@ -94,4 +94,10 @@ with open(pol / "issue19.csv", "w", newline="", encoding="utf-8") as fh:
     w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
     w.writerows(out)
+readme = pol / "README.md"
+text = readme.read_text(encoding="utf-8")
+start, end = "<!-- issue19 table -->\n", "<!-- /issue19 table -->"
+if start in text and end in text:
+    i, j = text.index(start) + len(start), text.index(end)
+    readme.write_text(text[:i] + md + text[j:], encoding="utf-8")
 print(md)
