@@ -179,10 +179,9 @@ def decode(model, cache: KVCache, draft, rows: Rows, gamma: int, limit: int | No
         need = rows.tokens_needed()
         k = min(gamma, need - 1)  # the round emits up to k + 1 tokens
         if limit is not None:  # positions left: the drafts and the verification's k + 1 tokens fit the context
-            k = min(k, limit - cache.get_seq_length() - (1 if rows.size == 1 else need))
-            # (batch > 1: a round adds up to k + 1 slots while the slowest row may advance by one token, so the
-            # rows still needing `need` tokens always fit, as they do in plain decoding; see rows.py)
-            k = max(k, 0)
+            # batch > 1: a round adds up to k + 1 slots (holes count) while the slowest row may advance by one
+            # token; keeping slots + need <= limit lets it finish with one-token rounds, as plain decoding would
+            k = max(min(k, limit - cache.get_seq_length() - (1 if rows.size == 1 else need)), 0)
         t0 = time.perf_counter()
         drafts, q = draft.propose(rows, k, run) if k > 0 else (rows.last.new_zeros(rows.size, 0), None)
         _sync(model)
