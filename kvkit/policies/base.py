@@ -32,6 +32,9 @@ class Policy:
     #: the prefill is exact attention over the prompt whose K/V the store receives unchanged, so a recorded
     #: prefill can be replayed into this policy's cache (``kvkit.evals.shared_prefill``)
     replayable: ClassVar[bool] = True
+    #: why self-speculative decoding over this policy's target would not reproduce its own one-token decoding
+    #: (``kvkit.speculative`` refuses it with this reason); None: lossless
+    speculative_refusal: ClassVar[str | None] = None
 
     def new_layer(self, info: LayerInfo):
         """Return the store for one full-attention layer."""

@@ -122,6 +122,11 @@ class Cake(Policy):
     saves = "memory+reads"
     test_options: ClassVar[dict] = dict(budget=16, window=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
+    speculative_refusal: ClassVar[str | None] = (
+        "CAKE evicts in bulk when its tail fills, ranking tokens by the attention of the buffered decode "
+        "queries; a speculative round feeds gamma + 1 tokens at once and must keep them croppable, so the "
+        "eviction runs at another token count and sees other queries than in one-token decoding"
+    )
 
     def __post_init__(self):
         for name in ("budget", "window", "pool_kernel"):

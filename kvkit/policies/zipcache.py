@@ -84,6 +84,11 @@ class ZipCache(Policy):
     saves = "memory+reads"  # decode reads the packed codes (Triton quant_decode on CUDA)
     test_options: ClassVar[dict] = {}
     covering_options: ClassVar[dict | None] = None
+    speculative_refusal: ClassVar[str | None] = (
+        "ZipCache re-quantises every requant_interval tokens with saliencies from the current queries; a "
+            "speculative round feeds gamma + 1 tokens at once and must keep them croppable, so the "
+            "re-quantisation runs at another token count than in one-token decoding"
+    )
 
     def __post_init__(self):
         for name in ("high_bits", "low_bits"):

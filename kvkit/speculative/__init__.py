@@ -8,7 +8,6 @@ model drafting for the self-draft (TriForce's hierarchy). See :mod:`.generate`.
 
 from kvkit.speculative.draft import DraftCache, DraftView, RetrievalView, StreamingView, make_view
 from kvkit.speculative.generate import (
-    NOT_LOSSLESS,
     SpeculativeOutput,
     SpeculativeStats,
     batch_cache,
@@ -29,5 +28,4 @@ __all__ = [
     "check_assistant",
     "check_target_policy",
     "batch_cache",
-    "NOT_LOSSLESS",
 ]

@@ -55,18 +55,6 @@ ASSISTANT_CACHE = {"policy": "streaming", "budget": 256, "sink": 16}
 #: keyword arguments read into the generation config on direct calls
 GENERATION_KEYS = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
                    "pad_token_id", "return_dict_in_generate")
-#: target policies under which speculation is not lossless w.r.t. the patched model's own greedy decoding
-#: (a policy class may also say so itself with ``speculative_lossless = False``)
-NOT_LOSSLESS = {
-    "cake": "CAKE evicts in bulk when its tail fills, ranking tokens by the attention of the buffered decode "
-            "queries; a speculative round feeds gamma + 1 tokens at once and must keep them croppable, so the "
-            "eviction runs at another token count and sees other queries than in one-token decoding",
-    "zipcache": "ZipCache re-quantises every requant_interval tokens with saliencies from the current queries; a "
-                "speculative round feeds gamma + 1 tokens at once and must keep them croppable, so the "
-                "re-quantisation runs at another token count than in one-token decoding",
-}
-
-
 @dataclass
 class SpeculativeStats:
     """Counts of one generation, summed over the batch rows: drafted/accepted at the target level (and the
@@ -229,11 +217,10 @@ def check_assistant(model, assistant, tokenizer=None, assistant_tokenizer=None) 
 
 def check_target_policy(policy) -> None:
     """Refuse target policies under which speculation would not reproduce the patched model's own decoding."""
-    lossless = getattr(policy, "speculative_lossless", None)
-    reason = NOT_LOSSLESS.get(policy.name)
-    if lossless is False or (lossless is None and reason is not None):
+    reason = getattr(policy, "speculative_refusal", None)
+    if reason is not None:
         raise ValueError(
-            f"speculative decoding over a {policy.name!r} target is not lossless: {reason or 'the policy says so'}. "
+            f"speculative decoding over a {policy.name!r} target is not lossless: {reason}. "
             f"Use the {policy.name!r} model's plain generate, or speculate over a full/streaming target (e.g. "
             "kvkit.patch(model, 'full'))"
         )
@@ -329,7 +316,7 @@ def generate(
     Use directly (``kvkit.speculative.generate(model, ids, attention_mask=mask, gamma=4, max_new_tokens=64)``) or
     as ``model.generate(ids, attention_mask=mask, custom_generate=kvkit.speculative.generate, gamma=4, ...)``;
     works on an unpatched model (patched with ``full`` for the call) and after ``kvkit.patch`` (not after ``cake``
-    or ``zipcache``: see ``NOT_LOSSLESS``).
+    or ``zipcache``: see ``Policy.speculative_refusal``).
 
     input_ids ``[B, T]`` with ``attention_mask [B, T]`` (0 = left padding). Every row accepts its own drafts
     and stops on its own (EOS, ``max_new_tokens``); finished rows leave the batch. draft: ``"self"`` (the
