@@ -242,8 +242,9 @@ def test_bad_select_layers(opts, match):
 def test_decode_past_headroom_equals_full():
     """More decode steps than the buffers' headroom (re-allocation) and a rollback in the middle: still exactly
     the full cache's output when the budget covers everything."""
-    from kvkit.policies.tidal import HEADROOM
+    from kvkit.stores import SlotStore
 
+    HEADROOM = SlotStore.headroom
     model = _model()
     ids = _ids(20)
     steps = HEADROOM + 10
@@ -253,13 +254,14 @@ def test_decode_past_headroom_equals_full():
     assert torch.equal(toks, ref_toks)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     store = cache.layers[3]
-    assert store.keys.data_ptr() == store._kbuf.data_ptr() and store._kbuf.shape[2] >= store.keys.shape[2]
+    kbuf = store._bufs["keys"]
+    assert store.keys.data_ptr() == kbuf.data_ptr() and kbuf.shape[2] >= store.keys.shape[2]
     n = cache.get_seq_length()
     cache.crop(-5)
     with torch.no_grad():
         out = model(toks[:, -5:-4], past_key_values=cache, use_cache=True)  # writes over a cropped slot
     assert cache.get_seq_length() == n - 4
-    assert store.keys.data_ptr() == store._kbuf.data_ptr()
+    assert store.keys.data_ptr() == store._bufs["keys"].data_ptr()
     kvkit.unpatch(model)
     assert torch.isfinite(out.logits).all()
 

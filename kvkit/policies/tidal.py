@@ -38,8 +38,8 @@ attention. Read accounting: each store records the K/V bytes its last decode for
 (``read_nbytes()``), and :func:`decode_read_bytes` sums them over a cache next to the bytes a full
 cache would have read.
 
-Decode cost. K/V live in preallocated buffers with ``HEADROOM`` free slots (a decode step writes its
-token in place instead of concatenating the layer). A selection layer computes ``q K^T`` once (fp32),
+Decode cost. K/V live in the SlotStore's preallocated append buffers (a decode step writes its token in
+place instead of concatenating the layer). A selection layer computes ``q K^T`` once (fp32),
 takes the attention output and the top-k from the same scores, and stores the selected slot lists
 (sorted, current token appended) once for the reuse layers. A reuse layer gathers the listed rows of
 its K/V into buffers shared by the layers of the cache (``index_select``, a few batch rows at a time so the
@@ -57,13 +57,12 @@ import torch
 from kvkit.kernels import sparse_decode, use_triton
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
-from kvkit.stores import LayerInfo, SlotStore, attend_slots, tensor_bytes
+from kvkit.stores import LayerInfo, SlotStore, attend_slots
 
 FULL_LAYERS = 2  # TidalDecode: layers 0 and 1 use full attention
 SELECT_LAYER = 2  # TidalDecode: the first token-selection layer
 RESELECT_FRACTION = 0.4  # TidalDecode: re-selection at layer 13 of 32 (Llama-3-8B), about 0.4 of depth
 MAX_SPARSE_CHUNK = 16  # longer multi-token forwards (chunked prefill) run exact full attention
-HEADROOM = 64  # free slots past the held tokens: decode appends in place, one re-allocation per HEADROOM steps
 GATHER_BYTES = 1 << 21  # torch path: gathered K/V per block of batch rows (cache-sized)
 SELECTIONS = ("q_head", "kv_head")
 REDUCTIONS = ("max", "sum")
@@ -209,11 +208,9 @@ class TidalStore(SlotStore):
         self.role = "full" if i < layers[0] else "select" if i in layers else "reuse"
         self.last_read = 0  # K/V bytes read by the last decode forward
         self.last_full_read = 0  # K/V bytes full attention would have read in that forward
-        self._kbuf = self._vbuf = self._pbuf = None
 
     def reset(self) -> None:
         super().reset()
-        self._kbuf = self._vbuf = self._pbuf = None
         self.last_read = self.last_full_read = 0
         self.info.shared.clear()
 
@@ -221,44 +218,8 @@ class TidalStore(SlotStore):
         """K/V bytes read by this layer's last decode forward (0 before any decode)."""
         return self.last_read
 
-    def allocated_nbytes(self) -> int:
-        """Bytes of the buffers, headroom included (``nbytes`` counts the held tokens only)."""
-        return tensor_bytes(self._kbuf, self._vbuf, self._pbuf) if self._kbuf is not None else self.nbytes()
-
     def _row_bytes(self) -> int:
         return 2 * self.keys.shape[-1] * self.keys.element_size()  # one K row + one V row
-
-    # ---- storage: preallocated, appends in place ----------------------------------------------
-    def _in_buffers(self) -> bool:
-        def view_of(x, buf):
-            return (buf is not None and x is not None and x.data_ptr() == buf.data_ptr()
-                    and x.stride() == buf.stride() and x.shape[:2] == buf.shape[:2])
-        return view_of(self.keys, self._kbuf) and view_of(self.values, self._vbuf) and view_of(self.pos, self._pbuf)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Same slots as ``SlotStore.append`` (``torch.cat``), written into buffers with ``HEADROOM`` free
-        slots; anything that replaced the tensors (beam reordering, batch selection) is copied into new
-        buffers first."""
-        B, H, T, D = k.shape
-        n = 0 if self.keys is None else self.keys.shape[-2]
-        kb = self._kbuf
-        if not (n and self._in_buffers() and n + T <= kb.shape[2] and kb.shape[:2] == k.shape[:2]
-                and kb.dtype == k.dtype and kb.device == k.device):
-            cap = n + T + HEADROOM
-            hp = 1 if self.pos is None else self.pos.shape[1]
-            kb, vb = k.new_empty(B, H, cap, D), v.new_empty(B, H, cap, v.shape[-1])
-            pb = torch.empty(B, hp, cap, dtype=torch.int32, device=k.device)
-            if n:
-                kb[:, :, :n].copy_(self.keys)
-                vb[:, :, :n].copy_(self.values)
-                pb[:, :, :n].copy_(self.pos)
-            self._kbuf, self._vbuf, self._pbuf = kb, vb, pb
-        self._kbuf[:, :, n : n + T].copy_(k)
-        self._vbuf[:, :, n : n + T].copy_(v)
-        self._pbuf[:, :, n : n + T] = torch.arange(self.seen, self.seen + T, device=k.device, dtype=torch.int32)
-        self.keys, self.values = self._kbuf[:, :, : n + T], self._vbuf[:, :, : n + T]
-        self.pos = self._pbuf[:, :, : n + T]
-        self.seen += T
 
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
