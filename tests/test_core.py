@@ -272,4 +272,4 @@ def test_full_store_appends_in_place_and_crops_exactly():
     rk, _ = ref.update(new, new)
     assert torch.equal(k, rk)
     store.reset()
-    assert store.get_seq_length() == 0 and store._kbuf is None
+    assert store.get_seq_length() == 0 and not store._bufs

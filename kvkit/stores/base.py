@@ -98,6 +98,23 @@ class StoreMixin:
         (causal over the cache, no padding); stores may take a faster exact path for them."""
 
 
+def grow_in_place(bufs: dict, name: str, cur: torch.Tensor, new: torch.Tensor, headroom: int) -> torch.Tensor:
+    """``cat([cur, new], dim=2)`` written in place into the preallocated buffer ``bufs[name]`` of which ``cur`` is a
+    prefix view; re-allocated (one copy, ``headroom`` free slots) only when full or when ``cur`` is no longer that
+    view (after an eviction, a beam reorder, a deepcopy). Crops shrink the view; the next append writes over the
+    cropped slots. Used by every store that appends (``SlotStore``, ``FullStore``)."""
+    buf = bufs.get(name)
+    n, t = cur.shape[2], new.shape[2]
+    if not (buf is not None and cur.data_ptr() == buf.data_ptr() and cur.stride() == buf.stride()
+            and cur.shape[:2] == buf.shape[:2] and cur.shape[3:] == buf.shape[3:] and new.shape[:2] == cur.shape[:2]
+            and n + t <= buf.shape[2] and buf.dtype == new.dtype and buf.device == new.device):
+        buf = new.new_empty((*new.shape[:2], n + t + headroom, *new.shape[3:]))
+        buf[:, :, :n].copy_(cur)
+        bufs[name] = buf
+    buf[:, :, n : n + t].copy_(new)
+    return buf[:, :, : n + t]
+
+
 def crop_count(seen: int, tokens_to_remove: int) -> int:
     """Tokens a ``crop(tokens_to_remove)`` removes from ``seen``: ``-n`` removes n, ``m > 0`` keeps the first m
     (nothing when ``m >= seen``), 0 removes nothing (transformers' assisted decoding calls ``crop(-0)`` when every
@@ -251,20 +268,7 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
     headroom = 64  # slots allocated past the held ones, so decoding does not copy the whole layer every step
 
     def _grow(self, name: str, cur: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """``cat([cur, new], dim=2)`` written in place into a preallocated buffer of which ``cur`` is a prefix view
-        (re-allocated, one copy, only when full or when ``cur`` is no longer that view: after an eviction,
-        a beam reorder, a deepcopy). Crops shrink the view; the next append writes over the cropped slots."""
-        bufs = self.__dict__.setdefault("_bufs", {})
-        buf = bufs.get(name)
-        n, t = cur.shape[2], new.shape[2]
-        if not (buf is not None and cur.data_ptr() == buf.data_ptr() and cur.stride() == buf.stride()
-                and cur.shape[:2] == buf.shape[:2] and cur.shape[3:] == buf.shape[3:] and n + t <= buf.shape[2]
-                and buf.dtype == new.dtype and buf.device == new.device):
-            buf = new.new_empty((*cur.shape[:2], n + t + self.headroom, *cur.shape[3:]))
-            buf[:, :, :n].copy_(cur)
-            bufs[name] = buf
-        buf[:, :, n : n + t].copy_(new)
-        return buf[:, :, : n + t]
+        return grow_in_place(self.__dict__.setdefault("_bufs", {}), name, cur, new, self.headroom)
 
     def mark_padding(self, attention_mask: torch.Tensor | None, T: int) -> None:
         """Read which of the ``T`` newest tokens are padding from the model's mask ``[B, 1, T, kv]``."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvkit.stores.attend import causal_suffix_attention, hf_sdpa, plain_sdpa_call
-from kvkit.stores.base import LayerInfo, StoreMixin, crop_count, tensor_bytes
+from kvkit.stores.base import LayerInfo, StoreMixin, crop_count, grow_in_place, tensor_bytes
 
 
 class FullStore(StoreMixin, DynamicLayer):
@@ -23,12 +23,7 @@ class FullStore(StoreMixin, DynamicLayer):
     def __init__(self, info: LayerInfo, **kwargs):
         super().__init__(**kwargs)
         self.info = info
-        self._kbuf = self._vbuf = None
-
-    @staticmethod
-    def _prefix_of(x, buf) -> bool:
-        return (buf is not None and x is not None and x.dim() == 4 and x.data_ptr() == buf.data_ptr()
-                and x.stride() == buf.stride() and x.shape[:2] == buf.shape[:2] and x.shape[3] == buf.shape[3])
+        self._bufs: dict = {}  # append buffers (grow_in_place)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Append into preallocated storage: same values as ``DynamicLayer``'s ``torch.cat``, but the held K/V
@@ -39,25 +34,15 @@ class FullStore(StoreMixin, DynamicLayer):
         ``keys`` (beam reordering, offloading) is detected and copied into a fresh buffer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, t = self.get_seq_length(), key_states.shape[-2]
-        kb, vb = self._kbuf, self._vbuf
-        if not (n and self._prefix_of(self.keys, kb) and self._prefix_of(self.values, vb) and n + t <= kb.shape[2]
-                and kb.shape[:2] == key_states.shape[:2] and kb.dtype == key_states.dtype and kb.device == key_states.device):
-            B, H = key_states.shape[:2]
-            cap = n + t + self.headroom
-            kb = key_states.new_empty(B, H, cap, key_states.shape[-1])
-            vb = value_states.new_empty(B, H, cap, value_states.shape[-1])
-            if n:
-                kb[:, :, :n].copy_(self.keys)
-                vb[:, :, :n].copy_(self.values)
-            self._kbuf, self._vbuf = kb, vb
-        kb[:, :, n : n + t].copy_(key_states)
-        vb[:, :, n : n + t].copy_(value_states)
-        self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
+        n = self.get_seq_length()
+        cur_k = self.keys if n else key_states[:, :, :0]
+        cur_v = self.values if n else value_states[:, :, :0]
+        self.keys = grow_in_place(self._bufs, "keys", cur_k, key_states, self.headroom)
+        self.values = grow_in_place(self._bufs, "values", cur_v, value_states, self.headroom)
         return self.keys, self.values
 
     def reset(self) -> None:
-        self._kbuf = self._vbuf = None
+        self._bufs = {}
         super().reset()
 
     def set_verifying(self, on: bool) -> None:
@@ -74,7 +59,7 @@ class FullStore(StoreMixin, DynamicLayer):
 
     def allocated_nbytes(self) -> int:
         """Bytes of the buffers, headroom included (``nbytes`` counts the held tokens only)."""
-        return tensor_bytes(self._kbuf, self._vbuf) if self._kbuf is not None else self.nbytes()
+        return tensor_bytes(*self._bufs.values()) if self._bufs else self.nbytes()
 
     def nbytes(self) -> int:
         return tensor_bytes(self.keys, self.values) if self.is_initialized else 0
