@@ -100,6 +100,4 @@ class StreamingStore(ScoredStore):
     def visible(self, qpos: torch.Tensor) -> torch.Tensor:
         window = min(self.window, self.seen + 1)  # a python int below 2**31: no int32 overflow
         recent = self.pos[:, :, None, :] > (qpos.view(1, 1, -1, 1) - window)
-        first = self.first_pos.view(-1, 1, 1, 1)
-        sink = (self.pos[:, :, None, :] >= first) & (self.pos[:, :, None, :] < first + self.sink)
-        return recent | sink
+        return recent | self.sinks()[:, :, None, :]

@@ -73,10 +73,13 @@ class ScoredStore(SlotStore):
     # ---- eviction -------------------------------------------------------------------------------------
     def protected(self) -> torch.Tensor:
         """``[B, Hp, n]`` slots never evicted: the row's first ``sink`` real tokens and its ``window`` newest."""
-        first = self.first_pos.view(-1, 1, 1)
-        sink = (self.pos >= first) & (self.pos < first + self.sink)
         recent = self.pos >= self.seen - min(self.window, self.seen)  # python ints: no int32 overflow
-        return (sink | recent) & (self.pos >= 0)
+        return (self.sinks() | recent) & (self.pos >= 0)
+
+    def sinks(self) -> torch.Tensor:
+        """``[B, Hp, n]`` the row's first ``sink`` real tokens (counted from its first non-padding position)."""
+        first = self.first_pos.view(-1, 1, 1)
+        return (self.pos >= first) & (self.pos < first + self.sink)
 
     def should_compress(self) -> bool:
         return self.keys.shape[-2] >= self.budget + self.tail
