@@ -236,3 +236,48 @@ def test_default_model_full_rank_matches_full(default_model):
         assert kvkit.KVCache(model, "shadowkv", calibrated=False).layers[0].rank == 30
     finally:
         kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("c_kernel", ["1", "0"])  # the selected chunks through kvkit/kernels/lowrank_cpu, or torch
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_cpu_step_matches_general_path(arch, c_kernel, monkeypatch):
+    """The single-token CPU step gives the general path's logits (lowrank_decode's reference + two exact
+    attentions merged by LSE) at a lossy setting, on a left-padded batch whose rows have different numbers of
+    chunks (selections padded with -1)."""
+    from kvkit.policies.shadowkv import ShadowKVStore
+
+    monkeypatch.setenv("KVKIT_LOWRANK_CPU", c_kernel)
+    model = tiny_model(arch)
+    kvkit.patch(model, "shadowkv", rank=6, budget=16, outliers=1, **SMALL)
+    ids, mask, _ = left_padded_batch([83, 70, 61])
+
+    def run():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
+
+    fused = run()
+    monkeypatch.setattr(ShadowKVStore, "fused_cpu_step", False)
+    general = run()
+    kvkit.unpatch(model)
+    assert all(s.compressed for s in _stores(fused.past_key_values))
+    torch.testing.assert_close(torch.stack(fused.logits, 1), torch.stack(general.logits, 1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused.sequences, general.sequences)
+
+
+@pytest.mark.parametrize("c_kernel", ["1", "0"])
+def test_fused_cpu_step_merge_matches_concat(c_kernel, monkeypatch):
+    """The fused step's two ways of combining its parts (one attention over their concatenation, or one per
+    part merged by log-sum-exp, taken when the parts are large) give the same logits."""
+    from kvkit.policies.shadowkv import ShadowKVStore
+
+    monkeypatch.setenv("KVKIT_LOWRANK_CPU", c_kernel)
+    model = tiny_model("llama")
+    kvkit.patch(model, "shadowkv", rank=6, budget=16, outliers=1, **SMALL)
+    ids, mask, _ = left_padded_batch([83, 70, 61])
+    outs = []
+    for below in (1 << 30, 0):
+        monkeypatch.setattr(ShadowKVStore, "concat_below", below)
+        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True, pad_token_id=0))
+    kvkit.unpatch(model)
+    torch.testing.assert_close(torch.stack(outs[0].logits, 1), torch.stack(outs[1].logits, 1), rtol=1e-5, atol=1e-5)

@@ -17,9 +17,8 @@ Work is split over (batch, KV head) with OpenMP (``torch.get_num_threads()`` thr
 a KV head (its G query heads x Tq tokens) are processed in blocks of up to 4, so each byte of codes is
 read once per block.
 
-The C source below is compiled on first use with the system C compiler (``cc``/``gcc``, ``-O3
--march=native``) into ``$KVKIT_CACHE/kernels`` (default ``~/.cache/kvkit/kernels``), keyed by a hash of
-the source and the compiler, and loaded with ``ctypes``. AVX-512 (F + BW + VL) machines get the
+The C source below is compiled on first use by :func:`kvkit.kernels.cbuild.build` (system C compiler,
+``-O3 -march=native``, cached in ``$KVKIT_CACHE/kernels``) and loaded with ``ctypes``. AVX-512 (F + BW + VL) machines get the
 intrinsics path; others a portable C loop. Without a compiler :func:`available` is False and
 ``quant_decode`` uses the torch reference. ``KVKIT_QUANT_CPU=0`` disables this kernel.
 
@@ -31,15 +30,11 @@ Supported layouts (:func:`supported`): keys ``axis=-2`` with one statistic per c
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import torch
 
+from .cbuild import build, disabled
 from .quant import Packed
 
 _SRC = r"""
@@ -358,41 +353,10 @@ _lib = None
 _tried = False
 
 
-def _cache_dir() -> str:
-    root = os.environ.get("KVKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvkit")
-    return os.path.join(root, "kernels")
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return shutil.which(cc)
-    return None
-
-
 def _build():
-    cc = _compiler()
-    if cc is None:
+    lib = build("quant_cpu", _SRC)
+    if lib is None:
         return None
-    tag = hashlib.sha256((_SRC + cc + os.uname().machine).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    so = os.path.join(out_dir, f"quant_cpu_{tag}.so")
-    if not os.path.exists(so):
-        os.makedirs(out_dir, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "quant_cpu.c")
-            with open(src, "w") as f:
-                f.write(_SRC)
-            tmp_so = os.path.join(tmp, "quant_cpu.so")
-            base = [cc, "-O3", "-shared", "-fPIC", "-fno-math-errno", src, "-o", tmp_so, "-lm"]
-            for extra in (["-march=native", "-fopenmp"], ["-march=native"], []):
-                r = subprocess.run(base[:1] + extra + base[1:], capture_output=True, text=True)
-                if r.returncode == 0:
-                    break
-            else:
-                return None
-            os.replace(tmp_so, so)  # atomic: concurrent processes never load a half-written library
-    lib = ctypes.CDLL(so)
     P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.kvkit_quant_attn.argtypes = [I, P, P, P, P, P, P, P, P, P, P, P, P, I64, I64, I, I, F, P, P, P, P, P, I]
     lib.kvkit_quant_attn.restype = I
@@ -415,7 +379,7 @@ def _load():
 
 def available() -> bool:
     """True when the kernel is built (or builds now) and not disabled by ``KVKIT_QUANT_CPU=0``."""
-    if os.environ.get("KVKIT_QUANT_CPU", "1").strip() in ("0", "false", "no", "off"):
+    if disabled("KVKIT_QUANT_CPU"):
         return False
     return _load() is not None
 

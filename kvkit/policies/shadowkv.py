@@ -58,7 +58,7 @@ from typing import ClassVar
 
 import torch
 
-from kvkit.kernels import chunk_scores, lowrank_decode, merge_attn, topk_indices, use_triton
+from kvkit.kernels import chunk_scores, lowrank_cpu, lowrank_decode, merge_attn, topk_indices, use_triton
 from kvkit.kernels.reference import chunks_to_tokens
 from kvkit.model_info import apply_rope, inverse_rope  # noqa: F401  (apply_rope: re-exported for tests)
 from kvkit.policies.base import Policy, check_positive_int
@@ -178,11 +178,25 @@ class ShadowKVShared:
             self.tables[device] = t
         return t
 
+    def rope_half(self, rope, n: int, device):
+        """The first ``Dr/2`` columns of :meth:`rope_table`'s ``(cos, sin)`` when the table has the rotate_half
+        layout (each row's two halves equal, as transformers' rotary modules build it), else None."""
+        cos, sin = self.rope_table(rope, n, device)
+        key = (device, "half", cos.shape[0])
+        if key not in self.tables:
+            h = cos.shape[-1] // 2
+            ok = torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])
+            self.tables[key] = (cos[:, :h].contiguous(), sin[:, :h].contiguous()) if ok else None
+        return self.tables[key]
+
 
 class ShadowKVStore(SlotStore):
     """One layer of ShadowKV. Before compression it is a plain exact store (attention is transformers'
     own sdpa, as ``full``); after it, ``keys/values/pos`` hold only the exact local window + generated
     tokens and the compressed prompt lives in the tensors listed in ``_batch_tensors``."""
+
+    concat_below: ClassVar[int] = 1 << 17  # read K elements under which _decode_one_cpu concatenates the parts
+    fused_cpu_step: ClassVar[bool] = True  # False: every step through the general path (tests compare the two)
 
     _batch_tensors = SlotStore._batch_tensors + (
         "rpos", "U", "SV", "landmarks", "lm_ids", "n_chunks", "out_k", "out_v", "out_pos", "rope_base",
@@ -205,6 +219,7 @@ class ShadowKVStore(SlotStore):
         self.rpos = None  # [B, n] int32 RoPE positions of the held tokens (only before compression)
         self.U = self.SV = self.landmarks = self.lm_ids = self.n_chunks = None
         self.out_k = self.out_v = self.out_pos = self.rope_base = self.rope_pos = self.v_off = None
+        self._fused = None  # constants of _decode_one_cpu, tied to the landmarks tensor they were made for
 
     def reset(self) -> None:
         super().reset()
@@ -405,9 +420,114 @@ class ShadowKVStore(SlotStore):
         return lowrank_decode(query, self.U, self.SV, v, ids, self.chunk, inv, attention_scaling=a,
                               v_gathered=gathered, scale=scaling, return_lse=True, rope_table=table, **kw)
 
+    def _decode_one_cpu(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
+        """One decode token on the CPU. Same selection as :meth:`_select` (chunk_scores' math: softmax over the
+        chunks per query head, max over the group's heads; unsorted, as the order of the read slots does not
+        matter to a softmax) and the same keys as :func:`lowrank_decode` (``U[rows] @ (S*V^T)[head]``, RoPE from
+        the shared table, fp32). The selected chunks are attended by the C kernel of
+        :mod:`kvkit.kernels.lowrank_cpu` (keys rebuilt in registers, never stored) when it is available, else
+        rebuilt in torch with half-width RoPE tables; the exact outliers and local + generated slots through
+        :func:`attend_slots`. Small parts go into one attention over their concatenation, large ones are merged
+        by log-sum-exp (which copies nothing). Returns ``[B, 1, Hq, D]``."""
+        B = query.shape[0]
+        H, N, r = self.SV.shape[1], self.U.shape[1], self.U.shape[2]
+        D = self.SV.shape[-1]
+        ks, vs, ps, done = [], [], [], []  # parts to attend (keys, values, slot positions); parts attended (out, lse)
+        if self.lm_ids.shape[-1] > 0:
+            fc = self._fused
+            if fc is None or fc[0] is not self.landmarks:  # per compression (or batch reorder): the constants
+                lm_valid = None if self._lm_all_valid else self.lm_ids < self.n_chunks.view(B, 1, 1)  # [B, H, Cl]
+                ar = torch.arange(self.chunk, device=query.device)
+                vbase = (torch.arange(B * H, device=query.device) * N).view(B, H, 1, 1) + ar
+                off = self.rope_base.view(B, 1, 1, 1).long() + ar if self.rope_base is not None else None
+                fc = self._fused = (self.landmarks, self.landmarks.float(), lm_valid, ar,
+                                    (torch.arange(B, device=query.device) * N).view(B, 1, 1, 1) + ar, vbase, off)
+            _, lm, lm_valid, ar, ubase, vbase, off = fc
+            G = query.shape[1] // H
+            # landmarks as the left operand: contiguous, so the batched matmul copies nothing
+            s = torch.matmul(lm, query.float().view(B, H, G, D).transpose(-1, -2)).transpose(-1, -2)
+            s = s * (D ** -0.5)  # [B, H, G, Cl]
+            if lm_valid is not None:
+                s = s.masked_fill(~lm_valid[:, :, None], float("-inf"))
+                s = torch.softmax(s, dim=-1).nan_to_num_(0.0).amax(dim=2).masked_fill_(~lm_valid, float("-inf"))
+            else:
+                s = torch.softmax(s, dim=-1).amax(dim=2)
+            top = s.topk(min(self.budget // self.chunk, s.shape[-1]), dim=-1)
+            ids = self.lm_ids.gather(-1, top.indices).long()[..., None] * self.chunk  # [B, H, k, 1] first tokens
+            K = ids.shape[2] * self.chunk
+            ok = None  # chunks not selected (a row with fewer than k chunks): not read
+            if lm_valid is not None:
+                ok = (top.values > float("-inf"))[..., None].expand(B, H, top.values.shape[-1], self.chunk)
+                ok = ok.reshape(B, H, K)
+            half = self.info.shared.rope_half(self.info.rope, self._rope_hi, query.device)
+            if half is not None and lowrank_cpu.available() and lowrank_cpu.supported(query, self.U, self.SV, self.v_off):
+                tok = (ids + ar).view(B, H, K)
+                if ok is not None:
+                    tok = tok.masked_fill(~ok, -1)
+                kw = (dict(position_offset=self.rope_base.view(B)) if self.rope_base is not None
+                      else dict(positions=self.rope_pos))
+                # the exact outliers and local + generated slots join the same softmax (every slot a decode
+                # query sees is before it: only dead slots, pos < 0, are skipped)
+                exact = [(self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)]
+                if all(k.stride() == v.stride() and k.stride(-2) == D and k.stride(-1) == 1 for k, v, _ in exact):
+                    o, _ = lowrank_cpu.lowrank_attn(query, self.U, self.SV, self.v_off, tok, scaling, *half,
+                                                    exact=exact, **kw)
+                    return o.transpose(1, 2).to(query.dtype)
+                o, l_ = lowrank_cpu.lowrank_attn(query, self.U, self.SV, self.v_off, tok, scaling, *half, **kw)
+                done.append((o.to(query.dtype), l_))
+            else:
+                u = self.U.view(B * N, r).index_select(0, (ubase + ids).view(-1)).view(B, H, K, r)
+                dt = torch.float64 if self.U.dtype == torch.float64 else torch.float32
+                k_pre = torch.matmul(u.to(dt), self.SV.to(dt))  # [B, H, K, D]
+                if off is not None:
+                    pos = (off + ids).view(-1)
+                else:
+                    pos = self.rope_pos.long().view(-1).index_select(0, (ubase + ids).view(-1))
+                if half is not None:  # HF rotate_half layout: cos/sin repeat their first Dr/2 columns
+                    hc, hs = half
+                    h2 = hc.shape[-1]
+                    cos = hc.index_select(0, pos).view(B, H, K, h2).to(dt)
+                    sin = hs.index_select(0, pos).view(B, H, K, h2).to(dt)
+                    x1, x2 = k_pre[..., :h2], k_pre[..., h2 : 2 * h2]
+                    parts = [(x1 * cos).addcmul_(x2, sin, value=-1), (x2 * cos).addcmul_(x1, sin)]
+                    if 2 * h2 < D:
+                        parts.append(k_pre[..., 2 * h2 :])
+                    k_sel = torch.cat(parts, -1).to(query.dtype)
+                else:
+                    cos, sin = self.info.shared.rope_table(self.info.rope, self._rope_hi, query.device)
+                    cos = cos.index_select(0, pos).view(B, H, K, -1).to(dt)
+                    sin = sin.index_select(0, pos).view(B, H, K, -1).to(dt)
+                    k_sel = apply_rope(k_pre, cos, sin).to(query.dtype)
+                ks.append(k_sel)
+                vs.append(self.v_off.reshape(B * H * N, D).index_select(0, (vbase + ids).view(-1)).view(B, H, K, D))
+                ps.append(torch.where(ok, 0, -1).to(torch.int32) if ok is not None
+                          else torch.zeros((), dtype=torch.int32, device=query.device).expand(B, H, K))
+        for k, v, pos in ((self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)):
+            if k.shape[-2] > 0:
+                ks.append(k)
+                vs.append(v)
+                ps.append(pos.expand(B, H, -1))
+        if not done and len(ks) == 1:
+            return attend_slots(query, ks[0], vs[0], ps[0], qpos, scaling)
+        if len(ks) > 1 and sum(k.numel() for k in ks) <= self.concat_below:  # small: one attention over them all
+            ks, vs, ps = [torch.cat(ks, 2)], [torch.cat(vs, 2)], [torch.cat(ps, 2)]
+        if not done and len(ks) == 1:
+            return attend_slots(query, ks[0], vs[0], ps[0], qpos, scaling)
+        for k, v, pos in zip(ks, vs, ps):  # large: one attention per part, merged by LSE (copies nothing)
+            o, l_ = attend_slots(query, k, v, pos, qpos, scaling, return_lse=True)
+            done.append((o.transpose(1, 2), l_))  # [B, Hq, 1, D]
+        out, lse = done[0]
+        for o, l_ in done[1:]:
+            out, lse = merge_attn(out, lse, o, l_)
+        return out.transpose(1, 2)
+
     def decode(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
         """Sparse attention for ``query [B, Hq, T, D]`` at positions ``qpos [T]``; returns ``[B, T, Hq, D]``:
-        the selected low-rank chunks, the exact outliers and the exact local + generated slots, merged by LSE."""
+        the selected low-rank chunks, the exact outliers and the exact local + generated slots, merged by LSE.
+        A single token on the CPU (values in the same memory) takes :meth:`_decode_one_cpu`."""
+        if (query.shape[2] == 1 and query.device.type == "cpu" and self.v_off.device == query.device
+                and self.fused_cpu_step):
+            return self._decode_one_cpu(query, qpos, scaling).to(query.dtype)
         out = lse = None
         if self.lm_ids.shape[-1] > 0:
             out, lse = self._lowrank(query, self._select(query), scaling)

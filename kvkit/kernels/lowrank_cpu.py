@@ -1,0 +1,332 @@
+"""CPU decode attention over ShadowKV's low-rank keys: a small C kernel (the CPU path of ``lowrank_decode`` for
+one query token, called by ``kvkit.policies.shadowkv``).
+
+The torch path (:func:`kvkit.kernels.reference.lowrank_decode_ref`) gathers the selected tokens' rows of ``U``,
+multiplies them by ``S*V^T`` into a float key tensor, gathers a cos and a sin row per key, rotates, and only
+then attends: four intermediate tensors the size of the selected keys are written and read back per layer and
+step. This kernel rebuilds each selected key in registers -- ``k = U[tok] @ (S*V^T)[head]`` (the ``r x D``
+factor of the head stays in L1), RoPE at its position from the half-width table rows -- dots it with the
+``M`` query rows of its KV head, and never stores it; then one softmax and the values' weighted sum, read by
+token id from the value store. Per (batch row, KV head) one OpenMP task (``torch.get_num_threads()`` threads).
+
+Compiled on first use by :func:`kvkit.kernels.cbuild.build`; without a C compiler :func:`available` is False
+and the caller keeps the torch path. ``KVKIT_LOWRANK_CPU=0`` disables it. fp32 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from .cbuild import build, disabled
+
+_SRC = r"""
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#define AI static inline __attribute__((always_inline))
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+#define TB 4
+
+AI float hsum(v16 x) {  /* tree reduction: 16 -> 8 -> 4 lanes, then scalar */
+  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) for x <= 0 (softmax numerators), 16 lanes; 0 below -87 and for -inf. Cephes-style 2^n * poly(r), as
+   quant_cpu's AVX-512 exp, in portable vector extensions (libm's scalar expf costs more than the rest here) */
+AI v16 vexp(v16 x) {
+  const v16 lo = (v16){0} - 87.0f;
+  vi16 ok = x > lo;
+  x = (v16)(((vi16)x & ok) | ((vi16)lo & ~ok));
+  v16 fx = x * 1.44269504088896341f;
+  vi16 n = __builtin_convertvector(fx, vi16);  /* toward zero; fx <= 0, so round to nearest: */
+  v16 nf = __builtin_convertvector(n, v16);
+  vi16 down = (fx - nf) < -0.5f;
+  n = n + down;  /* down is -1 where true */
+  nf = __builtin_convertvector(n, v16);
+  v16 r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  v16 y = (v16){0} + 1.9875691500E-4f;
+  y = y * r + 1.3981999507E-3f;
+  y = y * r + 8.3334519073E-3f;
+  y = y * r + 4.1665795894E-2f;
+  y = y * r + 1.6666665459E-1f;
+  y = y * r + 5.0000001201E-1f;
+  y = y * (r * r) + (r + 1.0f);
+  vi16 e = (n + 127) << 23;
+  y = y * (v16)e;
+  return (v16)((vi16)y & ok);
+}
+
+/* scores of the M query rows q [M, D] against the keys rebuilt at token ids tok [K] (-1: none -> -inf):
+   k = U[tok] @ sv (sv = (S*V^T)[head] [r, D]), RoPE at off + tok (or posb[tok]) from the half tables [P, H2].
+   Common layout (D = 16 * NV, full rotary): TB tokens at a time, their keys accumulated in TB x NV vector
+   registers over the r rows of sv (each row loaded once per TB tokens: a register-blocked GEMM), rotated in
+   registers, dotted with the query rows; never stored. s[m * lds + t] */
+AI void rebuilt_scores_vec(const float *q, const float *Ub, const float *sv, const int64_t *tok, int64_t K,
+                           int64_t off, const int64_t *posb, const float *cosb, const float *sinb, int M, int r,
+                           int NV, float scaling, float *s, int64_t lds) {
+  const int H2V = NV / 2;
+  for (int64_t t0 = 0; t0 < K; t0 += TB) {
+    int nb = K - t0 < TB ? (int)(K - t0) : TB;
+    const float *u[TB];
+    int live[TB];
+    for (int i = 0; i < TB; i++) {
+      int64_t tk = i < nb ? tok[t0 + i] : -1;
+      live[i] = tk >= 0;
+      u[i] = Ub + (live[i] ? tk : 0) * r;
+    }
+    v16 acc[TB][8];
+    for (int i = 0; i < TB; i++) for (int c = 0; c < NV; c++) acc[i][c] = (v16){0};
+    for (int j = 0; j < r; j++) {
+      v16 row[8];
+      for (int c = 0; c < NV; c++) row[c] = *(const v16 *)(sv + (int64_t)j * NV * 16 + c * 16);
+      for (int i = 0; i < TB; i++) {
+        v16 uj = (v16){0} + u[i][j];
+        for (int c = 0; c < NV; c++) acc[i][c] += uj * row[c];
+      }
+    }
+    for (int i = 0; i < nb; i++) {
+      int64_t t = t0 + i;
+      if (!live[i]) { for (int m = 0; m < M; m++) s[m * lds + t] = -INFINITY; continue; }
+      int64_t tk = tok[t], p = posb ? posb[tk] : off + tk;
+      const float *c = cosb + p * H2V * 16, *sn = sinb + p * H2V * 16;
+      for (int h = 0; h < H2V; h++) {
+        v16 cv = *(const v16 *)(c + h * 16), sv_ = *(const v16 *)(sn + h * 16);
+        v16 a = acc[i][h], b = acc[i][h + H2V];
+        acc[i][h] = a * cv - b * sv_;
+        acc[i][h + H2V] = b * cv + a * sv_;
+      }
+      for (int m = 0; m < M; m++) {
+        v16 d = (v16){0};
+        for (int cc = 0; cc < NV; cc++) d += *(const v16 *)(q + m * NV * 16 + cc * 16) * acc[i][cc];
+        s[m * lds + t] = hsum(d) * scaling;
+      }
+    }
+  }
+}
+
+/* the same for any D and partial rotary (2 * H2 <= D): one token at a time, plain loops */
+AI void rebuilt_scores_generic(const float *q, const float *Ub, const float *sv, const int64_t *tok, int64_t K,
+                               int64_t off, const int64_t *posb, const float *cosb, const float *sinb, int H2, int M,
+                               int r, int D, float scaling, float *s, int64_t lds) {
+  float k[512];
+  for (int64_t t = 0; t < K; t++) {
+    int64_t tk = tok[t];
+    if (tk < 0) { for (int m = 0; m < M; m++) s[m * lds + t] = -INFINITY; continue; }
+    const float *u = Ub + tk * r;
+    for (int d = 0; d < D; d++) k[d] = 0.f;
+    for (int j = 0; j < r; j++) {
+      const float uj = u[j], *row = sv + (int64_t)j * D;
+      for (int d = 0; d < D; d++) k[d] += uj * row[d];
+    }
+    int64_t p = posb ? posb[tk] : off + tk;
+    const float *c = cosb + p * H2, *sn = sinb + p * H2;
+    for (int i = 0; i < H2; i++) {
+      float a = k[i], b = k[i + H2];
+      k[i] = a * c[i] - b * sn[i];
+      k[i + H2] = b * c[i] + a * sn[i];
+    }
+    for (int m = 0; m < M; m++) {
+      float acc = 0.f;
+      for (int d = 0; d < D; d++) acc += q[m * D + d] * k[d];
+      s[m * lds + t] = acc * scaling;
+    }
+  }
+}
+
+/* scores against n exact keys (rows of D floats, consecutive); a slot with pos < 0 is not read (-inf) */
+AI void exact_scores(const float *q, const float *kb, const int32_t *pb, int64_t n, int M, int D, float scaling,
+                     float *s, int64_t lds) {
+  for (int64_t e = 0; e < n; e++) {
+    if (pb[e] < 0) { for (int m = 0; m < M; m++) s[m * lds + e] = -INFINITY; continue; }
+    const float *kr = kb + e * D;
+    for (int m = 0; m < M; m++) {
+      float acc = 0.f;
+      for (int d = 0; d < D; d++) acc += q[m * D + d] * kr[d];
+      s[m * lds + e] = acc * scaling;
+    }
+  }
+}
+
+/* softmax of each row of s [M, n] (stride lds) in place; lse [M]; a row with nothing visible: zeros, -inf */
+AI void softmax_rows(float *s, int64_t n, int64_t lds, int M, float *lse) {
+  for (int m = 0; m < M; m++) {
+    float *row = s + m * lds, mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < n; t++) mx = row[t] > mx ? row[t] : mx;
+    if (mx == -INFINITY) { lse[m] = -INFINITY; for (int64_t t = 0; t < n; t++) row[t] = 0.f; continue; }
+    int64_t t = 0;
+    v16 vs = (v16){0};
+    for (; t + 16 <= n; t += 16) {
+      v16 e = vexp(*(v16 *)(row + t) - mx);
+      *(v16 *)(row + t) = e;
+      vs += e;
+    }
+    sum = hsum(vs);
+    for (; t < n; t++) { float e = row[t] == -INFINITY ? 0.f : expf(row[t] - mx); row[t] = e; sum += e; }
+    lse[m] = mx + logf(sum);
+    float inv = 1.f / sum;
+    for (t = 0; t < n; t++) row[t] *= inv;
+  }
+}
+
+/* out [M, D] += sum_t p[m, t] * row_t over value rows vb + idx[t] * D (idx NULL: rows 0..n-1), each row read
+   once for the M query rows; scattered rows are prefetched a few tokens ahead */
+AI void pv_rows(const float *p, int64_t lds, const float *vb, const int64_t *idx, int64_t n, int M, int D, float *out) {
+  for (int64_t t = 0; t < n; t++) {
+    if (idx && t + 4 < n && idx[t + 4] >= 0) {
+      const char *nx = (const char *)(vb + idx[t + 4] * D);
+      for (int d = 0; d < D * 4; d += 64) __builtin_prefetch(nx + d);
+    }
+    int64_t row = idx ? idx[t] : t;
+    if (row < 0) continue;
+    const float *vr = vb + row * D;
+    for (int m = 0; m < M; m++) {
+      const float w = p[m * lds + t];
+      if (w == 0.f) continue;
+      float *o = out + m * D;
+      for (int d = 0; d < D; d++) o[d] += w * vr[d];
+    }
+  }
+}
+
+AI void one_head(const float *qb, const float *Ub, const float *sv, const float *Vb, const int64_t *tb, int64_t K,
+                 int64_t o, const int64_t *pb, const float *cosb, const float *sinb, int H2, int M, int r, int D,
+                 float scaling, int nex, const float **ekb, const float **evb, const int32_t **epb, const int64_t *en,
+                 float *sb, int64_t lds, float *ob, float *lb) {
+  if (D == 64 && H2 == 32) rebuilt_scores_vec(qb, Ub, sv, tb, K, o, pb, cosb, sinb, M, r, 4, scaling, sb, lds);
+  else if (D == 128 && H2 == 64) rebuilt_scores_vec(qb, Ub, sv, tb, K, o, pb, cosb, sinb, M, r, 8, scaling, sb, lds);
+  else rebuilt_scores_generic(qb, Ub, sv, tb, K, o, pb, cosb, sinb, H2, M, r, D, scaling, sb, lds);
+  int64_t at = K;
+  for (int i = 0; i < nex; i++) { exact_scores(qb, ekb[i], epb[i], en[i], M, D, scaling, sb + at, lds); at += en[i]; }
+  softmax_rows(sb, at, lds, M, lb);
+  for (int64_t x = 0; x < (int64_t)M * D; x++) ob[x] = 0.f;
+  pv_rows(sb, lds, Vb, tb, K, M, D, ob);
+  at = K;
+  for (int i = 0; i < nex; i++) { pv_rows(sb + at, lds, evb[i], 0, en[i], M, D, ob); at += en[i]; }
+}
+
+/* q [B*H, M, D]; U [B, N, r]; SV [B*H, r, D]; V [B*H, N, D]; tok [B*H, K] (-1 = none); off [B] or NULL (then
+   pos [B, N]); cos/sin [P, H2]. nex exact parts: part i's key/value row e of (b, h) at ek[i]/ev[i] + b * sb[i] +
+   h * sh[i] + e * D, its slot position at ep[i] + b * psb[i] + h * psh[i] + e (< 0: not read), en[i] slots.
+   scratch [B*H, M, K + sum en]; out [B*H, M, D]; lse [B*H, M] */
+int kvkit_lowrank_attn(const float *q, const float *U, const float *SV, const float *V, const int64_t *tok,
+                       const int64_t *off, const int64_t *pos, const float *cosb, const float *sinb, int H2,
+                       int64_t B, int64_t H, int64_t N, int64_t K, int M, int r, int D, float scaling,
+                       int nex, const float **ek, const float **ev, const int32_t **ep, const int64_t *en,
+                       const int64_t *sb_, const int64_t *sh_, const int64_t *psb, const int64_t *psh,
+                       float *scratch, float *out, float *lse, int nthreads) {
+  if (D > 512 || 2 * H2 > D || M < 1 || nex > 4) return -1;
+  int64_t lds = K;
+  for (int i = 0; i < nex; i++) lds += en[i];
+  int64_t BH = B * H;
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t bh = 0; bh < BH; bh++) {
+    int64_t b = bh / H, h = bh % H;
+    const float *ekb[4], *evb[4];
+    const int32_t *epb[4];
+    for (int i = 0; i < nex; i++) {
+      ekb[i] = ek[i] + b * sb_[i] + h * sh_[i];
+      evb[i] = ev[i] + b * sb_[i] + h * sh_[i];
+      epb[i] = ep[i] + b * psb[i] + h * psh[i];
+    }
+    const float *qb = q + bh * M * D, *Ub = U + b * N * r, *sv = SV + bh * (int64_t)r * D, *Vb = V + bh * N * D;
+    const int64_t *tb = tok + bh * K, *pb = off ? 0 : pos + b * N;
+    int64_t o = off ? off[b] : 0;
+    float *sbuf = scratch + bh * M * lds, *ob = out + bh * M * D, *lb = lse + bh * M;
+    if (D == 64) one_head(qb, Ub, sv, Vb, tb, K, o, pb, cosb, sinb, H2, M, r, 64, scaling, nex, ekb, evb, epb, en, sbuf, lds, ob, lb);
+    else one_head(qb, Ub, sv, Vb, tb, K, o, pb, cosb, sinb, H2, M, r, D, scaling, nex, ekb, evb, epb, en, sbuf, lds, ob, lb);
+  }
+  return 0;
+}
+"""
+
+P, I64 = ctypes.c_void_p, ctypes.c_int64
+_lock = threading.Lock()
+_lib = None
+_tried = False
+
+
+def _load():
+    global _lib, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                try:
+                    lib = build("lowrank_cpu", _SRC)
+                except OSError:
+                    lib = None
+                if lib is not None:
+                    Int, F = ctypes.c_int, ctypes.c_float
+                    lib.kvkit_lowrank_attn.argtypes = [P, P, P, P, P, P, P, P, P, Int, I64, I64, I64, I64, Int, Int,
+                                                       Int, F, Int, P, P, P, P, P, P, P, P, P, P, P, Int]
+                    lib.kvkit_lowrank_attn.restype = Int
+                _lib, _tried = lib, True
+    return _lib
+
+
+def available() -> bool:
+    """True when the kernel is built (or builds now) and not disabled by ``KVKIT_LOWRANK_CPU=0``."""
+    return not disabled("KVKIT_LOWRANK_CPU") and _load() is not None
+
+
+def supported(q: torch.Tensor, U: torch.Tensor, SV: torch.Tensor, v: torch.Tensor) -> bool:
+    """fp32 CPU tensors, contiguous factors and values, head width <= 512."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, U, SV, v))
+            and U.is_contiguous() and SV.is_contiguous() and v.is_contiguous() and SV.shape[-1] <= 512)
+
+
+def lowrank_attn(q4, U, SV, v, tok, scale, cos_half, sin_half, *, position_offset=None, positions=None, exact=()):
+    """Attention of one query token per row, ``q4 [B, Hq, 1, D]``, over the keys rebuilt from ``U [B, N, r]`` and
+    ``SV [B, Hkv, r, D]`` at token ids ``tok [B, Hkv, K]`` (-1 = none; int64), RoPE'd at ``position_offset[b] +
+    tok`` (``[B]``) or ``positions [B, N]``, with the rotate_half tables' first halves ``cos_half/sin_half
+    [P, Dr/2]`` (rows = positions; attention scaling included), and values ``v [B, Hkv, N, D]`` at the same ids;
+    plus up to 4 ``exact`` parts ``(keys, values, pos)``: keys/values ``[B, Hkv, n, D]`` (rows contiguous, same
+    strides), pos ``[B, Hkv or 1, n]`` int32 (< 0: not read; the query sees every other slot), all in one
+    softmax. Returns (out ``[B, Hq, 1, D]`` fp32, lse ``[B, Hq, 1]`` fp32; a row with no key: zeros and -inf)."""
+    lib = _load()
+    B, Hq, T, D = q4.shape
+    H, N, r = SV.shape[1], U.shape[1], U.shape[2]
+    K = tok.shape[-1]
+    M = (Hq // H) * T
+    qf = q4.reshape(B, H, M, D).contiguous()
+    tok = tok.to(torch.int64).contiguous()
+    cos_half, sin_half = cos_half.contiguous(), sin_half.contiguous()
+    off = None if position_offset is None else position_offset.to(torch.int64).contiguous()
+    pos = None if positions is None else positions.to(torch.int64).contiguous()
+    parts = [(k, vv, p) for k, vv, p in exact if k.shape[-2] > 0]
+    if len(parts) > 4:
+        raise ValueError("kvkit.kernels.lowrank_cpu.lowrank_attn: at most 4 exact parts")
+    n = len(parts)
+    ek, ev, ep, en = (P * n)(), (P * n)(), (P * n)(), (I64 * n)()
+    sb, sh, psb, psh = (I64 * n)(), (I64 * n)(), (I64 * n)(), (I64 * n)()
+    for i, (k, vv, p) in enumerate(parts):
+        if (k.dtype != torch.float32 or vv.dtype != torch.float32 or k.stride() != vv.stride() or k.stride(-1) != 1
+                or k.stride(-2) != D or p.dtype != torch.int32 or p.stride(-1) != 1):
+            raise ValueError("kvkit.kernels.lowrank_cpu.lowrank_attn: exact parts must be fp32 keys/values with "
+                             "contiguous rows and equal strides, and int32 positions")
+        p = p.expand(B, H, p.shape[-1])
+        ek[i], ev[i], ep[i], en[i] = k.data_ptr(), vv.data_ptr(), p.data_ptr(), k.shape[-2]
+        sb[i], sh[i], psb[i], psh[i] = k.stride(0), k.stride(1), p.stride(0), p.stride(1)
+    lds = K + sum(int(k.shape[-2]) for k, _, _ in parts)
+    scratch = torch.empty(B * H * M * max(lds, 1), dtype=torch.float32)
+    out = torch.empty(B, H, M, D, dtype=torch.float32)
+    lse = torch.empty(B, H, M, dtype=torch.float32)
+    with torch.profiler.record_function("kvkit::lowrank_attn_cpu"):
+        rc = lib.kvkit_lowrank_attn(
+            qf.data_ptr(), U.data_ptr(), SV.data_ptr(), v.data_ptr(), tok.data_ptr(),
+            None if off is None else off.data_ptr(), None if pos is None else pos.data_ptr(),
+            cos_half.data_ptr(), sin_half.data_ptr(), cos_half.shape[-1], B, H, N, K, M, r, D, float(scale),
+            n, ek, ev, ep, en, sb, sh, psb, psh, scratch.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            max(1, torch.get_num_threads()))
+    if rc != 0:
+        raise RuntimeError(f"kvkit lowrank_cpu kernel refused shapes B={B} H={H} M={M} D={D} r={r}")
+    return out.view(B, Hq, T, D), lse.view(B, Hq, T)
