@@ -71,10 +71,15 @@ def _decode_no_shortcut(self, query, qpos, scaling):
     return self._reuse(query, sel, scaling)
 
 
-def test_gather_attend_matches_masked_dense():
+@pytest.mark.parametrize("c_kernel", ["1", "0"])  # kvkit/kernels/decode_cpu.sparse_attn, or index_select + bmm
+@pytest.mark.parametrize("D", [16, 64])  # 64: the C kernel's vector path
+def test_gather_attend_matches_masked_dense(c_kernel, D, monkeypatch):
+    monkeypatch.setenv("KVKIT_DECODE_CPU", c_kernel)
     torch.manual_seed(0)
-    B, Hq, H, T, n, D, k = 2, 4, 2, 3, 20, 16, 5
-    q, keys, values = torch.randn(B, Hq, T, D), torch.randn(B, H, n, D), torch.randn(B, H, n, D)
+    B, Hq, H, T, n, k = 2, 4, 2, 3, 20, 5
+    q = torch.randn(B, Hq, T, D)
+    kbuf, vbuf = torch.randn(B, H, n + 7, D), torch.randn(B, H, n + 7, D)
+    keys, values = kbuf[:, :, :n], vbuf[:, :, :n]  # a prefix of a preallocated buffer, read in place
     pos = torch.arange(n, dtype=torch.int32).view(1, 1, n).expand(B, 1, n)
     qpos = torch.arange(n - T, n, dtype=torch.int32)
     for Hs in (Hq, H):

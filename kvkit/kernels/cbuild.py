@@ -1,4 +1,4 @@
-"""Build-on-first-use of kvkit's small CPU C kernels (:mod:`.quant_cpu`, :mod:`.lowrank_cpu`).
+"""Build-on-first-use of kvkit's small CPU C kernels (:mod:`.quant_cpu`, :mod:`.decode_cpu`).
 
 A kernel's C source is compiled with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``; ``-O3
 -march=native -fopenmp``, falling back to fewer flags) into ``$KVKIT_CACHE/kernels`` (default

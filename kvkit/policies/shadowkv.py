@@ -58,7 +58,7 @@ from typing import ClassVar
 
 import torch
 
-from kvkit.kernels import chunk_scores, lowrank_cpu, lowrank_decode, merge_attn, topk_indices, use_triton
+from kvkit.kernels import chunk_scores, decode_cpu, lowrank_decode, merge_attn, topk_indices, use_triton
 from kvkit.kernels.reference import chunks_to_tokens
 from kvkit.model_info import apply_rope, inverse_rope  # noqa: F401  (apply_rope: re-exported for tests)
 from kvkit.policies.base import Policy, check_positive_int
@@ -425,7 +425,7 @@ class ShadowKVStore(SlotStore):
         chunks per query head, max over the group's heads; unsorted, as the order of the read slots does not
         matter to a softmax) and the same keys as :func:`lowrank_decode` (``U[rows] @ (S*V^T)[head]``, RoPE from
         the shared table, fp32). The selected chunks are attended by the C kernel of
-        :mod:`kvkit.kernels.lowrank_cpu` (keys rebuilt in registers, never stored) when it is available, else
+        :mod:`kvkit.kernels.decode_cpu` (keys rebuilt in registers, never stored) when it is available, else
         rebuilt in torch with half-width RoPE tables; the exact outliers and local + generated slots through
         :func:`attend_slots`. Small parts go into one attention over their concatenation, large ones are merged
         by log-sum-exp (which copies nothing). Returns ``[B, 1, Hq, D]``."""
@@ -460,7 +460,7 @@ class ShadowKVStore(SlotStore):
                 ok = (top.values > float("-inf"))[..., None].expand(B, H, top.values.shape[-1], self.chunk)
                 ok = ok.reshape(B, H, K)
             half = self.info.shared.rope_half(self.info.rope, self._rope_hi, query.device)
-            if half is not None and lowrank_cpu.available() and lowrank_cpu.supported(query, self.U, self.SV, self.v_off):
+            if half is not None and decode_cpu.available() and decode_cpu.supported(query, self.U, self.SV, self.v_off):
                 tok = (ids + ar).view(B, H, K)
                 if ok is not None:
                     tok = tok.masked_fill(~ok, -1)
@@ -470,10 +470,10 @@ class ShadowKVStore(SlotStore):
                 # query sees is before it: only dead slots, pos < 0, are skipped)
                 exact = [(self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)]
                 if all(k.stride() == v.stride() and k.stride(-2) == D and k.stride(-1) == 1 for k, v, _ in exact):
-                    o, _ = lowrank_cpu.lowrank_attn(query, self.U, self.SV, self.v_off, tok, scaling, *half,
+                    o, _ = decode_cpu.lowrank_attn(query, self.U, self.SV, self.v_off, tok, scaling, *half,
                                                     exact=exact, **kw)
                     return o.transpose(1, 2).to(query.dtype)
-                o, l_ = lowrank_cpu.lowrank_attn(query, self.U, self.SV, self.v_off, tok, scaling, *half, **kw)
+                o, l_ = decode_cpu.lowrank_attn(query, self.U, self.SV, self.v_off, tok, scaling, *half, **kw)
                 done.append((o.to(query.dtype), l_))
             else:
                 u = self.U.view(B * N, r).index_select(0, (ubase + ids).view(-1)).view(B, H, K, r)

@@ -54,7 +54,7 @@ from typing import ClassVar
 
 import torch
 
-from kvkit.kernels import sparse_decode, use_triton
+from kvkit.kernels import decode_cpu, sparse_decode, use_triton
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
@@ -305,27 +305,14 @@ class TidalStore(SlotStore):
         return out
 
 
-def _rows_view(x: torch.Tensor):
-    """``x [B, H, n, D]`` (last dim contiguous, rows of one head equally spaced, heads equally spaced, e.g. a
-    prefix of a preallocated buffer) as a ``[rows, D]`` view and the row stride of a head (``cap``): row
-    ``(b*H + h)*cap + i`` is ``x[b, h, i]``. Copies only when the layout does not allow a view."""
-    B, H, n, D = x.shape
-    s0, s1, s2, s3 = x.stride()
-    if not (s3 == 1 and s2 == D and s1 % D == 0 and s0 == H * s1):
-        x = x.contiguous()
-        s1 = n * D
-    cap = s1 // D
-    rows = (B * H - 1) * cap + n
-    return x.as_strided((rows, D), (D, 1)), cap
-
-
 def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
     """Attention of each query token over its own gathered rows.
 
     query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]``; idx ``[B, Hs, T, L]`` slot indices (int) with
     Hs = Hq (one list per query head, read from KV head ``h // G``) or Hs = H (one list per KV head, shared
     by its query group); valid ``[B, Hs, T, L]`` bool or None (every entry a real slot). Only the indexed rows
-    are read. On CUDA: :func:`kvkit.kernels.sparse_decode` (Triton). Elsewhere, a few batch rows at a time
+    are read. On CUDA: :func:`kvkit.kernels.sparse_decode` (Triton). On the CPU in fp32:
+    :func:`kvkit.kernels.decode_cpu.sparse_attn` (C, rows read in place). Elsewhere, a few batch rows at a time
     (``GATHER_BYTES`` of gathered K/V, so they are still in cache when read back), the rows are copied with
     ``index_select`` into ``bufs`` (a dict reused across calls; new buffers when None) and attended with two
     batched matmuls and an fp32 softmax. Returns ``[B, T, Hq, D]``.
@@ -337,9 +324,12 @@ def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
         mode = "kv_head" if Hs == H else "q_head"
         ind = idx if valid is None else torch.where(valid, idx, -1)
         return sparse_decode(query, keys, values, ind.to(torch.int32), scale=scaling, index_mode=mode).transpose(1, 2)
+    if (query.device.type == "cpu" and query.dtype == keys.dtype == values.dtype == torch.float32
+            and keys.shape[-1] == values.shape[-1] and decode_cpu.available()):
+        return decode_cpu.sparse_attn(query, keys, values, idx, valid, scaling)  # rows read in place (C kernel)
     Gq, Dv = Hq // Hs, values.shape[-1]  # query heads per list
-    kr, cap = _rows_view(keys)
-    vr, vcap = _rows_view(values)
+    kr, cap = decode_cpu.rows_view(keys)
+    vr, vcap = decode_cpu.rows_view(values)
     base = (torch.arange(B, device=idx.device).view(B, 1) * H
             + torch.arange(Hs, device=idx.device).view(1, Hs) // (Hs // H)).view(B, Hs, 1, 1)
     flat = (idx + base * cap).view(B, -1)

@@ -1,16 +1,21 @@
-"""CPU decode attention over ShadowKV's low-rank keys: a small C kernel (the CPU path of ``lowrank_decode`` for
-one query token, called by ``kvkit.policies.shadowkv``).
+"""CPU decode attention that reads only what a policy selects: small C kernels, the CPU paths of ShadowKV's
+low-rank decode (:func:`lowrank_attn`) and of TidalDecode's sparse reads (:func:`sparse_attn`).
 
-The torch path (:func:`kvkit.kernels.reference.lowrank_decode_ref`) gathers the selected tokens' rows of ``U``,
-multiplies them by ``S*V^T`` into a float key tensor, gathers a cos and a sin row per key, rotates, and only
-then attends: four intermediate tensors the size of the selected keys are written and read back per layer and
-step. This kernel rebuilds each selected key in registers -- ``k = U[tok] @ (S*V^T)[head]`` (the ``r x D``
-factor of the head stays in L1), RoPE at its position from the half-width table rows -- dots it with the
-``M`` query rows of its KV head, and never stores it; then one softmax and the values' weighted sum, read by
-token id from the value store. Per (batch row, KV head) one OpenMP task (``torch.get_num_threads()`` threads).
+The torch paths copy before they attend: :func:`kvkit.kernels.reference.lowrank_decode_ref` gathers the selected
+tokens' rows of ``U``, multiplies them by ``S*V^T`` into a float key tensor, gathers a cos and a sin row per key and
+rotates, and TidalDecode's ``gather_attend`` copies the selected K/V rows into buffers with ``index_select``:
+intermediate tensors the size of the selected keys are written and read back per layer and step.
+``lowrank_attn`` rebuilds each selected key in registers -- ``k = U[tok] @ (S*V^T)[head]`` (the ``r x D`` factor
+of the head stays in L1, a register-blocked GEMM over blocks of 4 tokens), RoPE at its position from the
+half-width table rows -- dots it with the ``M`` query rows of its KV head and never stores it; exact parts
+(outliers, local window) join the same softmax. ``sparse_attn`` reads each listed K/V row in place. Both:
+one softmax (a vectorised exp), the values' weighted sum with each row read once for the query rows of its head
+(scattered rows prefetched), one OpenMP task per (batch row, head, [token]) with ``torch.get_num_threads()``
+threads. Written with GCC/Clang vector extensions (AVX-512 registers under ``-march=native`` where the machine
+has them); fp32 only.
 
 Compiled on first use by :func:`kvkit.kernels.cbuild.build`; without a C compiler :func:`available` is False
-and the caller keeps the torch path. ``KVKIT_LOWRANK_CPU=0`` disables it. fp32 only.
+and the callers keep their torch paths. ``KVKIT_DECODE_CPU=0`` disables both kernels.
 """
 
 from __future__ import annotations
@@ -247,6 +252,55 @@ int kvkit_lowrank_attn(const float *q, const float *U, const float *SV, const fl
   }
   return 0;
 }
+
+/* TidalDecode's reuse layers: each (batch row, list head hs, query token t) reads its own L listed rows.
+   q [B*Hs*T, G, D] (the G query heads that share a list); K/V rows: row i of KV head h of batch row b at
+   K + ((b * H + h) * kcap + i) * D (V: vcap), h = hs / (Hs / H); idx [B*Hs*T, L] (int64 slots); valid [B*Hs*T, L]
+   (uint8, 0 = not read) or NULL; scratch [B*Hs*T, G, L]; out [B*Hs*T, G, D] */
+AI void sparse_list(const float *qb, const float *Kb, const float *Vb, const int64_t *ib, const uint8_t *vb, int64_t L,
+                    int G, int D, float scaling, float *sb, float *ob) {
+  for (int64_t l = 0; l < L; l++) {
+    if (l + 4 < L) {
+      const char *nx = (const char *)(Kb + ib[l + 4] * D);
+      for (int d = 0; d < D * 4; d += 64) __builtin_prefetch(nx + d);
+    }
+    if (vb && !vb[l]) { for (int g = 0; g < G; g++) sb[g * L + l] = -INFINITY; continue; }
+    const float *kr = Kb + ib[l] * D;
+    if (D % 16 == 0) {
+      for (int g = 0; g < G; g++) {
+        v16 acc = (v16){0};
+        for (int d = 0; d < D; d += 16) acc += *(const v16 *)(qb + g * D + d) * *(const v16 *)(kr + d);
+        sb[g * L + l] = hsum(acc) * scaling;
+      }
+    } else {
+      for (int g = 0; g < G; g++) {
+        float acc = 0.f;
+        for (int d = 0; d < D; d++) acc += qb[g * D + d] * kr[d];
+        sb[g * L + l] = acc * scaling;
+      }
+    }
+  }
+  float lse[64];
+  softmax_rows(sb, L, L, G, lse);
+  for (int64_t x = 0; x < (int64_t)G * D; x++) ob[x] = 0.f;
+  pv_rows(sb, L, Vb, ib, L, G, D, ob);
+}
+
+int kvkit_sparse_attn(const float *q, const float *K, const float *V, int64_t kcap, int64_t vcap, const int64_t *idx,
+                      const uint8_t *valid, int64_t B, int64_t H, int64_t Hs, int64_t T, int64_t L, int G, int D,
+                      float scaling, float *scratch, float *out, int nthreads) {
+  if (G < 1 || G > 64 || Hs % H) return -1;
+  int64_t lists = B * Hs * T, per = Hs / H;
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t x = 0; x < lists; x++) {
+    int64_t b = x / (Hs * T), hs = (x / T) % Hs, h = hs / per;
+    const float *Kb = K + (b * H + h) * kcap * D, *Vb = V + (b * H + h) * vcap * D;
+    const uint8_t *vb = valid ? valid + x * L : 0;
+    if (D == 64) sparse_list(q + x * G * 64, Kb, Vb, idx + x * L, vb, L, G, 64, scaling, scratch + x * G * L, out + x * G * 64);
+    else sparse_list(q + x * G * D, Kb, Vb, idx + x * L, vb, L, G, D, scaling, scratch + x * G * L, out + x * G * D);
+  }
+  return 0;
+}
 """
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
@@ -261,7 +315,7 @@ def _load():
         with _lock:
             if not _tried:
                 try:
-                    lib = build("lowrank_cpu", _SRC)
+                    lib = build("decode_cpu", _SRC)
                 except OSError:
                     lib = None
                 if lib is not None:
@@ -269,17 +323,20 @@ def _load():
                     lib.kvkit_lowrank_attn.argtypes = [P, P, P, P, P, P, P, P, P, Int, I64, I64, I64, I64, Int, Int,
                                                        Int, F, Int, P, P, P, P, P, P, P, P, P, P, P, Int]
                     lib.kvkit_lowrank_attn.restype = Int
+                    lib.kvkit_sparse_attn.argtypes = [P, P, P, I64, I64, P, P, I64, I64, I64, I64, I64, Int, Int, F,
+                                                      P, P, Int]
+                    lib.kvkit_sparse_attn.restype = Int
                 _lib, _tried = lib, True
     return _lib
 
 
 def available() -> bool:
-    """True when the kernel is built (or builds now) and not disabled by ``KVKIT_LOWRANK_CPU=0``."""
-    return not disabled("KVKIT_LOWRANK_CPU") and _load() is not None
+    """True when the kernel is built (or builds now) and not disabled by ``KVKIT_DECODE_CPU=0``."""
+    return not disabled("KVKIT_DECODE_CPU") and _load() is not None
 
 
 def supported(q: torch.Tensor, U: torch.Tensor, SV: torch.Tensor, v: torch.Tensor) -> bool:
-    """fp32 CPU tensors, contiguous factors and values, head width <= 512."""
+    """For :func:`lowrank_attn`: fp32 CPU tensors, contiguous factors and values, head width <= 512."""
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, U, SV, v))
             and U.is_contiguous() and SV.is_contiguous() and v.is_contiguous() and SV.shape[-1] <= 512)
 
@@ -304,14 +361,14 @@ def lowrank_attn(q4, U, SV, v, tok, scale, cos_half, sin_half, *, position_offse
     pos = None if positions is None else positions.to(torch.int64).contiguous()
     parts = [(k, vv, p) for k, vv, p in exact if k.shape[-2] > 0]
     if len(parts) > 4:
-        raise ValueError("kvkit.kernels.lowrank_cpu.lowrank_attn: at most 4 exact parts")
+        raise ValueError("kvkit.kernels.decode_cpu.lowrank_attn: at most 4 exact parts")
     n = len(parts)
     ek, ev, ep, en = (P * n)(), (P * n)(), (P * n)(), (I64 * n)()
     sb, sh, psb, psh = (I64 * n)(), (I64 * n)(), (I64 * n)(), (I64 * n)()
     for i, (k, vv, p) in enumerate(parts):
         if (k.dtype != torch.float32 or vv.dtype != torch.float32 or k.stride() != vv.stride() or k.stride(-1) != 1
                 or k.stride(-2) != D or p.dtype != torch.int32 or p.stride(-1) != 1):
-            raise ValueError("kvkit.kernels.lowrank_cpu.lowrank_attn: exact parts must be fp32 keys/values with "
+            raise ValueError("kvkit.kernels.decode_cpu.lowrank_attn: exact parts must be fp32 keys/values with "
                              "contiguous rows and equal strides, and int32 positions")
         p = p.expand(B, H, p.shape[-1])
         ek[i], ev[i], ep[i], en[i] = k.data_ptr(), vv.data_ptr(), p.data_ptr(), k.shape[-2]
@@ -328,5 +385,47 @@ def lowrank_attn(q4, U, SV, v, tok, scale, cos_half, sin_half, *, position_offse
             n, ek, ev, ep, en, sb, sh, psb, psh, scratch.data_ptr(), out.data_ptr(), lse.data_ptr(),
             max(1, torch.get_num_threads()))
     if rc != 0:
-        raise RuntimeError(f"kvkit lowrank_cpu kernel refused shapes B={B} H={H} M={M} D={D} r={r}")
+        raise RuntimeError(f"kvkit decode_cpu kernel refused shapes B={B} H={H} M={M} D={D} r={r}")
     return out.view(B, Hq, T, D), lse.view(B, Hq, T)
+
+
+def rows_view(x: torch.Tensor):
+    """``x [B, H, n, D]`` (last dim contiguous, rows of one head equally spaced, heads equally spaced, e.g. a
+    prefix of a preallocated buffer) as a ``[rows, D]`` view and the row stride of a head (``cap``): row
+    ``(b*H + h)*cap + i`` is ``x[b, h, i]``. Copies only when the layout does not allow a view."""
+    B, H, n, D = x.shape
+    s0, s1, s2, s3 = x.stride()
+    if not (s3 == 1 and s2 == D and s1 % D == 0 and s0 == H * s1):
+        x = x.contiguous()
+        s1 = n * D
+    cap = s1 // D
+    rows = (B * H - 1) * cap + n
+    return x.as_strided((rows, D), (D, 1)), cap
+
+
+def sparse_attn(query, keys, values, idx, valid, scale):
+    """Attention of each query token over its own listed K/V rows, read in place (TidalDecode's reuse layers).
+
+    query ``[B, Hq, T, D]`` fp32; keys/values ``[B, H, n, D]`` fp32 (rows contiguous; a prefix of a larger buffer
+    is read in place); idx ``[B, Hs, T, L]`` slot indices in ``[0, n)`` with Hs = Hq (one list per query head) or
+    Hs = H (one per KV head, shared by its query group); valid ``[B, Hs, T, L]`` bool or None. Returns
+    ``[B, T, Hq, D]`` fp32 (a list with no valid entry reads zeros)."""
+    lib = _load()
+    B, Hq, T, D = query.shape
+    H = keys.shape[1]
+    Hs, L = idx.shape[1], idx.shape[-1]
+    G = Hq // Hs
+    kr, kcap = rows_view(keys)
+    vr, vcap = rows_view(values)
+    q = query.reshape(B, Hs, G, T, D).transpose(2, 3).contiguous()  # [B, Hs, T, G, D]
+    ids = idx.to(torch.int64).contiguous()
+    ok = None if valid is None else valid.to(torch.uint8).contiguous()
+    scratch = torch.empty(B * Hs * T * G * max(L, 1), dtype=torch.float32)
+    out = torch.empty(B, Hs, T, G, D, dtype=torch.float32)
+    with torch.profiler.record_function("kvkit::sparse_attn_cpu"):
+        rc = lib.kvkit_sparse_attn(q.data_ptr(), kr.data_ptr(), vr.data_ptr(), kcap, vcap, ids.data_ptr(),
+                                   None if ok is None else ok.data_ptr(), B, H, Hs, T, L, G, D, float(scale),
+                                   scratch.data_ptr(), out.data_ptr(), max(1, torch.get_num_threads()))
+    if rc != 0:
+        raise RuntimeError(f"kvkit decode_cpu sparse kernel refused shapes B={B} H={H} Hs={Hs} G={G} D={D}")
+    return out.permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)

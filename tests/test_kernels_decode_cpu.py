@@ -1,12 +1,12 @@
-"""The C kernel of ShadowKV's CPU decode (kvkit/kernels/lowrank_cpu.py) against the torch reference."""
+"""The C kernel of ShadowKV's CPU decode (kvkit/kernels/decode_cpu.py) against the torch reference."""
 
 import pytest
 import torch
 
-from kvkit.kernels import lowrank_cpu, lowrank_decode
+from kvkit.kernels import decode_cpu, lowrank_decode
 from kvkit.kernels.reference import rope_cos_sin
 
-needs_kernel = pytest.mark.skipif(not lowrank_cpu.available(), reason="no C compiler: ShadowKV keeps its torch path")
+needs_kernel = pytest.mark.skipif(not decode_cpu.available(), reason="no C compiler: ShadowKV keeps its torch path")
 
 
 def _case(B=2, Hkv=2, G=3, N=64, r=12, D=32, k=4, chunk=4, seed=0, dr=None):
@@ -36,7 +36,7 @@ def test_lowrank_attn_matches_reference(D, dr, offset):
     h = cos.shape[-1] // 2
     tok = (ids[..., None] * chunk + torch.arange(chunk)).flatten(2)
     tok = torch.where(ids.repeat_interleave(chunk, -1) >= 0, tok, -1)
-    out, lse = lowrank_cpu.lowrank_attn(q, U, SV, v, tok, 0.2, cos[:, :h], sin[:, :h], **kw)
+    out, lse = decode_cpu.lowrank_attn(q, U, SV, v, tok, 0.2, cos[:, :h], sin[:, :h], **kw)
     torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5)
 
@@ -47,15 +47,15 @@ def test_lowrank_attn_no_token_gives_zeros():
     cos, sin = rope_cos_sin(torch.arange(80), inv, 1.0)
     h = cos.shape[-1] // 2
     tok = torch.full((1, 1, 8), -1)
-    out, lse = lowrank_cpu.lowrank_attn(q, U, SV, v, tok, 0.2, cos[:, :h], sin[:, :h],
+    out, lse = decode_cpu.lowrank_attn(q, U, SV, v, tok, 0.2, cos[:, :h], sin[:, :h],
                                         position_offset=torch.zeros(1, dtype=torch.long))
     assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all() and (lse < 0).all()
 
 
 def test_supported_needs_fp32_cpu():
     q, U, SV, v, *_ = _case()
-    assert lowrank_cpu.supported(q, U, SV, v)
-    assert not lowrank_cpu.supported(q.bfloat16(), U.bfloat16(), SV.bfloat16(), v.bfloat16())
+    assert decode_cpu.supported(q, U, SV, v)
+    assert not decode_cpu.supported(q.bfloat16(), U.bfloat16(), SV.bfloat16(), v.bfloat16())
 
 
 @needs_kernel
@@ -85,7 +85,7 @@ def test_lowrank_attn_with_exact_parts_is_one_softmax(D):
     cos, sin = rope_cos_sin(torch.arange(300), inv, 1.0)
     h = cos.shape[-1] // 2
     tok = (ids[..., None] * chunk + torch.arange(chunk)).flatten(2)
-    out, lse = lowrank_cpu.lowrank_attn(q, U, SV, v, tok, 0.2, cos[:, :h], sin[:, :h], position_offset=off,
+    out, lse = decode_cpu.lowrank_attn(q, U, SV, v, tok, 0.2, cos[:, :h], sin[:, :h], position_offset=off,
                                         exact=[(ok_, ov, opos), (lk, lv, lpos)])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
