@@ -15,17 +15,20 @@ exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size``
   CPU-only runs a separate tensor. ``nbytes()`` reports only device-resident bytes (U, S*V^T,
   landmarks, outlier/local/generated K/V, index metadata); ``offloaded_nbytes()`` the value store.
 
-Decode (per layer, three calls): :func:`kvkit.kernels.chunk_scores` -- per KV head and query token,
+Decode (per layer): :func:`kvkit.kernels.chunk_scores` -- per KV head and query token,
 ``softmax(q . landmark / sqrt(D))`` in fp32, max over the query heads of the group -- and
-:func:`kvkit.kernels.topk_indices` pick the top ``budget // chunk_size`` chunks;
-:func:`kvkit.kernels.lowrank_decode` rebuilds only those chunks' keys (``U[rows] @ (S*V^T)[head]``, RoPE at
-the original positions) and attends over them with their values (Triton on CUDA, fused; the torch
-reference elsewhere, which takes the rotations from a RoPE table shared by the cache's layers instead of
-evaluating cos/sin per key); the exact outliers and the local + generated slots are attended by
-:func:`kvkit.stores.attend_slots`, and the three parts are combined by their log-sum-exp
-(:func:`kvkit.kernels.merge_attn`): the softmax over their union. Nothing is concatenated per step.
-Several query tokens in one forward (speculative verification, chunked prefill) each pick their own
-chunks, so a T-token forward equals T single-token forwards.
+:func:`kvkit.kernels.topk_indices` pick the top ``budget // chunk_size`` chunks; the selected chunks' keys are
+rebuilt (``U[rows] @ (S*V^T)[head]``, RoPE at the original positions) and attended with their values together
+with the exact outliers and the local + generated slots, one softmax over the union:
+
+* CUDA: :func:`kvkit.kernels.lowrank_decode` (Triton, fused) for the chunks, :func:`kvkit.stores.attend_slots`
+  for the exact slots, combined by their log-sum-exp (:func:`kvkit.kernels.merge_attn`);
+* CPU, one token (decode): :func:`kvkit.kernels.decode_cpu.lowrank_attn`, one C call per layer that rebuilds
+  each key in registers and never stores it, exact slots in the same softmax (torch fallback without a C
+  compiler: half-width RoPE tables, LSE merge of the parts once they are large);
+* several query tokens in one forward (speculative verification, chunked prefill): the general path, each
+  token picking its own chunks (``lowrank_decode``'s torch reference with a RoPE table shared by the cache's
+  layers), so a T-token forward equals T single-token forwards.
 
 Why inverse RoPE instead of a hook: the cache only ever receives post-RoPE keys, and for the
 rotate_half convention of transformers ``k = a*R(theta) k_pre`` (``a`` = the rope attention scaling,
