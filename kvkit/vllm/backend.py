@@ -37,6 +37,7 @@ from vllm import envs
 from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -100,6 +101,11 @@ class KvkitCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if self.policy is None or self.is_cross_attention or self.is_encoder_only_attention:
+            return md
+        if self.policy.name == "quant":
+            from kvkit.vllm import quant
+
+            md.kvkit_quant = quant.build_plan(self, md, common_attn_metadata.num_reqs)
             return md
         md.kvkit = self._plan(md, common_attn_metadata.num_reqs)
         return md
@@ -180,6 +186,10 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
 
     # --- writes: vLLM's op, plus the key summaries at tidal's selection layers ----------------------
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.kvkit_policy is not None and self.kvkit_policy.name == "quant" and self.attn_type == AttentionType.DECODER:
+            from kvkit.vllm import quant
+
+            return quant.write(self, layer, key, value, kv_cache, slot_mapping)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if self._select_layers and self._layer(layer) in self._select_layers:
             self._update_summaries(key, kv_cache, slot_mapping)
@@ -213,6 +223,13 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
     # --- reads ---------------------------------------------------------------------------------------
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        qplan = getattr(attn_metadata, "kvkit_quant", None)
+        if qplan is not None:
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError("kvkit.vllm quant: fused output quantization is not supported")
+            from kvkit.vllm import quant
+
+            return quant.forward(self, layer, query, key, value, kv_cache, qplan, output)
         plan: StepPlan | None = getattr(attn_metadata, "kvkit", None)
         if plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -301,6 +318,12 @@ class KvkitCPUAttentionBackend(CPUAttentionBackend):
         spec = super().customize_spec(spec)
         cfg = get_current_vllm_config_or_none()
         policy = policy_from(cfg) if cfg is not None else _last_policy
+        if policy is not None and policy.name == "quant" and isinstance(spec, FullAttentionSpec):
+            if type(spec) is not FullAttentionSpec:
+                raise ValueError(f"kvkit.vllm quant: {type(spec).__name__} layers are not supported")
+            from kvkit.vllm.quant import quant_spec
+
+            return quant_spec(spec, policy)
         if policy is None or policy.name != "streaming" or not policy.free or type(spec) is not FullAttentionSpec:
             return spec
         from kvkit.vllm.spec import KvkitStreamingSpec

@@ -4,6 +4,7 @@ Two ways to switch the plugin on (the first found wins); without either it is of
 exactly its own CPU attention:
 
 * per engine: ``LLM(..., additional_config={"kvkit": "streaming:budget=1024,sink=4"})``
+  (packed 4-bit pages: ``{"kvkit": "quant:bits=4"}``)
   (or ``{"kvkit": {"policy": "streaming", "budget": 1024, "sink": 4}}``; ``vllm serve
   --additional-config '{"kvkit": "tidal:budget=2048"}'`` on the command line);
 * per process: the environment variable ``KVKIT_VLLM_POLICY=streaming:budget=1024,sink=4``.
@@ -21,7 +22,7 @@ ENV_VAR = "KVKIT_VLLM_POLICY"
 CONFIG_KEY = "kvkit"
 
 # Policies the vLLM plugin runs, and the kvkit policies it does not run (yet): named in the error.
-VLLM_POLICIES = ("full", "streaming", "tidal", "quest")
+VLLM_POLICIES = ("full", "streaming", "tidal", "quest", "quant")
 NOT_IN_VLLM = ("duo", "cake", "shadowkv", "zipcache", "chelsea")
 
 
@@ -39,6 +40,8 @@ class PluginPolicy:
     score : tidal: how a selection layer scores blocks: "exact" (TidalDecode: softmax of q.k over every
         token, from a copy of the selection layers' keys, max over a block's tokens and over heads) or
         "quest" (Quest's upper bound from per-block key min/max summaries: no key copy, coarser).
+    bits : quant: bits per K/V code in the packed pages (4 or 8); see ``kvkit/vllm/quant.py``. Every token is
+        kept and read (``budget``/``sink`` do not apply).
     """
 
     name: str = "full"
@@ -47,6 +50,7 @@ class PluginPolicy:
     reselect_layer: int | None = None
     free: int = 1
     score: str = "exact"
+    bits: int = 4
 
     def __post_init__(self):
         if self.name not in VLLM_POLICIES:
@@ -56,7 +60,7 @@ class PluginPolicy:
             raise ValueError(
                 f"kvkit.vllm: unknown policy {self.name!r}{hint}; the vLLM plugin runs: {', '.join(VLLM_POLICIES)}"
             )
-        for key in ("budget", "sink", "free"):
+        for key in ("budget", "sink", "free", "bits"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"kvkit.vllm: {key} must be an integer >= 0, got {v!r}")
@@ -64,6 +68,8 @@ class PluginPolicy:
             raise ValueError(f"kvkit.vllm: budget must be >= 1, got {self.budget}")
         if self.name == "streaming" and self.sink >= self.budget:
             raise ValueError(f"kvkit.vllm: streaming sink ({self.sink}) must be smaller than budget ({self.budget})")
+        if self.bits not in (4, 8):
+            raise ValueError(f"kvkit.vllm: bits must be 4 or 8, got {self.bits!r}")
         if self.score not in ("exact", "quest"):
             raise ValueError(f"kvkit.vllm: score must be 'exact' or 'quest', got {self.score!r}")
         if self.reselect_layer is not None and (not isinstance(self.reselect_layer, int) or self.reselect_layer < 3):

@@ -1,0 +1,123 @@
+"""Packed 4/8-bit K/V pages (kvkit.kernels.paged_quant_cpu): format, writes, the C decode kernel == the torch reference."""
+
+import pytest
+import torch
+
+from kvkit.kernels import paged_quant_cpu as PQ
+
+
+def _cache(blocks, H, bs, D, bits, dtype=torch.uint8, layers=1):
+    """A vLLM-like layer view [blocks, H, bs, C / elem] into a shared int8 buffer (layer stride between blocks)."""
+    C = PQ.state_bytes(D, bits, bs)
+    buf = torch.zeros(layers * blocks * H * bs * C, dtype=torch.int8)
+    # layer-outermost: the layer's view starts at layer 1 when there are several (non-zero storage offset)
+    off = (layers - 1) * blocks * H * bs * C
+    view = torch.as_strided(buf, (blocks, H, bs, C), (H * bs * C, bs * C, C, 1), off)
+    return view.view(dtype)
+
+
+def _fill(cache, H, D, bs, bits, seqs, blocks, seed=0, outlier=True):
+    """Write random K/V for rows of ``seqs`` tokens into shuffled blocks; returns (block table, exact K, V per row)."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(blocks, generator=g)
+    nbs = [(s + bs - 1) // bs for s in seqs]
+    width = max(nbs)
+    bt = torch.zeros(len(seqs), width, dtype=torch.int32)
+    used, exact = 0, []
+    for i, (s, nb) in enumerate(zip(seqs, nbs)):
+        bt[i, :nb] = perm[used: used + nb].to(torch.int32)
+        used += nb
+        k = torch.randn(s, H, D, generator=g)
+        if outlier:
+            k[..., 3] *= 8  # an outlier channel, as RoPE'd keys have
+        v = torch.randn(s, H, D, generator=g)
+        pos = torch.arange(s)
+        slots = bt[i].long()[pos // bs] * bs + pos % bs
+        # write in uneven chunks (prefill chunk, then decode tokens), as the engine does
+        cut = max(1, s - 3)
+        for a, b in ((0, cut), *((t, t + 1) for t in range(cut, s))):
+            PQ.write(cache, k[a:b].to(torch.bfloat16), v[a:b].to(torch.bfloat16), slots[a:b], bs, bits)
+        exact.append((k, v))
+    return bt, exact
+
+
+def test_page_bytes_and_capacity_ratio():
+    # per token and head: codes + 4 fp16 token statistics + the block's fp16 key channel scale (2D bytes / bs tokens)
+    assert PQ.state_bytes(64, 4, 128) == 73 and PQ.state_bytes(128, 4, 128) == 138 and PQ.state_bytes(64, 8, 128) == 137
+    assert PQ.state_bytes(64, 4, 32) == 76
+    assert (64 + 64) * 2 / PQ.state_bytes(64, 4, 128) >= 3.5  # bf16 K+V per token and head vs the packed page
+    assert (128 + 128) * 2 / PQ.state_bytes(128, 4, 128) >= 3.5
+    with pytest.raises(ValueError):
+        PQ.state_bytes(64, 3)
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.uint8)])
+def test_write_gather_roundtrip(bits, dtype):
+    H, D, bs = 2, 64, 32
+    cache = _cache(8, H, bs, D, bits, dtype=dtype, layers=2)
+    bt, exact = _fill(cache, H, D, bs, bits, [45], 8)
+    pos = torch.arange(45)
+    slots = bt[0].long()[pos // bs] * bs + pos % bs
+    k, v = PQ.gather(cache, slots, bs, D, bits)
+    kx, vx = exact[0][0].bfloat16().float(), exact[0][1].bfloat16().float()
+    # values per token: error <= half a step (+ fp16 rounding of the statistics)
+    step_v = (vx.amax(-1) - vx.amin(-1)) / ((1 << bits) - 1)
+    assert ((v - vx).abs() <= 0.5 * step_v.unsqueeze(-1) + 0.02).all()
+    # keys: per token after the block's channel normalisation; the outlier channel does not swamp the others
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    normal = [d for d in range(D) if d != 3]
+    assert rel(k[..., normal], kx[..., normal]) < (0.12 if bits == 4 else 0.01), rel(k[..., normal], kx[..., normal])
+    # the channel scale is per block: c = sqrt(max |k|) over the block's tokens written with its first slot
+    _, _, _, cs = PQ.page_fields(PQ.as_pages(cache), bs, D, bits)
+    first = kx[:bs].abs().amax(0).sqrt()  # block 0 written whole (the first chunk covers it)
+    assert torch.allclose(cs[bt[0, 0].long()].float(), first, rtol=2e-3)
+    # the other layer's bytes (the first half of the buffer) are untouched
+    raw = bytes(cache.view(torch.uint8).untyped_storage())
+    assert raw[: len(raw) // 2].count(0) == len(raw) // 2
+
+
+@pytest.mark.parametrize("bits,H,G,D,bs", [(4, 2, 2, 64, 32), (4, 1, 3, 128, 64), (8, 2, 4, 64, 32),
+                                           (4, 2, 1, 80, 32), (8, 1, 2, 96, 32)])
+def test_decode_kernel_equals_reference(bits, H, G, D, bs):
+    if not PQ.available():
+        pytest.skip("no C compiler: decode() runs the reference")
+    seqs = [1, 31, 32, 33, 100, 150]
+    blocks = sum((s + bs - 1) // bs for s in seqs) + 3
+    cache = _cache(blocks, H, bs, D, bits)
+    bt, exact = _fill(cache, H, D, bs, bits, seqs, blocks, seed=bits + D)
+    q = torch.randn(len(seqs), H * G, D).bfloat16()
+    scale = D ** -0.5
+    ref = PQ.decode_ref(q, cache, bt, torch.tensor(seqs), bs, bits, scale)
+    out = PQ.decode(q, cache, bt, torch.tensor(seqs, dtype=torch.int32), bs, bits, scale)
+    assert (out - ref).abs().max().item() < 2e-4 * max(1.0, ref.abs().max().item())
+    # and both are close to exact attention over the unquantised K/V (4-bit: loose; 8-bit: tight)
+    errs = []
+    for i, (k, v) in enumerate(exact):
+        qi = q[i].float().view(H, G, D)
+        p = torch.softmax(torch.einsum("hgd,lhd->hgl", qi, k.bfloat16().float()) * scale, -1)
+        o = torch.einsum("hgl,lhd->hgd", p, v.bfloat16().float()).reshape(H * G, D)
+        err = (out[i] - o).norm() / o.norm()
+        errs.append(float(err))
+    print(bits, D, [round(e, 3) for e in errs])
+    assert max(errs) < (0.25 if bits == 4 else 0.02), errs
+
+
+def test_decode_reads_only_listed_blocks():
+    """Garbage (NaN statistics) in blocks a row does not list, and past a row's last token, never reaches the output."""
+    if not PQ.available():
+        pytest.skip("no C compiler")
+    H, G, D, bs, bits = 2, 2, 64, 32, 4
+    cache = _cache(6, H, bs, D, bits, dtype=torch.bfloat16)
+    cache.view(torch.uint8).fill_(0xFF)  # fp16 0xFFFF is NaN: every unwritten stat is NaN
+    bt, _ = _fill(cache, H, D, bs, bits, [40], 6)
+    q = torch.randn(1, H * G, D)
+    out = PQ.decode(q, cache, bt, torch.tensor([40], dtype=torch.int32), bs, bits, D ** -0.5)
+    ref = PQ.decode_ref(q, cache, bt, torch.tensor([40]), bs, bits, D ** -0.5)
+    assert torch.isfinite(out).all() and torch.allclose(out, ref, atol=1e-4)
+
+
+def test_row_slots():
+    bt = torch.tensor([[5, 2, 0], [1, 3, 4]], dtype=torch.int32)
+    rows, slots = PQ.row_slots(bt, torch.tensor([3, 5]), 2)
+    assert rows.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert slots.tolist() == [10, 11, 4, 2, 3, 6, 7, 8]
