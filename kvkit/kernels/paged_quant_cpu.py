@@ -246,20 +246,25 @@ AI void attend_vec(const float *q, const uint8_t *cache, int64_t bstride, int64_
     float qf[G][D];  /* q * c as scalars, broadcast per channel below */
     for (int g = 0; g < G; g++) for (int c = 0; c < NV; c++) stv(&qf[g][16 * c], qv[g][c]);
     for (int t = 0; t < bsp; t += 16) {  /* keys are [DB, bs] per block: 16 tokens' byte b in one load */
-      v16 dv[G];
-      for (int g = 0; g < G; g++) dv[g] = (v16){0};
-      for (int b = 0; b < DB; b++) {
-        u8x16 x = ldb(kc + (int64_t)b * bs + t);
+      v16 dv[G], dw[G];  /* two independent accumulators per query row (FMA latency) */
+      for (int g = 0; g < G; g++) { dv[g] = (v16){0}; dw[g] = (v16){0}; }
+      for (int b = 0; b < DB; b += 2) {
+        u8x16 x = ldb(kc + (int64_t)b * bs + t), y = ldb(kc + (int64_t)(b + 1) * bs + t);
         if (BITS == 8) {
-          v16 cv = cvt(x);
-          for (int g = 0; g < G; g++) dv[g] += qf[g][b] * cv;
+          v16 cx = cvt(x), cy = cvt(y);
+          for (int g = 0; g < G; g++) { dv[g] += qf[g][b] * cx; dw[g] += qf[g][b + 1] * cy; }
         } else {
-          v16 lo = cvt(x & 15), hi = cvt(x >> 4);
-          for (int g = 0; g < G; g++) dv[g] += qf[g][b] * lo + qf[g][DB + b] * hi;
+          v16 lx = cvt(x & 15), hx = cvt(x >> 4), ly = cvt(y & 15), hy = cvt(y >> 4);
+          for (int g = 0; g < G; g++) {
+            dv[g] += qf[g][b] * lx;
+            dw[g] += qf[g][DB + b] * hx;
+            dv[g] += qf[g][b + 1] * ly;
+            dw[g] += qf[g][DB + b + 1] * hy;
+          }
         }
       }
       v16 sc = ldh(ks + t), zc = ldh(kz + t);
-      for (int g = 0; g < G; g++) stv(s + g * bsp + t, (sc * dv[g] + zc * sumq[g]) * scaling);
+      for (int g = 0; g < G; g++) stv(s + g * bsp + t, (sc * (dv[g] + dw[g]) + zc * sumq[g]) * scaling);
     }
     for (int g = 0; g < G; g++) {  /* online softmax, 16 tokens per step (lanes >= n: -inf -> p = 0) */
       float *sg = s + g * bsp;
@@ -325,6 +330,85 @@ AI int dispatch_vec(const float *qr, const uint8_t *cache, int64_t bstride, int6
     case 8: BY_D(8); return 1;
     default: return 0;
   }
+}
+
+
+AI float ld16(const uint16_t *p, int is_bf16) {
+  if (is_bf16) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
+  _Float16 h; memcpy(&h, p, 2); return (float)h;
+}
+
+/* per-token asymmetric quantisation of x [D] (already divided by the channel scale) into codes (stride cst
+   between packed bytes), scale / min as fp16 (the same arithmetic as the torch path) */
+AI void quant_token(const float *x, int D, int bits, uint8_t *codes, int64_t cst, _Float16 *sc, _Float16 *mn) {
+  const int qmax = (1 << bits) - 1, DB = D * bits / 8;
+  float lo = INFINITY, hi = -INFINITY;
+  for (int d = 0; d < D; d++) { lo = x[d] < lo ? x[d] : lo; hi = x[d] > hi ? x[d] : hi; }
+  _Float16 z = (_Float16)lo;
+  _Float16 s = (_Float16)((hi - (float)z) / (float)qmax);
+  if (!((float)s > 0.f)) s = (_Float16)1.0f;
+  float zf = (float)z, sf = (float)s;
+  uint8_t q[512];
+  for (int d = 0; d < D; d++) {
+    float c = nearbyintf((x[d] - zf) / sf);
+    c = c < 0.f ? 0.f : (c > (float)qmax ? (float)qmax : c);
+    q[d] = (uint8_t)c;
+  }
+  if (bits == 8) for (int b = 0; b < DB; b++) codes[b * cst] = q[b];
+  else for (int b = 0; b < DB; b++) codes[b * cst] = (uint8_t)(q[b] | (q[b + DB] << 4));
+  *sc = s; *mn = z;
+}
+
+/* k, v [T, H, D] 16-bit (token / head strides in elements); slots [T] (< 0: skipped). Pages as in decode.
+   1) blocks whose first slot is written here get c = sqrt(max |k|) over this call's tokens of the block;
+   2) every token: keys k / c and values quantised per token into their slot. */
+int kvkit_paged_quant_write(const uint16_t *k, const uint16_t *v, int64_t kts, int64_t khs, int64_t vts, int64_t vhs,
+                            int is_bf16, const int64_t *slots, int64_t T, uint8_t *cache, int64_t bstride,
+                            int64_t hstride, int H, int D, int bs, int bits, int nthreads) {
+  if (D > 512 || (bits != 4 && bits != 8) || (bits == 4 && D % 2)) return -1;
+  const int DB = D * bits / 8;
+  #pragma omp parallel num_threads(nthreads)
+  {
+    float x[512];
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < T; i++) {  /* fresh blocks: channel scales (one task per block's first token) */
+      int64_t sl = slots[i];
+      if (sl < 0 || sl % bs) continue;
+      int64_t blk = sl / bs;
+      for (int h = 0; h < H; h++) {
+        for (int d = 0; d < D; d++) x[d] = 0.f;
+        for (int64_t j = 0; j < T; j++) {
+          if (slots[j] < 0 || slots[j] / bs != blk) continue;
+          const uint16_t *kr = k + j * kts + h * khs;
+          for (int d = 0; d < D; d++) { float a = fabsf(ld16(kr + d, is_bf16)); x[d] = a > x[d] ? a : x[d]; }
+        }
+        _Float16 *cs = (_Float16 *)(cache + blk * bstride + h * hstride + 2 * (int64_t)bs * DB + 8 * (int64_t)bs);
+        for (int d = 0; d < D; d++) cs[d] = (_Float16)sqrtf(x[d] > 1e-4f ? x[d] : 1e-4f);
+      }
+    }
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < T; i++) {
+      int64_t sl = slots[i];
+      if (sl < 0) continue;
+      int64_t blk = sl / bs, off = sl % bs;
+      for (int h = 0; h < H; h++) {
+        uint8_t *base = cache + blk * bstride + h * hstride;
+        _Float16 *st = (_Float16 *)(base + 2 * (int64_t)bs * DB), *cs = st + 4 * bs;
+        const uint16_t *kr = k + i * kts + h * khs, *vr = v + i * vts + h * vhs;
+        for (int d = 0; d < D; d++) {
+          float a = ld16(kr + d, is_bf16) / (float)cs[d];
+          x[d] = a < -6.0e4f ? -6.0e4f : (a > 6.0e4f ? 6.0e4f : a);
+        }
+        quant_token(x, D, bits, base + off, bs, st + off, st + bs + off);
+        for (int d = 0; d < D; d++) {
+          float a = ld16(vr + d, is_bf16);
+          x[d] = a < -6.0e4f ? -6.0e4f : (a > 6.0e4f ? 6.0e4f : a);
+        }
+        quant_token(x, D, bits, base + (int64_t)bs * DB + off * DB, 1, st + 2 * bs + off, st + 3 * bs + off);
+      }
+    }
+  }
+  return 0;
 }
 
 /* q [n, H*G, D] fp32; cache: page of (block b, KV head h) at cache + b*bstride + h*hstride (bytes);
@@ -428,6 +512,28 @@ def write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: to
     T = min(key.shape[0], slots.shape[0])
     slots = slots[:T].long()
     key, value = key[:T], value[:T]
+    if T == 0:
+        return
+    D = key.shape[-1]
+    pages = as_pages(cache)
+    if (available() and key.dtype == value.dtype and key.dtype in (torch.bfloat16, torch.float16)
+            and key.stride(-1) == 1 and value.stride(-1) == 1):  # the C kernel skips slots < 0 itself
+        if pages.shape[-1] != block_size * state_bytes(D, bits, block_size):
+            page_fields(pages, block_size, D, bits)  # raises, naming the sizes
+        sl = slots.contiguous()
+        rc = _lib.kvkit_paged_quant_write(
+            key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            int(key.dtype == torch.bfloat16), sl.data_ptr(), sl.numel(), pages.data_ptr(), pages.stride(0),
+            pages.stride(1), key.shape[1], D, block_size, bits, max(1, torch.get_num_threads()))
+        if rc != 0:
+            raise RuntimeError(f"kvkit paged_quant_cpu write refused D={D} bits={bits}")
+        return
+    write_ref(pages, key, value, slots, block_size, bits)
+
+
+def write_ref(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, block_size: int,
+              bits: int) -> None:
+    """The torch path of :func:`write`."""
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
@@ -435,6 +541,7 @@ def write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: to
         return
     D = key.shape[-1]
     kc, vc, st, cs = page_fields(as_pages(cache), block_size, D, bits)
+    slots = slots.long()
     blk, off = slots // block_size, slots % block_size
     kf = key.float()
     fresh = off == 0
@@ -518,6 +625,9 @@ def _load():
                         P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
                         lib.kvkit_paged_quant_decode.argtypes = [P, P, I64, I64, P, I64, P, I64, I, I, I, I, I, F, P, I]
                         lib.kvkit_paged_quant_decode.restype = I
+                        lib.kvkit_paged_quant_write.argtypes = [P, P, I64, I64, I64, I64, I, P, I64, P, I64, I64, I, I,
+                                                                I, I, I]
+                        lib.kvkit_paged_quant_write.restype = I
                     _lib = lib
                 except OSError:
                     _lib = None
