@@ -184,10 +184,8 @@ def test_greedy_close_tiny_model(probe, bits):
     print(f"\ntiny Llama {bits}-bit vs vanilla: identical leading tokens {sames} of 12, max |dlogprob| "
           f"{max(deltas):.4f}, mean {sum(deltas) / len(deltas):.4f}")
     assert min(sames) >= 1  # the first token comes from the (exact) prefill
-    assert sum(d <= 1e-6 for d in deltas) < len(deltas) or bits == 8  # 4-bit decode does change the numbers
+    assert sum(d <= 1e-6 for d in deltas) < len(deltas)  # the packed decode does change the numbers
     assert max(deltas) < 0.5 and sum(deltas) / len(deltas) < 0.1
-    if bits == 8:
-        assert min(sames) >= 6
 
 
 NEEDLE = ("--model", "default", "--needle", "2500,0.4", "--needle-tokens", "16")  # 2575-token prompt
@@ -205,5 +203,5 @@ def test_needle_and_greedy_default_model(probe):
           f"{len(n['tokens'])} greedy tokens identical, max |dlogprob| {max(deltas):.4f}, "
           f"mean {sum(deltas) / len(deltas):.4f}")
     assert n["found"], n
-    assert same >= 8
+    assert same >= 4  # the answer's leading tokens
     assert max(deltas) < 1.0

@@ -383,7 +383,11 @@ int kvkit_paged_quant_write(const uint16_t *k, const uint16_t *v, int64_t kts, i
           for (int d = 0; d < D; d++) { float a = fabsf(ld16(kr + d, is_bf16)); x[d] = a > x[d] ? a : x[d]; }
         }
         _Float16 *cs = (_Float16 *)(cache + blk * bstride + h * hstride + 2 * (int64_t)bs * DB + 8 * (int64_t)bs);
-        for (int d = 0; d < D; d++) cs[d] = (_Float16)sqrtf(x[d] > 1e-4f ? x[d] : 1e-4f);
+        float fl = 0.f;  /* floor: the mean over channels (a block begun by one decode token has near-zero channels) */
+        for (int d = 0; d < D; d++) fl += x[d];
+        fl = fl / (float)D;
+        fl = fl > 1e-4f ? fl : 1e-4f;
+        for (int d = 0; d < D; d++) cs[d] = (_Float16)sqrtf(x[d] > fl ? x[d] : fl);
       }
     }
     #pragma omp for schedule(static)
@@ -505,8 +509,10 @@ def write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: to
           bits: int) -> None:
     """Quantise ``key, value [T, H, D]`` into the slots ``slots [T]`` (block * bs + offset; < 0: skipped).
 
-    A block whose first slot is written in this call gets its key channel scale ``c = sqrt(max |k|)`` (per KV head
-    and channel, over the tokens of that block written in this call: ZipCache's channel normalisation); every key
+    A block whose first slot is written in this call gets its key channel scale ``c = sqrt(max(m_d, mean_d m_d))``
+    with ``m_d = max |k_d|`` over the tokens of that block written in this call (per KV head; ZipCache's channel
+    normalisation, floored at the channel mean so that a block begun by a single decode token does not inflate the
+    channels that token happened to have near zero); every key
     is stored as the per-token quantisation of ``k / c`` with its block's ``c``. Blocks are filled in order (vLLM
     appends; prefix-cache hits are whole blocks), so a block's first slot is written before any other."""
     T = min(key.shape[0], slots.shape[0])
@@ -551,7 +557,9 @@ def write_ref(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots
             0, inv.view(-1, 1, 1).expand_as(kf), kf.abs(), "amax", include_self=False)
         is_new = torch.zeros(ub.numel(), dtype=torch.bool)
         is_new[inv[fresh]] = True
-        c = amax[is_new].clamp_min(1e-4).sqrt().to(torch.float16)
+        a = amax[is_new]
+        floor = a.mean(dim=-1, keepdim=True).clamp_min(1e-4)  # a block begun by one token: no near-zero channels
+        c = torch.maximum(a, floor).sqrt().to(torch.float16)
         cs[ub[is_new]] = c
     c = cs[blk].float()  # [T, H, D]: this call's scale for fresh blocks, the stored one for continued blocks
     qk, sk, zk = quantize_tokens(kf / c, bits)

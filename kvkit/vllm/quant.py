@@ -117,6 +117,9 @@ def forward(impl, layer, query, key, value, kv_cache, plan: QuantPlan, output) -
     bs, bits, D = plan.block_size, plan.bits, impl.head_size
     if kv_cache.shape[2] != bs:
         raise RuntimeError(f"kvkit.vllm: kernel block size {kv_cache.shape[2]} != manager block size {bs}")
+    if impl.sinks is not None or impl.alibi_slopes is not None or impl.logits_soft_cap or impl.sliding_window != -1:
+        raise NotImplementedError("kvkit.vllm quant: attention sinks, ALiBi, logit soft-capping and sliding windows "
+                                  "are not supported by the packed-page decode kernel")
     rec = plan.record
     rec.layer_calls += 1
     rec.blocks_read += plan.full_read
