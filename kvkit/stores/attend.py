@@ -75,6 +75,29 @@ def causal_suffix_attention(query, keys, values, attention_mask, scaling):
     return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype)
 
 
+def folded_masked_attention(query, keys, values, attention_mask, scaling):
+    """Attention of T query tokens over all n held keys under any 4-D mask ``[B, 1, T, n]`` (bool, True = read, or
+    additive float), with the query heads of each K/V head folded into one block so K/V are read once per K/V head
+    (transformers' masked GQA path reads them once per query head); CPU only, else None. For speculative
+    verification of rows that are not aligned (left padding, holes of rejected drafts), where
+    :func:`causal_suffix_attention` does not apply. Same math as sdpa, different rounding (~1e-6).
+    Returns ``[B, T, Hq, D]``; a query row that sees nothing reads zeros."""
+    B, Hq, T, D = query.shape
+    H, n = keys.shape[1], keys.shape[2]
+    m = attention_mask
+    if (query.device.type != "cpu" or Hq % H or m is None or m.dim() != 4 or m.shape[1] != 1
+            or tuple(m.shape[-2:]) != (T, n) or values.shape[-1] != D):
+        return None
+    G = Hq // H
+    q = query.reshape(B, H, G * T, D)  # query head h * G + g reads K/V head h; row g * T + t
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=query.dtype, device=query.device).masked_fill_(~m, float("-inf"))
+    m = m.to(query.dtype).expand(B, 1, T, n).unsqueeze(2).expand(B, 1, G, T, n).reshape(B, 1, G * T, n)
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=m, scale=scaling)
+    out = torch.nan_to_num(out, nan=0.0)
+    return out.view(B, H, G, T, D).reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+
+
 def _cpu_flash(q, k, v, mask, scaling):
     """torch's CPU flash kernel with an optional float/bool mask; returns (out ``[B, H, M, D]``, lse ``[B, H, M]``)."""
     if mask is not None and mask.dtype == torch.bool:

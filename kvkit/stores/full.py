@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvkit.stores.attend import causal_suffix_attention, hf_sdpa, plain_sdpa_call
+from kvkit.stores.attend import causal_suffix_attention, folded_masked_attention, hf_sdpa, plain_sdpa_call
 from kvkit.stores.base import LayerInfo, StoreMixin, crop_count, grow_in_place, tensor_bytes
 
 
@@ -70,6 +70,8 @@ class FullStore(StoreMixin, DynamicLayer):
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         if self.suffix_attention and not dropout and plain_sdpa_call(kwargs):
             out = causal_suffix_attention(query, key, value, attention_mask, scaling)
+            if out is None:  # rows not aligned (padding, holes): the mask as given, K/V read once per K/V head
+                out = folded_masked_attention(query, key, value, attention_mask, scaling)
             if out is not None:
                 return out
         return hf_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
