@@ -8,7 +8,8 @@ to the full cache with one-shot prefill.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each phase); on CPU the peak
 resident-set size above the level before the phase, sampled every few milliseconds (torch's CPU
-allocator is invisible to tracemalloc). Absolute times only mean something on the same machine.
+allocator is invisible to tracemalloc), after handing freed pages back to the OS (``malloc_trim``) so that the
+level before a phase is the memory in use. Absolute times only mean something on the same machine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ def _rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _release_free_memory() -> None:
+    """Collect garbage and hand the allocator's free pages back to the OS (glibc ``malloc_trim``), so the RSS at the
+    start of a phase is the memory in use: without it, pages freed by an earlier phase stay resident and a later
+    phase reuses them without raising the RSS (its peak then reads too low)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the RSS baseline may include free pages
+
+
 class PeakMemory:
     """Context manager: peak memory above the start level during the block (bytes)."""
 
@@ -44,6 +59,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
+            _release_free_memory()
             self.base = _rss()
             self._max = self.base
             self._stop = threading.Event()
