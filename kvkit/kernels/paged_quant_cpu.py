@@ -95,7 +95,12 @@ AI float hmax(v16 x) {
 }
 typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
 /* u8 -> i32 (zero-extend: vpmovzxbd) -> f32 (vcvtdq2ps): two steps, or GCC scalarises the conversion */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+AI v16 cvt(u8x16 b) { return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b)); }
+#else
 AI v16 cvt(u8x16 b) { return __builtin_convertvector(__builtin_convertvector(b, vi16), v16); }
+#endif
 
 /* codes of one token (DB bytes) -> D floats (generic path) */
 AI void unpack_scalar(const uint8_t *row, int DB, int BITS, float *code) {

@@ -9,6 +9,9 @@ What :func:`register` does, through vLLM's registries only (no monkey-patching):
   a subclass of vLLM's CPU attention backend. With no policy switched on it runs vLLM's own code
   paths unchanged. With a policy it hands vLLM's C++ op ``cpu_attention_with_kv_cache`` reduced block
   tables at decode (sink + recent blocks, or the top-k blocks of a TidalDecode/Quest selection).
+* under ``quant:bits=4|8`` the backend's ``customize_spec`` returns a ``FullAttentionSpec`` with
+  ``state_content_bytes`` of the packed page format (:mod:`kvkit.vllm.quant`), so vLLM sizes and counts
+  blocks of packed pages; writes quantise into them and decode reads them with a C kernel.
 * ``KVCacheSpecRegistry.register(KvkitStreamingSpec, KvkitStreamingManager)``: the spec that
   ``customize_spec`` hands the allocator under ``streaming``; its manager frees the middle blocks
   of a decoding request, so a long request holds a constant number of blocks.
