@@ -1,31 +1,61 @@
-"""Issue 19 table: policy x budget on RULER-4K (default model), every run scored on the samples it shares with
-the full cache, with the paper-setting rows of the same policies on exactly the same samples.
+"""Issue 19 tables: policy x budget on RULER-4K, one table per model, every run scored on the samples it shares with
+the full cache, with the paper-setting rows of the calibrated policies on exactly the same samples.
 
-Reads the run folders' samples.jsonl directly (partial runs welcome) and writes
-results/policies/issue19.md (+ .csv). Run from anywhere: python benchmarks/policies/issue19_table.py
+Reads the run folders' samples.jsonl directly (partial runs welcome). Run from anywhere:
+    python benchmarks/policies/issue19_table.py                 # default model -> results/policies/issue19.md (+ .csv)
+    python benchmarks/policies/issue19_table.py --model qwen05  # Qwen2.5-Coder-0.5B -> results/policies/qwen05/table.md
 """
 
+import argparse
 import csv
 import json
 import pathlib
 import statistics
 
 root = pathlib.Path(__file__).resolve().parents[2]
-pol = root / "results" / "policies"
-FULL = root / "results" / "ruler" / "full-4k"
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", choices=("default", "qwen05"), default="default")
+args = ap.parse_args()
 
 # (folder, policy, setting shown, protocol, what the saving is; paper-setting folder to compare on the same samples)
-RUNS = [
-    ("tidalcal1732kv-4k", "tidal", "budget 1732 (~42% of reads), kv_head, calibrated select_layers", "agnostic", "reads",
-     "tidal1732kv-4k"),
-    ("zipcachecal-4k", "zipcache", "calibrated bit widths", "agnostic", "bytes", "zipcache-4k"),
-    ("shadowkvcal1024-4k", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank", "agnostic", "bytes",
-     "shadowkv1024-4k"),
-    ("snapkv2048-4k", "snapkv", "budget 2048", "agnostic", "bytes", None),
-    ("snapkv1024-4k", "snapkv", "budget 1024", "agnostic", "bytes", None),
-    ("snapkv2048-4k-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
-    ("snapkv1024-4k-qaware", "snapkv", "budget 1024", "question in prefill", "bytes", None),
-]
+if args.model == "default":
+    pol = root / "results" / "policies"
+    FULL = root / "results" / "ruler" / "full-4k"
+    OUT, TITLE, README_TABLE = pol / "issue19", "default model (SmolLM2-135M-Instruct)", True
+    RUNS = [
+        ("duo054-4k", "duo", "~54% of KV removed (shipped pattern)", "agnostic", "bytes", None),
+        ("tidalcal1732kv-4k", "tidal", "budget 1732 (~42% of reads), kv_head, calibrated select_layers", "agnostic",
+         "reads", "tidal1732kv-4k"),
+        ("zipcachecal-4k", "zipcache", "calibrated bit widths (all 4-bit)", "agnostic", "bytes", "zipcache-4k"),
+        ("shadowkvcal1024-4k", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 120", "agnostic", "bytes",
+         "shadowkv1024-4k"),
+        ("cake2048-4k", "cake", "budget 2048", "agnostic", "bytes", None),
+        ("chelsea50-4k", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
+        ("snapkv2048-4k", "snapkv", "budget 2048", "agnostic", "bytes", None),
+        ("snapkv2048-4k-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
+        ("../ruler/streaming2048-4k", "streaming", "budget 2048", "agnostic", "bytes", None),
+        ("duo081-4k", "duo", "~81% of KV removed", "agnostic", "bytes", None),
+        ("tidal550kv-4k", "tidal", "budget 550 (~13% of reads), kv_head, paper layers", "agnostic", "reads", None),
+        ("cake1024-4k", "cake", "budget 1024", "agnostic", "bytes", None),
+        ("cake1024-4k-qaware", "cake", "budget 1024", "question in prefill", "bytes", None),
+        ("chelsea25-4k", "chelsea", "ratio 0.25", "agnostic", "bytes", None),
+        ("snapkv1024-4k", "snapkv", "budget 1024", "agnostic", "bytes", None),
+        ("snapkv1024-4k-qaware", "snapkv", "budget 1024", "question in prefill", "bytes", None),
+        ("../ruler/streaming1024-4k", "streaming", "budget 1024", "agnostic", "bytes", None),
+    ]
+else:
+    pol = root / "results" / "policies" / "qwen05"
+    FULL = pol / "full"
+    OUT, TITLE, README_TABLE = pol / "table", "Qwen2.5-Coder-0.5B-Instruct", False
+    RUNS = [
+        ("streaming2048", "streaming", "budget 2048", "agnostic", "bytes", None),
+        ("snapkv2048", "snapkv", "budget 2048", "agnostic", "bytes", None),
+        ("cake2048", "cake", "budget 2048", "agnostic", "bytes", None),
+        ("chelsea50", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
+        ("zipcache", "zipcache", "calibrated = paper 4/2-bit 60/40", "agnostic", "bytes", None),
+        ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
+        ("tidal1732kv", "tidal", "budget 1732 (~42% of reads), kv_head, paper layers", "agnostic", "reads", None),
+    ]
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30"}
 
@@ -83,21 +113,21 @@ lines = ["| " + " | ".join(c.replace("_", " ") for c in cols) + " |", "|" + "---
 for r in out:
     lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
 md = "\n".join(lines) + "\n"
-(pol / "issue19.md").write_text(
-    "# Issue 19: calibrated defaults and SnapKV, RULER-4K, default model (matched samples)\n\n"
-    "Generated by `python benchmarks/policies/issue19_table.py`. retention = average / full's average on the "
+OUT.with_suffix(".md").write_text(
+    f"# Issue 19: every policy on RULER-4K, {TITLE} (matched samples)\n\n"
+    f"Generated by `python benchmarks/policies/issue19_table.py --model {args.model}`. retention = average / full's average on the "
     "same samples (mean over the tasks present). kv vs full = mean `KVCache.nbytes()` after generation / "
     "full's (tidal keeps every byte and saves reads). tasks = tasks with at least one sample (of 13); "
     "min per task is 0 until every task has a sample. paper same samples = the paper-setting run of the "
     "same policy scored on exactly the samples of this row.\n\n" + md, encoding="utf-8")
-with open(pol / "issue19.csv", "w", newline="", encoding="utf-8") as fh:
+with open(OUT.with_suffix(".csv"), "w", newline="", encoding="utf-8") as fh:
     w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
     w.writerows(out)
 readme = pol / "README.md"
-text = readme.read_text(encoding="utf-8")
+text = readme.read_text(encoding="utf-8") if README_TABLE else ""
 start, end = "<!-- issue19 table -->\n", "<!-- /issue19 table -->"
-if start in text and end in text:
+if README_TABLE and start in text and end in text:
     i, j = text.index(start) + len(start), text.index(end)
     readme.write_text(text[:i] + md + text[j:], encoding="utf-8")
 print(md)
