@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-
+import threading
 
 # The C prelude of kvkit's vectorised CPU kernels: 16-lane float / int vectors in GCC/Clang vector extensions
 # (AVX-512 registers under -march=native where the machine has them, split by the compiler elsewhere), a horizontal
@@ -106,3 +106,30 @@ def build(name: str, src: str):
 def disabled(env: str) -> bool:
     """True when the environment variable ``env`` switches a kernel off (0 / false / no / off)."""
     return os.environ.get(env, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+class Kernel:
+    """A C library built on first use, once per process (thread-safe). ``load()`` returns the ``ctypes.CDLL`` with
+    ``signatures`` (function name -> (argtypes, restype)) applied, or None without a working compiler;
+    ``available()`` is False also when the environment variable ``env`` switches the kernel off."""
+
+    def __init__(self, name: str, src: str, signatures: dict, env: str):
+        self.name, self.src, self.signatures, self.env = name, src, signatures, env
+        self._lock = threading.Lock()
+        self._lib, self._tried = None, False
+
+    def load(self):
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    try:
+                        lib = build(self.name, self.src)
+                    except OSError:
+                        lib = None
+                    for fn, (argtypes, restype) in self.signatures.items() if lib is not None else ():
+                        getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
+                    self._lib, self._tried = lib, True
+        return self._lib
+
+    def available(self) -> bool:
+        return not disabled(self.env) and self.load() is not None

@@ -21,11 +21,10 @@ and the callers keep their torch paths. ``KVKIT_DECODE_CPU=0`` disables both ker
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from .cbuild import VEC_C, build, disabled
+from .cbuild import VEC_C, Kernel
 
 _SRC = VEC_C + r"""
 #define TB 4
@@ -262,36 +261,18 @@ int kvkit_sparse_attn(const float *q, const float *K, const float *V, int64_t kc
 }
 """
 
-P, I64 = ctypes.c_void_p, ctypes.c_int64
-_lock = threading.Lock()
-_lib = None
-_tried = False
-
-
-def _load():
-    global _lib, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    lib = build("decode_cpu", _SRC)
-                except OSError:
-                    lib = None
-                if lib is not None:
-                    Int, F = ctypes.c_int, ctypes.c_float
-                    lib.kvkit_lowrank_attn.argtypes = [P, P, P, P, P, P, P, P, P, Int, I64, I64, I64, I64, Int, Int,
-                                                       Int, F, Int, P, P, P, P, P, P, P, P, P, P, P, Int]
-                    lib.kvkit_lowrank_attn.restype = Int
-                    lib.kvkit_sparse_attn.argtypes = [P, P, P, I64, I64, P, P, I64, I64, I64, I64, I64, Int, Int, F,
-                                                      P, P, Int]
-                    lib.kvkit_sparse_attn.restype = Int
-                _lib, _tried = lib, True
-    return _lib
+P, I64, Int, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_KERNEL = Kernel("decode_cpu", _SRC, {
+    "kvkit_lowrank_attn": ([P, P, P, P, P, P, P, P, P, Int, I64, I64, I64, I64, Int, Int, Int, F, Int, P, P, P, P, P,
+                            P, P, P, P, P, P, Int], Int),
+    "kvkit_sparse_attn": ([P, P, P, I64, I64, P, P, I64, I64, I64, I64, I64, Int, Int, F, P, P, Int], Int),
+}, "KVKIT_DECODE_CPU")
+_load = _KERNEL.load
 
 
 def available() -> bool:
     """True when the kernel is built (or builds now) and not disabled by ``KVKIT_DECODE_CPU=0``."""
-    return not disabled("KVKIT_DECODE_CPU") and _load() is not None
+    return _KERNEL.available()
 
 
 def supported(q: torch.Tensor, U: torch.Tensor, SV: torch.Tensor, v: torch.Tensor) -> bool:

@@ -30,11 +30,10 @@ The C source is compiled on first use by :func:`kvkit.kernels.cbuild.build`; wit
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from .cbuild import VEC_C, build, disabled
+from .cbuild import VEC_C, Kernel
 
 BITS = (4, 8)
 
@@ -492,7 +491,7 @@ def write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: to
         if pages.shape[-1] != block_size * state_bytes(D, bits, block_size):
             page_fields(pages, block_size, D, bits)  # raises, naming the sizes
         sl = slots.contiguous()
-        rc = _lib.kvkit_paged_quant_write(
+        rc = _load().kvkit_paged_quant_write(
             key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             int(key.dtype == torch.bfloat16), sl.data_ptr(), sl.numel(), pages.data_ptr(), pages.stride(0),
             pages.stride(1), key.shape[1], D, block_size, bits, max(1, torch.get_num_threads()))
@@ -582,37 +581,18 @@ def decode_ref(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
 
 
 # --- C kernel ---------------------------------------------------------------------------------------------------
-_lock = threading.Lock()
-_lib = None
-_tried = False
-
-
-def _load():
-    global _lib, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    lib = build("paged_quant_cpu", _SRC)
-                    if lib is not None:
-                        P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-                        lib.kvkit_paged_quant_decode.argtypes = [P, P, I64, I64, P, I64, P, I64, I, I, I, I, I, F, P, I]
-                        lib.kvkit_paged_quant_decode.restype = I
-                        lib.kvkit_paged_quant_write.argtypes = [P, P, I64, I64, I64, I64, I, P, I64, P, I64, I64, I, I,
-                                                                I, I, I]
-                        lib.kvkit_paged_quant_write.restype = I
-                    _lib = lib
-                except OSError:
-                    _lib = None
-                _tried = True
-    return _lib
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_KERNEL = Kernel("paged_quant_cpu", _SRC, {
+    "kvkit_paged_quant_decode": ([_P, _P, _I64, _I64, _P, _I64, _P, _I64, _I, _I, _I, _I, _I, _F, _P, _I], _I),
+    "kvkit_paged_quant_write": ([_P, _P, _I64, _I64, _I64, _I64, _I, _P, _I64, _P, _I64, _I64, _I, _I, _I, _I, _I],
+                                _I),
+}, "KVKIT_PAGED_QUANT_CPU")
+_load = _KERNEL.load
 
 
 def available() -> bool:
     """True when the kernel is built (or builds now) and not disabled by ``KVKIT_PAGED_QUANT_CPU=0``."""
-    if disabled("KVKIT_PAGED_QUANT_CPU"):
-        return False
-    return _load() is not None
+    return _KERNEL.available()
 
 
 def decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -644,7 +624,7 @@ def decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_
         return out
     esz = 1  # pages are uint8: strides in bytes
     with torch.profiler.record_function("kvkit::paged_quant_decode_cpu"):
-        rc = _lib.kvkit_paged_quant_decode(
+        rc = _load().kvkit_paged_quant_decode(
             qf.data_ptr(), pages.data_ptr(), pages.stride(0) * esz, pages.stride(1) * esz, bt.data_ptr(), bt.shape[1],
             sl.data_ptr(), n, H, Hq // H, D, block_size, bits, float(scale), out.data_ptr(),
             max(1, torch.get_num_threads()))

@@ -30,11 +30,10 @@ Supported layouts (:func:`supported`): keys ``axis=-2`` with one statistic per c
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from .cbuild import build, disabled
+from .cbuild import Kernel
 from .quant import Packed
 
 _SRC = r"""
@@ -348,40 +347,17 @@ int kvkit_quant_attn(int nparts, const int64_t *ns, const int *kb, const int *vb
 }
 """
 
-_lock = threading.Lock()
-_lib = None
-_tried = False
-
-
-def _build():
-    lib = build("quant_cpu", _SRC)
-    if lib is None:
-        return None
-    P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.kvkit_quant_attn.argtypes = [I, P, P, P, P, P, P, P, P, P, P, P, P, I64, I64, I, I, F, P, P, P, P, P, I]
-    lib.kvkit_quant_attn.restype = I
-    lib.kvkit_has_avx512.restype = I
-    return lib
-
-
-def _load():
-    global _lib, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    _lib = _build()
-                except OSError:
-                    _lib = None
-                _tried = True
-    return _lib
+P, I64, Int, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_KERNEL = Kernel("quant_cpu", _SRC, {
+    "kvkit_quant_attn": ([Int, P, P, P, P, P, P, P, P, P, P, P, P, I64, I64, Int, Int, F, P, P, P, P, P, Int], Int),
+    "kvkit_has_avx512": ([], Int),
+}, "KVKIT_QUANT_CPU")
+_load = _KERNEL.load
 
 
 def available() -> bool:
     """True when the kernel is built (or builds now) and not disabled by ``KVKIT_QUANT_CPU=0``."""
-    if disabled("KVKIT_QUANT_CPU"):
-        return False
-    return _load() is not None
+    return _KERNEL.available()
 
 
 def has_avx512() -> bool:
