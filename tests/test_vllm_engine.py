@@ -5,13 +5,11 @@ plugins once per process, so "vanilla" (no plugin loaded at all), "kvkit registe
 policy need separate processes. Results are cached per session and compared here.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+
+from kvkit.vllm.testing import greedy_deltas, probe_runner
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -21,23 +19,7 @@ TINY_BLOCK = 32  # vLLM's CPU kernel takes block sizes in multiples of 32: small
 
 @pytest.fixture(scope="session")
 def probe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_probe")
-    tiny = root / "tiny-llama"
-    cache: dict = {}
-
-    def run(*args: str) -> dict:
-        key = tuple(a.replace("TINY", str(tiny)) for a in args)
-        if key not in cache:
-            out = root / f"r{len(cache)}.json"
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-            env.pop("KVKIT_VLLM_POLICY", None)
-            p = subprocess.run([sys.executable, "-m", "kvkit.vllm.probe", "--out", str(out), *key],
-                               env=env, capture_output=True, text=True, timeout=900)
-            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-            cache[key] = json.loads(out.read_text())
-        return cache[key]
-
-    return run
+    return probe_runner(tmp_path_factory.mktemp("vllm_probe"), timeout=900)
 
 
 TINY_GEN = ("--model", "tiny:TINY", "--block-size", str(TINY_BLOCK), "--gen", "3,700,12")
@@ -100,16 +82,6 @@ def test_tidal_tp2_equals_tp1(probe):
 NEEDLE = ("--model", "default", "--needle", "2500,0.4", "--needle-tokens", "16")  # 2575-token prompt, 21 blocks
 
 
-def _close(van: dict, other: dict) -> tuple[int, list[float]]:
-    same = 0
-    for a, b in zip(van["tokens"], other["tokens"]):
-        if a != b:
-            break
-        same += 1
-    deltas = [abs(x - y) for x, y in zip(van["logprobs"][:same], other["logprobs"][:same])]
-    return same, deltas
-
-
 def test_needle_and_greedy_close_to_vanilla_default_model(probe):
     """Reads reduced to sink + recent blocks (the needle's block kept): the needle is answered and the
     greedy tokens match vanilla vLLM; log-prob deltas are printed (pytest -s)."""
@@ -119,7 +91,7 @@ def test_needle_and_greedy_close_to_vanilla_default_model(probe):
     n = st["needle"]
     assert n["found"], n
     assert 0.8 < max(n["read_fraction"]) < 0.9
-    same, deltas = _close(van["needle"], n)
+    same, deltas = greedy_deltas(van["needle"], n)
     print(f"\nstreaming 18/21 blocks vs vanilla: {same}/{len(n['tokens'])} greedy tokens identical, "
           f"max |dlogprob| {max(deltas):.4f}, mean {sum(deltas) / len(deltas):.4f}")
     assert same == len(n["tokens"])
@@ -135,7 +107,7 @@ def test_tidal_quarter_blocks_default_model(probe):
     n = tid["needle"]
     # 4 full layers of 30, 5/21 blocks at the other 26 (+ the growing last block)
     assert all(0.3 < f < 0.4 for f in n["read_fraction"]), n["read_fraction"]
-    same, deltas = _close(van["needle"], n)
+    same, deltas = greedy_deltas(van["needle"], n)
     print(f"\ntidal 5/21 blocks vs vanilla: needle found={n['found']} ({n['answer'][:20]!r}), {same}/"
           f"{len(n['tokens'])} greedy tokens identical")
     assert same >= 1  # the first token comes from the exact prefill

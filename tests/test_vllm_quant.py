@@ -9,15 +9,12 @@
 """
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kvkit.vllm import config as C
+from kvkit.vllm.testing import greedy_deltas, probe_runner
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (.venv-vllm: scripts/install_vllm.sh)")
@@ -119,33 +116,7 @@ TINY_BLOCK = 32
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_quant_probe")
-    tiny = root / "tiny-llama"
-    cache: dict = {}
-
-    def run(*args: str) -> dict:
-        key = tuple(a.replace("TINY", str(tiny)) for a in args)
-        if key not in cache:
-            out = root / f"r{len(cache)}.json"
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-            env.pop("KVKIT_VLLM_POLICY", None)
-            p = subprocess.run([sys.executable, "-m", "kvkit.vllm.probe", "--out", str(out), *key],
-                               env=env, capture_output=True, text=True, timeout=1200)
-            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-            cache[key] = json.loads(out.read_text())
-        return cache[key]
-
-    return run
-
-
-def _deltas(van: dict, other: dict):
-    """(identical leading tokens, |dlogprob| over them) for one generation."""
-    same = 0
-    for a, b in zip(van["tokens"], other["tokens"]):
-        if a != b:
-            break
-        same += 1
-    return same, [abs(x - y) for x, y in zip(van["logprobs"][:same], other["logprobs"][:same])]
+    return probe_runner(tmp_path_factory.mktemp("vllm_quant_probe"), timeout=1200)
 
 
 @needs_vllm
@@ -177,7 +148,7 @@ def test_greedy_close_tiny_model(probe, bits):
     assert g["decode_steps"] == 11  # the decode rows went through the packed path
     sames, deltas = [], []
     for i in range(3):
-        same, d = _deltas({"tokens": van["gen"]["tokens"][i], "logprobs": van["gen"]["logprobs"][i]},
+        same, d = greedy_deltas({"tokens": van["gen"]["tokens"][i], "logprobs": van["gen"]["logprobs"][i]},
                           {"tokens": g["tokens"][i], "logprobs": g["logprobs"][i]})
         sames.append(same)
         deltas += d
@@ -198,7 +169,7 @@ def test_needle_and_greedy_default_model(probe):
     assert van["needle"]["found"], van["needle"]
     q = probe(*NEEDLE, "--policy", "quant:bits=4")
     n = q["needle"]
-    same, deltas = _deltas(van["needle"], n)
+    same, deltas = greedy_deltas(van["needle"], n)
     print(f"\ndefault model 4-bit pages vs vanilla: needle found={n['found']} ({n['answer'][:24]!r}), {same}/"
           f"{len(n['tokens'])} greedy tokens identical, max |dlogprob| {max(deltas):.4f}, "
           f"mean {sum(deltas) / len(deltas):.4f}")

@@ -16,6 +16,17 @@ Parts (each engine in its own process through ``kvkit.vllm.probe`` or a child of
 3. engines (``--parts engines``): the same needle batch in separate engines, one per process and one after
    the other (vanilla bf16, vanilla fp8, kvkit ``quant:bits=4`` by default: their caches differ, so no
    interleaving within one engine); the decode step (every request past its prefill) is timed per engine.
+   ``--profile N`` (decode part): N steps per mode under torch.profiler after the timed steps (attention op,
+   kvkit's selection, KV writes, metadata build vs the rest of a step).
+4. throughput (``--parts throughput``): ``--requests`` needle prompts of ``--context`` tokens submitted together
+   (``LLM.generate`` with a list, ``--gen-tokens`` greedy tokens each, EOS ignored) to one engine per process
+   (``--throughput-engines``: vanilla bf16, vanilla fp8, kvkit streaming:budget=1024 (free=1), quant:bits=4,
+   tidal:budget=1024 by default) in ``--kv-gib`` GiB of KV memory, prefix caching off: wall time, output
+   tokens/s, requests holding KV / decoding per step (read from the scheduler), preemptions; needles found and
+   outputs identical to vanilla bf16's.
+
+    .venv-vllm/bin/python benchmarks/vllm/bench_vllm.py --parts throughput --requests 16 --context 3800 \
+        --max-model-len 4096 --gen-tokens 128 --kv-gib 1 --out results/vllm/throughput.json
 """
 
 from __future__ import annotations
@@ -30,14 +41,9 @@ import time
 
 
 def _probe(args: list[str], out: str, env_extra=None) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env_extra or {}))
-    env.pop("KVKIT_VLLM_POLICY", None)
-    p = subprocess.run([sys.executable, "-m", "kvkit.vllm.probe", "--out", out, *args], env=env,
-                       capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(p.stderr[-4000:])
-    with open(out) as f:
-        return json.load(f)
+    from kvkit.vllm.testing import run_probe
+
+    return run_probe(args, out, env_extra)
 
 
 CAPACITY_CONFIGS = {
@@ -66,24 +72,47 @@ def capacity(tmp: str, kv_gib: int, names=None, request_tokens: int = 4096) -> d
     return res
 
 
-DECODE_ENGINES = {  # name -> (kvkit switch or None, kv_cache_dtype, load the plugin)
+ENGINES = {  # name -> (kvkit switch or None, kv_cache_dtype, load the plugin); the 'engines' and 'throughput' parts
     "vanilla_bf16": (None, "auto", False),
     "vanilla_fp8": (None, "fp8", False),
     "kvkit_quant4": ("quant:bits=4", "auto", True),
     "kvkit_quant8": ("quant:bits=8", "auto", True),
+    "kvkit_streaming": ("streaming:budget=1024", "auto", True),  # free=1: middle blocks freed while decoding
+    "kvkit_tidal": ("tidal:budget=1024", "auto", True),
 }
+
+
+def _needle_requests(tok, n: int, context: int, seed0: int = 100) -> list[tuple[str, list[int], str]]:
+    """``n`` needle prompts of ``context`` haystack tokens (needle depths spread over (0, 1)): (key, ids, value)."""
+    from kvkit.demo import needle_prompt
+
+    reqs = []
+    for i in range(n):
+        ids, value = needle_prompt(tok, context_tokens=context, depth=(i + 0.5) / n, seed=seed0 + i)
+        reqs.append((f"n{i}", ids[0].tolist(), value))
+    return reqs
+
+
+def _add_needle_requests(eng, tok, a, max_tokens: int) -> tuple[dict, dict]:
+    """Adds ``a.batch`` needle requests (greedy, ``max_tokens`` each) to the engine: ({key: value}, {key: length})."""
+    from vllm import SamplingParams
+
+    expected, lens = {}, {}
+    for key, ids, value in _needle_requests(tok, a.batch, a.context):
+        expected[key], lens[key] = value, len(ids)
+        eng.add_request(key, {"prompt_token_ids": ids},
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return expected, lens
 
 
 def engine_decode(a) -> dict:
     """Runs in a child process (own engine ``a.engine``): a batch of needle requests; after every request has its
     first token (prefill done), ``a.steps`` decode steps are timed (after 2 warm-up steps); medians reported."""
-    policy, kv_dtype, plugin = DECODE_ENGINES[a.engine]
+    policy, kv_dtype, plugin = ENGINES[a.engine]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not plugin:
         os.environ["VLLM_PLUGINS"] = "__none__"
-    from vllm import SamplingParams
 
-    from kvkit.demo import needle_prompt
     from kvkit.vllm import testing as T
 
     t0 = time.perf_counter()
@@ -92,13 +121,7 @@ def engine_decode(a) -> dict:
     startup = time.perf_counter() - t0
     tok = llm.get_tokenizer()
     eng = llm.llm_engine
-    expected, lens = {}, {}
-    for i in range(a.batch):
-        ids, value = needle_prompt(tok, context_tokens=a.context, depth=(i + 0.5) / a.batch, seed=100 + i)
-        ids = ids[0].tolist()
-        expected[f"n{i}"], lens[f"n{i}"] = value, len(ids)
-        eng.add_request(f"n{i}", {"prompt_token_ids": ids},
-                        SamplingParams(max_tokens=a.answer_tokens + a.steps + 8, temperature=0, ignore_eos=True))
+    expected, lens = _add_needle_requests(eng, tok, a, a.answer_tokens + a.steps + 8)
     texts = {k: [] for k in expected}
     times, t_start = [], time.perf_counter()
     prefill_s = None
@@ -124,17 +147,101 @@ def engine_decode(a) -> dict:
            "step_ms_median": round(1000 * statistics.median(timed), 1) if timed else None,
            "step_ms_all": [round(1000 * x, 1) for x in timed],
            "needle_found": f"{found}/{a.batch}", "answers": answers, "expected": expected,
-           "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}
+           "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0), "torch_threads": _torch_threads()}
     T.shutdown(llm)
     return res
+
+
+def throughput(a) -> dict:
+    """Runs in a child process (own engine ``a.engine``): ``a.requests`` needle prompts submitted together with
+    ``LLM.generate`` (greedy, ``a.gen_tokens`` tokens each, EOS ignored), in ``a.kv_gib`` GiB of KV memory.
+
+    Prefix caching is off: the needle prompts share the essay up to their needles, and shared prefix blocks would
+    both skip prefill and hold fewer blocks. The benchmark wraps the scheduler's ``schedule`` (an attribute of this
+    in-process engine's scheduler object; vLLM itself is unchanged) to record after every scheduling decision the
+    requests holding KV (``len(scheduler.running)``), the decode rows of the step (requests scheduled with one
+    token), prefill tokens, preemptions and free blocks."""
+    policy, kv_dtype, plugin = ENGINES[a.engine]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not plugin:
+        os.environ["VLLM_PLUGINS"] = "__none__"
+    from vllm import SamplingParams
+
+    from kvkit.vllm import testing as T
+
+    t0 = time.perf_counter()
+    llm = T.make_llm(T.default_model_dir(), policy=policy, max_model_len=a.max_model_len, kv_gib=a.kv_gib,
+                     kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
+    startup = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+    reqs = _needle_requests(tok, a.requests, a.context)
+    core = T.engine_core(llm)
+    sched = core.scheduler
+    trace = []
+    orig = sched.schedule
+
+    def schedule(*args, **kw):
+        out = orig(*args, **kw)
+        n = out.num_scheduled_tokens
+        trace.append((time.perf_counter(), len(sched.running), len(sched.waiting), sum(1 for v in n.values() if v == 1),
+                      sum(v for v in n.values() if v > 1), len(out.preempted_req_ids or ()), T.num_free_blocks(llm)))
+        return out
+
+    sched.schedule = schedule
+    sp = SamplingParams(max_tokens=a.gen_tokens, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": ids} for _, ids, _ in reqs], sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    sched.schedule = orig
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    out_tokens = sum(len(x) for x in tokens)
+    answers = [tok.decode(x[: a.answer_tokens]) for x in tokens]
+    found = sum(v in ans for (_, _, v), ans in zip(reqs, answers))
+    steps = [r for r in trace if r[3] or r[4]]
+    dec = [r[3] for r in steps if r[3]]
+    t_first_all = next((r[0] - t for r in steps if r[4] == 0 and r[3] == a.requests), None)
+    res = {"engine": a.engine, "policy": policy, "kv_cache_dtype": kv_dtype, "kv_gib": a.kv_gib,
+           "requests": a.requests, "gen_tokens": a.gen_tokens, "prompt_lens": [len(ids) for _, ids, _ in reqs],
+           "startup_s": round(startup, 1), "capacity_tokens": T.capacity_tokens(llm),
+           "num_blocks": T.num_total_blocks(llm), "block_size": T.block_size(llm),
+           "max_num_seqs": sched.max_num_running_reqs,
+           "max_num_batched_tokens": sched.scheduler_config.max_num_batched_tokens,
+           "wall_s": round(wall, 2), "output_tokens": out_tokens, "output_tok_s": round(out_tokens / wall, 2),
+           "prompt_tokens": sum(len(ids) for _, ids, _ in reqs),
+           "total_tok_s": round((out_tokens + sum(len(ids) for _, ids, _ in reqs)) / wall, 1),
+           "engine_steps": len(steps), "decode_steps": len(dec),
+           "max_running": max((r[1] for r in steps), default=0),
+           "max_decode_rows": max(dec, default=0),
+           "mean_decode_rows": round(statistics.mean(dec), 2) if dec else 0,
+           "all_requests_decoding_at_s": None if t_first_all is None else round(t_first_all, 2),
+           "preemptions": sum(r[5] for r in steps),
+           "min_free_blocks": min((r[6] for r in steps), default=None),
+           "needle_found": f"{found}/{a.requests}",
+           "answers": answers, "expected": [v for _, _, v in reqs], "tokens": tokens,
+           "trace": [[round(r[0] - t, 3), *r[1:]] for r in steps],
+           "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0), "torch_threads": _torch_threads()}
+    T.shutdown(llm)
+    return res
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _compare_to(base: dict, r: dict, answer_tokens: int) -> dict:
+    """Per config: outputs (all generated tokens) and answers (first ``answer_tokens``) identical to ``base``'s."""
+    same = sum(x == y for x, y in zip(base["tokens"], r["tokens"]))
+    same_ans = sum(x[:answer_tokens] == y[:answer_tokens] for x, y in zip(base["tokens"], r["tokens"]))
+    n = len(base["tokens"])
+    return {"outputs_identical_to_vanilla_bf16": f"{same}/{n}", "answers_identical_to_vanilla_bf16": f"{same_ans}/{n}"}
 
 
 def decode_steps(a) -> dict:
     """Runs in a child process (own engine): tidal reads vs full reads, interleaved step by step."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import SamplingParams
 
-    from kvkit.demo import needle_prompt
     from kvkit.vllm import backend
     from kvkit.vllm import testing as T
     from kvkit.vllm.stats import STATS
@@ -142,13 +249,9 @@ def decode_steps(a) -> dict:
     llm = T.make_llm(T.default_model_dir(), policy=a.policy, max_model_len=a.max_model_len, kv_gib=a.kv_gib)
     tok = llm.get_tokenizer()
     eng = llm.llm_engine
-    expected, lens = {}, {}
-    for i in range(a.batch):
-        ids, value = needle_prompt(tok, context_tokens=a.context, depth=(i + 0.5) / a.batch, seed=100 + i)
-        ids = ids[0].tolist()
-        expected[f"n{i}"], lens[f"n{i}"] = value, len(ids)
-        eng.add_request(f"n{i}", {"prompt_token_ids": ids},
-                        SamplingParams(max_tokens=a.answer_tokens + 2 * a.steps + 4, temperature=0, ignore_eos=True))
+    # slack: with chunked prefill the first requests decode while the later ones still prefill (steps not timed);
+    # the loop stops after the timed (and profiled) steps, before any request runs out of tokens
+    expected, lens = _add_needle_requests(eng, tok, a, a.answer_tokens + 2 * a.steps + 2 * a.profile + 64)
     texts = {k: [] for k in expected}
     t0 = time.perf_counter()
     prefill_s = None
@@ -183,6 +286,7 @@ def decode_steps(a) -> dict:
         elif n_decode >= a.answer_tokens:
             answered = True
     backend.force_full_reads(False)
+    profile = _profile_steps(eng, a.profile, a.batch) if a.profile else None
     answers = {k: tok.decode(list(texts[k])[: a.answer_tokens]) for k in expected}
     found = sum(expected[k] in answers[k] for k in expected)
     med = {m: statistics.median(v) for m, v in step_times.items()}
@@ -195,8 +299,74 @@ def decode_steps(a) -> dict:
         "needle_found_kvkit_reads": f"{found}/{a.batch}",
         "answers": answers, "expected": expected,
     }
+    res["threads"], res["torch_threads"] = int(os.environ.get("OMP_NUM_THREADS", "0") or 0), _torch_threads()
+    if profile:
+        res["profile"] = profile
     T.shutdown(llm)
     return res
+
+
+def _profile_steps(eng, n: int, batch: int) -> dict:
+    """``n`` decode steps per mode (kvkit reads, full reads) under torch.profiler: where a step's time goes.
+
+    The benchmark (not the plugin) wraps the kvkit backend's attention forward, its block selection, its KV write
+    and the metadata build in ``record_function`` ranges for these steps; vLLM's attention op is
+    ``cpu_attention_with_kv_cache``. Times are CPU wall time inside each range, summed over the step's layers."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from kvkit.vllm import backend
+    from kvkit.vllm.stats import STATS
+
+    ranges = {"attn_forward": (backend.KvkitCPUAttentionBackendImpl, "forward"),
+              "select": (backend.KvkitCPUAttentionBackendImpl, "_select"),
+              "kv_write": (backend.KvkitCPUAttentionBackendImpl, "do_kv_cache_update"),
+              "metadata_build": (backend.KvkitCPUAttentionMetadataBuilder, "build")}
+    saved = {}
+    for name, (cls, meth) in ranges.items():
+        fn = saved[name] = getattr(cls, meth)
+
+        def wrapped(*args, _fn=fn, _name=name, **kw):
+            with record_function("kvkit::" + _name):
+                return _fn(*args, **kw)
+
+        setattr(cls, meth, wrapped)
+    res = {}
+    try:
+        for mode in ("kvkit", "full"):
+            backend.force_full_reads(mode == "full")
+            eng.step()  # warm-up in this mode
+            STATS.reset()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t = time.perf_counter()
+                for _ in range(n):
+                    eng.step()
+                wall = (time.perf_counter() - t) / n
+            ds = STATS.decode_steps()
+            if len(ds) != n or any(d.decode_reqs != batch for d in ds):
+                raise RuntimeError(f"profiled steps are not {n} decode steps of {batch} rows: {ds}")
+            ev = prof.key_averages()
+            ms = {e.key: e.cpu_time_total / 1000 / n for e in ev}  # total (incl. children) per step
+            self_ms = sorted(((e.self_cpu_time_total / 1000 / n, e.key) for e in ev), reverse=True)
+            attn_op = sum(v for k, v in ms.items() if "cpu_attention_with_kv_cache" in k)
+            res[mode] = {"step_ms": round(1000 * wall, 1), "read_fraction": round(ds[-1].read_fraction, 3),
+                         "attention_op_ms": round(attn_op, 1),
+                         **{f"{r}_ms": round(ms.get("kvkit::" + r, 0.0), 1) for r in ranges},
+                         "top_self_ms": [[k, round(v, 1)] for v, k in self_ms[:15]]}
+    finally:
+        backend.force_full_reads(False)
+        for name, (cls, meth) in ranges.items():
+            setattr(cls, meth, saved[name])
+    return res
+
+
+def _child(extra: list[str]) -> dict:
+    """This script again, in its own process (``--child`` + ``extra`` + this run's arguments): its RESULT line."""
+    cmd = [sys.executable, __file__, "--child", *extra] + [x for x in sys.argv[1:] if x != "--child"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not line:
+        raise RuntimeError(p.stderr[-4000:])
+    return json.loads(line[-1][7:])
 
 
 def main():
@@ -215,10 +385,22 @@ def main():
     ap.add_argument("--capacity-configs", default=",".join(CAPACITY_CONFIGS),
                     help=f"engines of the capacity part, from {','.join(CAPACITY_CONFIGS)}")
     ap.add_argument("--engines", default="vanilla_bf16,vanilla_fp8,kvkit_quant4",
-                    help=f"engines of the 'engines' part (decode step per engine), from {','.join(DECODE_ENGINES)}")
+                    help=f"engines of the 'engines' part (decode step per engine), from {','.join(ENGINES)}")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="decode part: profile this many steps per mode (torch.profiler) after the timed steps")
+    ap.add_argument("--throughput-engines", default="vanilla_bf16,vanilla_fp8,kvkit_streaming,kvkit_quant4,kvkit_tidal",
+                    help=f"engines of the 'throughput' part, from {','.join(ENGINES)}")
+    ap.add_argument("--requests", type=int, default=16, help="throughput: needle requests submitted together")
+    ap.add_argument("--gen-tokens", type=int, default=128, help="throughput: tokens generated per request")
+    ap.add_argument("--baseline", default=None,
+                    help="throughput: an earlier result JSON whose vanilla_bf16 outputs the engines are compared to")
+    ap.add_argument("--throughput-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child and a.engine and a.throughput_child:
+        print("RESULT " + json.dumps(throughput(a)))
+        return
     if a.child and a.engine:
         print("RESULT " + json.dumps(engine_decode(a)))
         return
@@ -235,22 +417,22 @@ def main():
     if "engines" in parts:  # one engine per process, run one after the other: the decode step of each
         res["engines"] = {}
         for name in a.engines.split(","):
-            cmd = [sys.executable, __file__, "--child", "--engine", name] + [
-                x for x in sys.argv[1:] if x != "--child"]
-            p = subprocess.run(cmd, capture_output=True, text=True,
-                               env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            if p.returncode or not line:
-                raise RuntimeError(p.stderr[-4000:])
-            res["engines"][name] = json.loads(line[-1][7:])
+            res["engines"][name] = _child(["--engine", name])
             print(name, json.dumps({k: v for k, v in res["engines"][name].items() if k != "step_ms_all"}), flush=True)
+    if "throughput" in parts:  # one engine per process, one after the other, the same requests
+        res["throughput"] = {}
+        for name in a.throughput_engines.split(","):
+            r = res["throughput"][name] = _child(["--engine", name, "--throughput-child"])
+            print(name, json.dumps({k: v for k, v in r.items() if k not in ("tokens", "trace", "answers")}), flush=True)
+        base = res["throughput"].get("vanilla_bf16")
+        if base is None and a.baseline:  # vanilla bf16 ran in an earlier command (same arguments)
+            with open(a.baseline) as f:
+                base = json.load(f)["throughput"]["vanilla_bf16"]
+        for r in res["throughput"].values():
+            if base is not None:
+                r.update(_compare_to(base, r, a.answer_tokens))
     if "decode" in parts:
-        cmd = [sys.executable, __file__, "--child"] + [x for x in sys.argv[1:] if x != "--child"]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode or not line:
-            raise RuntimeError(p.stderr[-4000:])
-        res["decode"] = json.loads(line[-1][7:])
+        res["decode"] = _child([])
     res["load_avg_end"] = os.getloadavg()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:

@@ -103,3 +103,47 @@ def shutdown(llm) -> None:
         pass
     del llm
     gc.collect()
+
+
+def run_probe(args, out: str | os.PathLike, env_extra=None, timeout: float | None = None) -> dict:
+    """Run ``python -m kvkit.vllm.probe --out OUT *args`` in its own process (in-process engine there; no
+    ``KVKIT_VLLM_POLICY`` inherited) and return the JSON it writes."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **IN_PROCESS_ENV, **(env_extra or {}))
+    env.pop("KVKIT_VLLM_POLICY", None)
+    p = subprocess.run([sys.executable, "-m", "kvkit.vllm.probe", "--out", str(out), *args], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(f"kvkit.vllm.probe {' '.join(args)} failed ({p.returncode}):\n"
+                           + p.stdout[-3000:] + p.stderr[-6000:])
+    return json.loads(Path(out).read_text())
+
+
+def probe_runner(root: str | os.PathLike, timeout: float | None = None):
+    """``run(*args) -> dict``: :func:`run_probe` with results cached per argument tuple (one process per engine
+    configuration); ``TINY`` in an argument is replaced by a tiny-Llama folder under ``root``."""
+    root = Path(root)
+    tiny = root / "tiny-llama"
+    cache: dict = {}
+
+    def run(*args: str) -> dict:
+        key = tuple(a.replace("TINY", str(tiny)) for a in args)
+        if key not in cache:
+            cache[key] = run_probe(key, root / f"r{len(cache)}.json", timeout=timeout)
+        return cache[key]
+
+    return run
+
+
+def greedy_deltas(van: dict, other: dict) -> tuple[int, list[float]]:
+    """(identical leading tokens, |log-prob difference| over them) of one greedy generation against vanilla's;
+    both dicts hold ``tokens`` and ``logprobs`` lists."""
+    same = 0
+    for a, b in zip(van["tokens"], other["tokens"]):
+        if a != b:
+            break
+        same += 1
+    return same, [abs(x - y) for x, y in zip(van["logprobs"][:same], other["logprobs"][:same])]
