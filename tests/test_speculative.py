@@ -257,8 +257,13 @@ def test_sampling_follows_target_distribution():
 def test_bad_inputs():
     m = tiny_model("llama")
     ids = _prompt(30)
-    with pytest.raises(ValueError, match="batch size 1"):
-        generate(m, ids.repeat(2, 1), assistant=tiny_model("llama", seed=5, num_hidden_layers=1), max_new_tokens=4)
+    small = tiny_model("llama", seed=5, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="unknown assistant_cache option"):
+        generate(m, ids, assistant=small, assistant_cache={"policy": "streaming", "window": 8}, max_new_tokens=4)
+    with pytest.raises(ValueError, match="cache policy"):
+        generate(m, ids, assistant=small, assistant_cache={"policy": "cake"}, max_new_tokens=4)
+    with pytest.raises(ValueError, match="sink"):
+        generate(m, ids, assistant=small, assistant_cache={"budget": 8, "sink": 8}, max_new_tokens=4)
     with pytest.raises(ValueError, match="left padding"):
         generate(m, ids.repeat(2, 1), attention_mask=torch.ones(2, 30).index_fill_(1, torch.tensor([29]), 0), max_new_tokens=4)
     for g in (0, -1, 1.5, True):

@@ -128,6 +128,118 @@ def test_batch_refuses_a_sliding_or_compressing_target_cache():
         kvkit.unpatch(m)
 
 
+# ---- the hierarchy at batch: a tiny assistant drafts for the self-draft ---------------------------------------------
+@pytest.mark.parametrize(
+    "arch,policy,gamma,assistant_gamma,acache",
+    [("llama", "streaming", 4, 2, {"policy": "streaming", "budget": 24, "sink": 4}),
+     ("llama", "retrieval", 6, 3, {"policy": "streaming", "budget": 16, "sink": 2}),
+     ("qwen2", "streaming", 3, 1, {"policy": "full"}),
+     ("mistral", "streaming", 5, 4, {"policy": "streaming", "budget": 20, "sink": 4})],
+)
+def test_batched_hierarchy_equals_plain_batched_greedy(arch, policy, gamma, assistant_gamma, acache, monkeypatch):
+    """Rows of different lengths; the assistant's cache compacts past its budget (rows keep their own windows);
+    every level accepts per row; the output is plain batched greedy's, row by row."""
+    from kvkit.speculative.hierarchy import Assistant
+
+    m = tiny_model(arch, **({"sliding_window": 40} if arch == "mistral" else {}))
+    small = tiny_model(arch, seed=5, num_hidden_layers=1)
+    ids, mask, _ = left_padded_batch(LENGTHS, seed=6)
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    widths = []
+    compact = Assistant.compact
+
+    def spy(self):
+        before = self.pos.shape[1]
+        compact(self)
+        widths.append((before, self.pos.shape[1]))
+
+    monkeypatch.setattr(Assistant, "compact", spy)
+    st = SpeculativeStats()
+    out = generate(m, ids, attention_mask=mask, gamma=gamma, assistant=small, assistant_gamma=assistant_gamma,
+                   draft_policy=policy, draft_options=VIEWS[policy], assistant_cache=acache, max_new_tokens=30,
+                   eos_token_id=None, stats=st)
+    for b in range(len(LENGTHS)):
+        assert torch.equal(out[b], ref[b]), (arch, b)
+    assert st.new_tokens == 30 * len(LENGTHS)
+    assert 0 < st.assistant_accepted < st.assistant_drafted  # the assistant level really accepts and rejects
+    if acache["policy"] == "streaming":  # compacted to at most the budget, after the prompt and while decoding
+        shrunk = [(a, b) for a, b in widths if b < a]
+        assert len(shrunk) >= 2 and all(b <= acache["budget"] for _, b in shrunk)
+    assert getattr(small, "_kvkit_state", None) is None and getattr(m, "_kvkit_state", None) is None
+
+
+def test_batched_hierarchy_levels_feed_exactly():
+    """The assistant is a copy of the target with a full cache and the self-draft reads everything: every level then
+    computes plain greedy's tokens, so every draft must be accepted at both levels. Any slip in the per-row
+    bookkeeping (a filler or a hole read, a position off by one, a catch-up token missed) shows as a rejection."""
+    m = tiny_model("llama")
+    ids, mask, _ = left_padded_batch(LENGTHS, seed=9)
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    st = SpeculativeStats()
+    out = generate(m, ids, attention_mask=mask, gamma=5, assistant=copy.deepcopy(m), assistant_gamma=2,
+                   draft_options={"budget": 512, "sink": 4}, assistant_cache={"policy": "full"}, max_new_tokens=24,
+                   eos_token_id=None, stats=st)
+    assert torch.equal(out, ref)
+    assert st.assistant_drafted > 0 and st.assistant_acceptance_rate == 1.0 and st.acceptance_rate == 1.0
+    # a noisy copy as the assistant: the middle level rejects some of its drafts (holes in the middle's tail, rows
+    # apart), yet it still computes plain greedy's tokens, so the target accepts all of them
+    noisy = copy.deepcopy(m)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2 * p.std())
+    st = SpeculativeStats()
+    out = generate(m, ids, attention_mask=mask, gamma=5, assistant=noisy, assistant_gamma=3,
+                   draft_options={"budget": 512, "sink": 4}, max_new_tokens=24, eos_token_id=None, stats=st)
+    assert torch.equal(out, ref)
+    assert 0.2 < st.assistant_acceptance_rate < 0.9 and st.acceptance_rate == 1.0
+
+
+def test_batched_hierarchy_with_eos_and_rows_leaving():
+    m = tiny_model("llama")
+    small = tiny_model("llama", seed=5, num_hidden_layers=1)
+    ids, mask, _ = left_padded_batch([70, 50, 64, 33, 58], seed=2)
+    free = m.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)[:, 70:]
+    counts = [[int((r == t).any()) for r in free] for t in free[0, 2:8].tolist()]
+    eos = free[0, 2:8].tolist()[min(range(len(counts)), key=lambda i: sum(counts[i]))]
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    out = generate(m, ids, attention_mask=mask, gamma=4, assistant=small, assistant_gamma=2,
+                   draft_options=VIEWS["streaming"], assistant_cache={"budget": 16, "sink": 4}, max_new_tokens=40,
+                   eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_batched_hierarchy_sampling_follows_target_distribution():
+    """Chi-square at batch 8 with the assistant under the self-draft: both levels use the rejection rule."""
+    V, temp = 5, 0.8
+    m = tiny_model("llama", vocab_size=V, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    small = tiny_model("llama", vocab_size=V, num_hidden_layers=1, hidden_size=16, intermediate_size=32, seed=7)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40)
+        small.lm_head.weight.mul_(20)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, V, (20,), generator=g), torch.randint(1, V, (16,), generator=g)]
+    ids = torch.zeros(8, 20, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b in range(8):
+        p = prompts[b % 2]
+        ids[b, 20 - len(p) :], mask[b, 20 - len(p) :] = p, 1
+    laws = [_joint_law(m, p, V, temp) for p in prompts]
+    torch.manual_seed(0)
+    counts = torch.zeros(2, V * V, dtype=torch.float64)
+    st = SpeculativeStats()
+    for _ in range(40):
+        out = generate(m, ids, attention_mask=mask, gamma=2, assistant=small, assistant_gamma=2,
+                       assistant_cache={"budget": 6, "sink": 1}, draft_options={"budget": 3, "sink": 1},
+                       max_new_tokens=4, do_sample=True, temperature=temp, top_k=None, top_p=None, eos_token_id=None,
+                       stats=st)
+        for b in range(8):
+            counts[b % 2, out[b, 21] * V + out[b, 22]] += 1
+    assert 0.05 < st.acceptance_rate < 0.97 and 0.05 < st.assistant_acceptance_rate < 0.97
+    for i in range(2):
+        assert _chi2_pvalue(counts[i], laws[i]) > 1e-3, i
+
+
 def _ulp_bf16(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
 

@@ -1,8 +1,11 @@
 #!/bin/bash
-# Issue 19, second model: Qwen2.5-Coder-0.5B-Instruct on RULER-4K (3 samples per task, index-major: every task gets
-# sample 0 before any gets sample 1), every policy at ~50% of the KV removed (tidal: of the reads), question-agnostic
-# (context compressed before the question), one shared exact prefill per sample replayed into each policy. CPU,
-# 1 thread, resumable. Prompts: `kvkit eval ruler --model qwen2.5-coder-0.5b --length 4096 --samples 3
+# Issue 19, second model: Qwen2.5-Coder-0.5B-Instruct on RULER-4K (3 samples per task = 39, index-major: every task
+# gets sample 0 before any gets sample 1), CPU, 1 thread, resumable.
+# usage: bash benchmarks/policies/run_qwen05.sh half      # every policy at ~50% of the KV removed (tidal: of the reads)
+#        bash benchmarks/policies/run_qwen05.sh quarter   # ~75% removed
+#        bash benchmarks/policies/run_qwen05.sh qaware    # CAKE / SnapKV with the question in the prefill (own prefills)
+# half/quarter are question-agnostic (context compressed before the question), one shared exact prefill per sample
+# replayed into each policy. Prompts: `kvkit eval ruler --model qwen2.5-coder-0.5b --length 4096 --samples 3
 #   --dump-prompts results/policies/qwen05/ruler-4096-s3.jsonl`.
 # Calibration (kvkit/data/calibration/qwen2.5-coder-0.5b-instruct.json): `kvkit calibrate shadowkv --model
 # qwen2.5-coder-0.5b --out ... --threads 1` (rank 64 of 128) and `kvkit calibrate zipcache ...` (the paper's 4/2-bit
@@ -11,7 +14,28 @@
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 TQDM_MININTERVAL=60 TOKENIZERS_PARALLELISM=false
 Q=results/policies/qwen05
-nice -n 5 .venv/bin/kvkit eval sweep --model qwen2.5-coder-0.5b --prompts $Q/ruler-4096-s3.jsonl --out-root $Q --resume \
-  --run full=full --run streaming2048=streaming:budget=2048 --run snapkv2048=snapkv:budget=2048 \
-  --run cake2048=cake:budget=2048 --run chelsea50=chelsea:ratio=0.5 --run zipcache=zipcache \
-  --run shadowkv1024=shadowkv:budget=1024,min_prompt=2048 --run tidal1732kv=tidal:budget=1732,selection=kv_head
+P=$Q/ruler-4096-s3.jsonl
+M=qwen2.5-coder-0.5b
+case ${1:-half} in
+half)
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
+    --run full=full --run streaming2048=streaming:budget=2048 --run snapkv2048=snapkv:budget=2048 \
+    --run cake2048=cake:budget=2048 --run chelsea50=chelsea:ratio=0.5 --run zipcache=zipcache \
+    --run shadowkv1024=shadowkv:budget=1024,min_prompt=2048 --run tidal1732kv=tidal:budget=1732,selection=kv_head ;;
+quarter)
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
+    --run streaming1024=streaming:budget=1024 --run snapkv1024=snapkv:budget=1024 \
+    --run cake1024=cake:budget=1024 --run chelsea25=chelsea:ratio=0.25 \
+    --run shadowkv512=shadowkv:budget=512,min_prompt=2048 --run tidal550kv=tidal:budget=550,selection=kv_head ;;
+qaware)
+  # index-major: --samples n runs sample n-1 of every task before any task gets sample n
+  for b in 2048 1024; do
+    for n in 1 2 3; do
+      for p in cake snapkv; do
+        nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy $p --budget $b --full-prompt-prefill \
+          --prompts $P --samples $n --out $Q/$p$b-qaware --resume
+      done
+    done
+  done ;;
+*) echo "usage: $0 {half|quarter|qaware}" >&2; exit 2 ;;
+esac

@@ -215,6 +215,7 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         self.bufs = None  # (keys, values) buffers holding a gathered view and room for `room` draft tokens
         self.room = 16
         self.start = None  # [B] token position of the first tail token
+        self.rounds = None  # the DraftCache's round state (``tail_pos``), shared by its layers
 
     # drafting rounds
     def begin_round(self, token_pos=None, start=None) -> None:
@@ -327,8 +328,13 @@ class DraftLayer(StoreMixin, CacheLayerMixin):
         B, T, t = query.shape[0], query.shape[2], self.tail_len()
         total = self.get_seq_length()
         tail_spos = torch.arange(total - t, total, device=query.device, dtype=torch.int32).view(1, 1, t)
-        start = torch.full((B,), self.base_len, device=query.device) if self.start is None else self.start
-        tail_tpos = start.view(B, 1, 1) + torch.arange(t, device=query.device).view(1, 1, t)  # [B, 1, t]
+        tail_pos = self.rounds.tail_pos if self.rounds is not None else None
+        if tail_pos is not None:  # tail slots with holes (a drafter's rejected drafts; the hierarchy's middle level)
+            tail_spos = torch.where(tail_pos >= 0, tail_spos.view(1, t), -1).view(B, 1, t)
+            tail_tpos = tail_pos.view(B, 1, t)
+        else:
+            start = torch.full((B,), self.base_len, device=query.device) if self.start is None else self.start
+            tail_tpos = start.view(B, 1, 1) + torch.arange(t, device=query.device).view(1, 1, t)  # [B, 1, t]
         if keys is None:
             keys, values, spos, tpos = self.tail_k, self.tail_v, tail_spos.expand(B, 1, t), tail_tpos
         else:
@@ -362,11 +368,15 @@ class DraftCache(KVCache):
         self.policy, self.infos, self.shared = base.policy, base.infos, base.shared
         self._model_config = getattr(base, "_model_config", None)
         Cache.__init__(self, layers=[DraftLayer(layer, view) for layer in base.layers])
+        self.tail_pos = None  # [B, t] token position of every tail slot (-1: hole), when the drafter sets it
+        for layer in self.layers:
+            layer.rounds = self
 
     def begin_round(self, token_pos: torch.Tensor | None = None, start: torch.Tensor | None = None) -> None:
         """Forget the previous round's draft tokens; the view follows the real cache's new length.
 
         token_pos ``[B, n]``: each base slot's token position in its row (-1: padding / hole), start ``[B]``: the
         token position of the first token fed this round; both None when slots and tokens are numbered alike."""
+        self.tail_pos = None
         for layer in self.layers:
             layer.begin_round(token_pos, start)

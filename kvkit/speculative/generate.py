@@ -19,7 +19,7 @@ batched greedy's (fp32; in low precision up to near-ties, because a (k + 1)-toke
 differently from a one-token step). Sampling uses the standard rule per row, so the output follows
 the target's distribution. The draft tokens' K/V never enter the real cache (:mod:`.draft`).
 
-With ``assistant=`` a tiny model drafts for the self-draft (TriForce's hierarchy, batch 1,
+With ``assistant=`` a tiny model drafts for the self-draft (TriForce's hierarchy, every row on its own,
 :mod:`.hierarchy`).
 """
 
@@ -185,7 +185,7 @@ def decode(model, cache: KVCache, draft, rows: Rows, gamma: int, limit: int | No
         st.draft_steps += drafts.shape[1]
         st.accepted += int(n.sum())
         rows.commit(cache, drafts, n, nxt)
-        rows.retire([cache, draft.cache] if isinstance(draft, SelfDraft) else [cache],
+        rows.retire([cache, draft.cache] + ([draft] if isinstance(draft, HierarchicalDraft) else []),
                     (st.accepted + st.row_rounds) / st.row_rounds)
 
 
@@ -324,7 +324,7 @@ def generate(
     MagicDec) or ``"retrieval"`` (TriForce chunks) or a ``DraftView``; draft_options: its options
     (``budget``, ``sink`` / ``chunk``, ``rebuild``). gamma: tokens drafted per verification (fewer near
     the requested length and the model's trained context). assistant: a tiny model sharing the tokenizer
-    that drafts ``assistant_gamma`` (default gamma) tokens at a time for the self-draft (batch 1), with its
+    that drafts ``assistant_gamma`` (default gamma) tokens at a time for the self-draft, with its
     own cache (``assistant_cache``, default StreamingLLM 16 sinks / 256). adaptive: stop drafting when
     every row's draft top probability is below 0.4 (True) or the given threshold. stats: a
     :class:`SpeculativeStats` filled in place.
@@ -356,8 +356,6 @@ def generate(
     mask = mask.to(input_ids.device)
     if not bool((mask.long().diff(dim=1) >= 0).all()) or not bool(mask[:, -1].all()):
         raise ValueError("attention_mask must mark left padding only (0s then 1s in every row): pad on the left")
-    if assistant is not None and B > 1:
-        raise ValueError(f"the assistant hierarchy runs at batch size 1 (got {B}); drop assistant= for batched speculation")
     if streamer is not None and B > 1:
         raise ValueError("a streamer takes batch size 1, as in model.generate")
     via_hf = generation_config is not None
@@ -412,15 +410,8 @@ def generate(
         if assistant is None:
             drafter = SelfDraft(model, cache, view)
         else:
-            opts = dict(ASSISTANT_CACHE if assistant_cache is None else assistant_cache)
-            apol = opts.pop("policy", "streaming")
-            if apol not in ("streaming", "full"):
-                raise ValueError(f"the assistant's cache policy must be 'streaming' or 'full', got {apol!r}")
-            headroom = 2 * (gamma + assistant_gamma) + 8
-            if apol == "streaming":
-                opts["tail"] = max(opts.get("tail", 32), headroom + 1)
-            drafter = HierarchicalDraft(model, DraftCache(cache, view), assistant, KVCache(assistant, apol, **opts),
-                                        assistant_gamma, headroom)
+            drafter = HierarchicalDraft(model, DraftCache(cache, view), assistant,
+                                        ASSISTANT_CACHE if assistant_cache is None else assistant_cache, assistant_gamma)
 
         _sync(model)
         t0 = time.perf_counter()
@@ -429,7 +420,7 @@ def generate(
         lg = rows.process(logits_processor, lg)[:, 0]
         rows.start(pick(lg.softmax(-1) if do_sample else lg, do_sample))
         if assistant is not None:
-            drafter.prefill(prompt[0].cpu())
+            drafter.prefill(rows, prompt, mask, prompt.shape[1] + max_new_tokens + 2 * (gamma + assistant_gamma) + 4)
         _sync(model)
         t1 = time.perf_counter()
         run.stats.prefill_seconds += t1 - t0

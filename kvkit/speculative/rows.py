@@ -26,6 +26,24 @@ import torch
 from kvkit.speculative.verify import process
 
 
+def hole_mask(token_pos: torch.Tensor, q: torch.Tensor, windows: dict[str, int | None]):
+    """The attention mask of a forward of ``q.shape[1]`` tokens per row appended after held slots with holes.
+
+    token_pos ``[B, S]``: token position of every held slot (-1: padding / hole); q ``[B, T]``: the new tokens'
+    positions (-1: a filler the row does not have, hidden from every later query). Causal over slots, holes
+    hidden, a layer's sliding window applied in token positions. One layer type gives a ``[B, 1, T, S + T]`` bool
+    tensor; several give a dict by layer type (what transformers' hybrid models accept)."""
+    S, T = token_pos.shape[1], q.shape[1]
+    kpos = torch.cat([token_pos, q], dim=1)  # [B, S + T]
+    causal = torch.ones(T, S + T, dtype=torch.bool, device=kpos.device).tril(S)
+    allowed = (kpos >= 0)[:, None, :] & causal  # [B, T, S + T]
+    masks = {}
+    for kind, window in windows.items():
+        m = allowed if window is None else allowed & (q[:, :, None] - kpos[:, None, :] < window)
+        masks[kind] = m[:, None]
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
 class Rows:
     """Per-row state of a batched generation over a rectangular KV with holes (see the module docstring).
 
@@ -64,20 +82,10 @@ class Rows:
     def mask(self, T: int, windows: dict[str, int | None]):
         """The attention mask of a forward of T tokens per row appended after the held slots, or None when aligned.
 
-        windows: layer type -> sliding window (None: full attention). One layer type gives a ``[B, 1, T, S + T]`` bool
-        tensor; several give a dict by layer type (what transformers' hybrid models accept)."""
+        windows: layer type -> sliding window (None: full attention); see :func:`hole_mask`."""
         if self.aligned:
             return None
-        S = self.token_pos.shape[1]
-        q = self.positions(T)  # [B, T]
-        kpos = torch.cat([self.token_pos, q], dim=1)  # [B, S + T]
-        causal = torch.ones(T, S + T, dtype=torch.bool, device=kpos.device).tril(S)
-        allowed = (kpos >= 0)[:, None, :] & causal  # [B, T, S + T]
-        masks = {}
-        for kind, window in windows.items():
-            m = allowed if window is None else allowed & (q[:, :, None] - kpos[:, None, :] < window)
-            masks[kind] = m[:, None]
-        return next(iter(masks.values())) if len(masks) == 1 else masks
+        return hole_mask(self.token_pos, self.positions(T), windows)
 
     def sequence(self, b: int) -> torch.Tensor:
         """Row b (active index) as plain decoding sees it: its prompt row (padding included) and its new tokens."""
@@ -159,7 +167,7 @@ class Rows:
 
     @staticmethod
     def _device(cache):
-        for layer in cache.layers:
+        for layer in getattr(cache, "layers", ()):
             k = getattr(layer, "keys", None)
             if isinstance(k, torch.Tensor):
                 return k.device
