@@ -21,6 +21,14 @@ the blocks read. Every listed block except the last is full, so the shortened ``
   heads and keeps the sink blocks, the last block and the top-k others. The following layers reuse
   that block table (TidalDecode's position persistence) until the next selection layer.
 
+* ``duo`` (DuoAttention): a per-model pattern makes each KV head of each layer a retrieval head
+  (reads every block) or a streaming head (reads the sink blocks + the blocks of the last ``recent``
+  tokens). vLLM's op takes one block table per row, shared by all heads, so a layer that mixes both
+  kinds runs kvkit's per-(row, KV head) C kernel (:mod:`kvkit.kernels.paged_heads_cpu`) on its long
+  decode rows; a layer whose local heads are all retrieval (all streaming) runs vLLM's op on the full
+  (streaming-reduced) tables; prefill rows and decode rows whose context fits in the window run
+  vLLM's op unchanged.
+
 The same plan (a reduced ``block_table`` + ``seq_lens`` per decode row, built in the metadata
 builder, the selection in the impl) carries over to a GPU backend whose kernel takes block tables
 and sequence lengths (FlashAttention's ``block_table`` / ``seqused_k``); that path is not built or
@@ -29,13 +37,14 @@ tested here (no GPU on this machine).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config_or_none
-from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -87,6 +96,62 @@ class StepPlan:
     select_layers: tuple[int, ...] = ()
 
 
+@dataclass
+class DuoPlan:
+    """duo: what the decode rows of one step read, per kind of head; shared by every layer of the group."""
+
+    policy: PluginPolicy
+    block_size: int
+    record: StepRecord
+    full_read: int  # blocks of the decode rows, one layer (what a retrieval head reads)
+    stream_read: int  # blocks a streaming head reads over the decode rows, one layer
+    rows: torch.Tensor | None = None  # decode rows whose streaming heads read fewer blocks (None: none)
+    tok: torch.Tensor | None = None  # their query tokens
+    full_tbl: torch.Tensor | None = None  # [nr, W] int32: every block
+    full_ntok: torch.Tensor | None = None  # [nr] int32
+    stream_tbl: torch.Tensor | None = None  # [nr, W] int32: sink blocks, then the recent blocks (padded)
+    stream_ntok: torch.Tensor | None = None  # [nr] int32
+    last_fill: torch.Tensor | None = None  # [nr] tokens in each row's last block
+    need_op: bool = False  # other rows (prefill, short decode) need vLLM's op in mixed layers
+    num_reqs: int = 0
+    md: CPUAttentionMetadata | None = None
+    builder: object = None
+    _lists: dict = field(default_factory=dict)
+    _stream_md: CPUAttentionMetadata | None = None
+    _trim_md: CPUAttentionMetadata | None = None
+
+    def lists(self, retrieval: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-(row, KV head) block lists ``[nr, H, W]`` and token counts ``[nr, H]`` for a layer's heads."""
+        if retrieval not in self._lists:
+            m = torch.tensor(retrieval, dtype=torch.bool)
+            blocks = torch.where(m.view(1, -1, 1), self.full_tbl.unsqueeze(1), self.stream_tbl.unsqueeze(1))
+            ntok = torch.where(m.view(1, -1), self.full_ntok.unsqueeze(1), self.stream_ntok.unsqueeze(1))
+            self._lists[retrieval] = (blocks.contiguous(), ntok.contiguous())
+        return self._lists[retrieval]
+
+    def stream_md(self) -> CPUAttentionMetadata:
+        """vLLM's op with every long decode row reduced to its streaming blocks (layers of streaming heads only)."""
+        if self._stream_md is None:
+            md = self.md
+            table, seq = md.block_table.clone(), md.seq_lens[: self.num_reqs].clone()
+            table[self.rows, : self.stream_tbl.shape[1]] = self.stream_tbl.to(table.dtype)
+            seq[self.rows] = self.stream_ntok.to(seq.dtype)
+            self._stream_md = replace(md, block_table=table, seq_lens=seq,
+                                      scheduler_metadata=self.builder.sched(md, seq))
+        return self._stream_md
+
+    def trim_md(self) -> CPUAttentionMetadata:
+        """vLLM's op for the other rows; the kernel's rows read only their last block there (output overwritten)."""
+        if self._trim_md is None:
+            md = self.md
+            table, seq = md.block_table.clone(), md.seq_lens[: self.num_reqs].clone()
+            last = (self.full_ntok.long() + self.block_size - 1) // self.block_size - 1
+            table[self.rows, 0] = self.full_tbl.gather(1, last.unsqueeze(1)).squeeze(1).to(table.dtype)
+            seq[self.rows] = self.last_fill.to(seq.dtype)
+            self._trim_md = replace(md, block_table=table, seq_lens=seq, scheduler_metadata=self.builder.sched(md, seq))
+        return self._trim_md
+
+
 class KvkitCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -107,8 +172,59 @@ class KvkitCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
             md.kvkit_quant = quant.build_plan(self, md, common_attn_metadata.num_reqs)
             return md
+        if self.policy.name == "duo":
+            md.kvkit_duo = self._plan_duo(md, common_attn_metadata.num_reqs)
+            return md
         md.kvkit = self._plan(md, common_attn_metadata.num_reqs)
         return md
+
+    def sched(self, md: CPUAttentionMetadata, seq_lens: torch.Tensor) -> torch.Tensor:
+        """vLLM's scheduler metadata for ``md`` with other ``seq_lens``."""
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.numel(), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype, query_start_loc=md.query_start_loc,
+            causal=md.causal, sliding_window_size=self.window_size, isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=md.dynamic_causal,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def _plan_duo(self, md: CPUAttentionMetadata, num_reqs: int) -> DuoPlan:
+        """duo: the decode rows whose context reaches past a streaming head's window, and both block lists of
+        each (every block; sink blocks + the blocks of the last ``recent`` tokens)."""
+        p, bs = self.policy, self.block_size
+        qsl = md.query_start_loc[: num_reqs + 1]
+        seq = md.seq_lens[:num_reqs].long()
+        nb = (seq + bs - 1) // bs
+        decode = (qsl[1:] - qsl[:-1]) == 1
+        full_read = int(nb[decode].sum())
+        rec = STATS.new_step(int(decode.sum()), full_read)
+        rec.kv_heads = self.num_kv_heads
+        plan = DuoPlan(p, bs, rec, full_read, full_read)
+        if _force_full or not bool(decode.any()):
+            return plan
+        S = p.sink_blocks(bs)
+        first = torch.clamp((seq - p.recent).clamp_min(0) // bs, min=S)  # first block of the recent window
+        reduce = decode & (first > S)
+        if not bool(reduce.any()):
+            return plan
+        rows = reduce.nonzero().squeeze(1)
+        rnb, rfirst, rseq = nb[rows], first[rows], seq[rows]
+        cnt = S + rnb - rfirst  # blocks a streaming head reads
+        W = int(rnb.max())
+        full_tbl = md.block_table[rows, :W].to(torch.int32)
+        j = torch.arange(W).unsqueeze(0)
+        col = torch.where(j < S, j, rfirst.unsqueeze(1) + (j - S))
+        col = torch.where(j < cnt.unsqueeze(1), col, 0)
+        last_fill = rseq - (rnb - 1) * bs
+        plan.rows, plan.tok = rows, qsl[rows].long()
+        plan.full_tbl, plan.full_ntok = full_tbl.contiguous(), rseq.to(torch.int32)
+        plan.stream_tbl = full_tbl.gather(1, col).contiguous()
+        plan.stream_ntok = ((cnt - 1) * bs + last_fill).to(torch.int32)
+        plan.last_fill = last_fill
+        plan.stream_read = full_read - int(rnb.sum()) + int(cnt.sum())
+        plan.need_op = not bool(reduce.all())  # prefill rows or decode rows within the window
+        plan.md, plan.builder, plan.num_reqs = md, self, num_reqs
+        return plan
 
     def _plan(self, md: CPUAttentionMetadata, num_reqs: int) -> StepPlan:
         p, bs = self.policy, self.block_size
@@ -178,6 +294,18 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         self._kmax: torch.Tensor | None = None  # tidal selection layers: per-block key max [blocks, kv_heads, D]
         self._kmin: torch.Tensor | None = None
         self._keys: torch.Tensor | None = None  # tidal score=exact: selection layers' keys [slots, kv_heads, D]
+        self._duo_retrieval: torch.Tensor | None = None  # duo: [layers, this rank's KV heads] bool
+        self._duo_mask: tuple[bool, ...] | None = None  # duo: this layer's heads (True: retrieval)
+        self._duo_kernel = os.environ.get("KVKIT_VLLM_DUO_KERNEL", "mixed").strip().lower()
+        if p is not None and p.name == "duo" and self.attn_type == AttentionType.DECODER:
+            if self.sinks is not None or self.alibi_slopes is not None or self.logits_soft_cap or \
+                    self.kv_cache_dtype != "auto":
+                raise NotImplementedError("kvkit.vllm duo: attention sinks, ALiBi, logit soft-capping and "
+                                          "kv_cache_dtype other than 'auto' are not supported")
+            if self._duo_kernel not in ("mixed", "always"):
+                raise ValueError(f"kvkit.vllm: KVKIT_VLLM_DUO_KERNEL must be 'mixed' or 'always', got "
+                                 f"{self._duo_kernel!r}")
+            self._duo_retrieval = duo_retrieval_heads(p, vllm_config, self.num_kv_heads)
 
     def _layer(self, layer) -> int:
         if self._layer_idx is None:
@@ -230,6 +358,11 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             from kvkit.vllm import quant
 
             return quant.forward(self, layer, query, key, value, kv_cache, qplan, output)
+        dplan: DuoPlan | None = getattr(attn_metadata, "kvkit_duo", None)
+        if dplan is not None and self._duo_retrieval is not None:
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError("kvkit.vllm duo: fused output quantization is not supported")
+            return self._forward_duo(layer, query, key, value, kv_cache, attn_metadata, dplan, output)
         plan: StepPlan | None = getattr(attn_metadata, "kvkit", None)
         if plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -255,6 +388,36 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         if plan.rows is not None and plan.policy.name == "tidal" and li in plan.select_layers:
             plan.reduced = self._select(plan, query, attn_metadata)
         return out
+
+    def _forward_duo(self, layer, query, key, value, kv_cache, md: CPUAttentionMetadata, plan: DuoPlan, output):
+        """duo: retrieval heads read every block, streaming heads the sink + recent blocks (see the module doc)."""
+        if kv_cache.shape[2] != plan.block_size:
+            raise RuntimeError(
+                f"kvkit.vllm: kernel block size {kv_cache.shape[2]} != manager block size {plan.block_size}"
+            )
+        if self._duo_mask is None:
+            self._duo_mask = tuple(bool(x) for x in self._duo_retrieval[self._layer(layer)].tolist())
+        mask = self._duo_mask
+        H, n_ret = len(mask), sum(mask)
+        rec = plan.record
+        rec.layer_calls += 1
+        rec.head_blocks_read += n_ret * plan.full_read + (H - n_ret) * plan.stream_read
+        rec.blocks_read = rec.head_blocks_read / H
+        everywhere = self._duo_kernel == "always"
+        if plan.rows is None or (n_ret == H and not everywhere):
+            return super().forward(layer, query, key, value, kv_cache, md, output)
+        if n_ret == 0 and not everywhere:
+            return super().forward(layer, query, key, value, kv_cache, plan.stream_md(), output)
+        if plan.need_op:  # prefill rows / short decode rows; the kernel's rows read one block there, overwritten
+            super().forward(layer, query, key, value, kv_cache, plan.trim_md(), output)
+        from kvkit.kernels import paged_heads_cpu as PH
+
+        blocks, ntok = plan.lists(mask)
+        key_cache, value_cache = PH.split_cache(kv_cache)
+        out = PH.decode(query[plan.tok], key_cache, value_cache, blocks, ntok, self.scale,
+                        PH.layout_for_isa(layer.isa))
+        output[plan.tok] = out.view(output[plan.tok].shape).to(output.dtype)
+        return output
 
     def _select(self, plan: StepPlan, query: torch.Tensor, md: CPUAttentionMetadata):
         """Quest-style block scores from the key summaries; top-k blocks per decode row."""
@@ -298,6 +461,41 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         top = agg.topk(k - s - 1, dim=1).indices.sort(dim=1).values
         cols = torch.cat([torch.arange(s).expand(n, s), top, (nb - 1).unsqueeze(1)], dim=1)
         return _with_table(md, plan, rows, cols)
+
+
+_DUO_CACHE: dict = {}
+
+
+def duo_retrieval_heads(policy: PluginPolicy, vllm_config, local_kv_heads: int) -> torch.Tensor:
+    """duo: ``[layers, local_kv_heads]`` bool (True: retrieval head) for this rank's KV heads.
+
+    The pattern is kvkit's (``kvkit.policies.duo``: the shipped one for the model, or ``policy.pattern``), binarised
+    with the same sparsity default as ``kvkit.patch(model, "duo")``. Tensor parallelism: vLLM gives rank ``r`` the KV
+    heads ``[r * H / tp, (r + 1) * H / tp)``, or, with fewer KV heads than ranks, replicates head ``r // (tp / H)``.
+    """
+    from kvkit.policies.duo import Duo
+
+    if vllm_config is None:
+        raise RuntimeError("kvkit.vllm duo: no vLLM config in this context (the model config gives the pattern)")
+    hf = vllm_config.model_config.hf_config
+    tc = vllm_config.model_config.hf_text_config
+    total = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    key = (policy, id(hf))
+    if key not in _DUO_CACHE:
+        duo = Duo(pattern=policy.pattern, sparsity=policy.sparsity, sink=policy.sink, recent=policy.recent)
+        try:
+            _DUO_CACHE[key] = duo.retrieval_heads(hf)
+        except ValueError as e:
+            raise ValueError(f"kvkit.vllm: {e}") from None
+    full = _DUO_CACHE[key]
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    if total >= tp:
+        if local_kv_heads * tp != total:
+            raise ValueError(f"kvkit.vllm duo: {local_kv_heads} KV heads per rank x TP {tp} != {total} KV heads")
+        heads = list(range(rank * local_kv_heads, (rank + 1) * local_kv_heads))
+    else:
+        heads = [rank // (tp // total)]
+    return full[:, heads].clone()
 
 
 class KvkitCPUAttentionBackend(CPUAttentionBackend):

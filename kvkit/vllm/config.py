@@ -4,7 +4,7 @@ Two ways to switch the plugin on (the first found wins); without either it is of
 exactly its own CPU attention:
 
 * per engine: ``LLM(..., additional_config={"kvkit": "streaming:budget=1024,sink=4"})``
-  (packed 4-bit pages: ``{"kvkit": "quant:bits=4"}``)
+  (packed 4-bit pages: ``{"kvkit": "quant:bits=4"}``; DuoAttention: ``{"kvkit": "duo"}``)
   (or ``{"kvkit": {"policy": "streaming", "budget": 1024, "sink": 4}}``; ``vllm serve
   --additional-config '{"kvkit": "tidal:budget=2048"}'`` on the command line);
 * per process: the environment variable ``KVKIT_VLLM_POLICY=streaming:budget=1024,sink=4``.
@@ -22,8 +22,11 @@ ENV_VAR = "KVKIT_VLLM_POLICY"
 CONFIG_KEY = "kvkit"
 
 # Policies the vLLM plugin runs, and the kvkit policies it does not run (yet): named in the error.
-VLLM_POLICIES = ("full", "streaming", "tidal", "quest", "quant")
-NOT_IN_VLLM = ("duo", "cake", "shadowkv", "zipcache", "chelsea")
+VLLM_POLICIES = ("full", "streaming", "tidal", "quest", "quant", "duo")
+NOT_IN_VLLM = ("cake", "shadowkv", "zipcache", "chelsea")
+
+SINK_DEFAULT = 4  # streaming / tidal: leading tokens always read
+DUO_SINK_DEFAULT = 64  # duo: DuoAttention's deploy setting (sink 64, recent 256; arXiv:2410.10819)
 
 
 @dataclass(frozen=True)
@@ -42,15 +45,25 @@ class PluginPolicy:
         "quest" (Quest's upper bound from per-block key min/max summaries: no key copy, coarser).
     bits : quant: bits per K/V code in the packed pages (4 or 8); see ``kvkit/vllm/quant.py``. Every token is
         kept and read (``budget``/``sink`` do not apply).
+    recent : duo: tokens a streaming head reads at the end of its context (DuoAttention's deploy setting 256).
+        A streaming head reads the blocks covering the first ``sink`` tokens (default 64 for duo) and the last
+        ``recent`` tokens; a retrieval head reads every block.
+    pattern : duo: a DuoAttention pattern file (kvkit JSON or the reference TSV); None: the one kvkit ships for
+        the model (``kvkit.policies.duo.shipped_pattern``), an error if none ships.
+    sparsity : duo: fraction of KV heads made streaming heads (global quantile of the pattern's gates); None:
+        0.5 for GQA models, 0.75 for MHA (the paper's and ``kvkit.patch(model, "duo")``'s default).
     """
 
     name: str = "full"
     budget: int = 1024
-    sink: int = 4
+    sink: int | None = None  # None: 4 (streaming, tidal), 64 (duo)
     reselect_layer: int | None = None
     free: int = 1
     score: str = "exact"
     bits: int = 4
+    recent: int = 256
+    pattern: str | None = None
+    sparsity: float | None = None
 
     def __post_init__(self):
         if self.name not in VLLM_POLICIES:
@@ -60,6 +73,8 @@ class PluginPolicy:
             raise ValueError(
                 f"kvkit.vllm: unknown policy {self.name!r}{hint}; the vLLM plugin runs: {', '.join(VLLM_POLICIES)}"
             )
+        if self.sink is None:
+            object.__setattr__(self, "sink", DUO_SINK_DEFAULT if self.name == "duo" else SINK_DEFAULT)
         for key in ("budget", "sink", "free", "bits"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -72,6 +87,13 @@ class PluginPolicy:
             raise ValueError(f"kvkit.vllm: bits must be 4 or 8, got {self.bits!r}")
         if self.score not in ("exact", "quest"):
             raise ValueError(f"kvkit.vllm: score must be 'exact' or 'quest', got {self.score!r}")
+        if isinstance(self.recent, bool) or not isinstance(self.recent, int) or self.recent < 1:
+            raise ValueError(f"kvkit.vllm: recent must be an integer >= 1, got {self.recent!r}")
+        sp = self.sparsity
+        if sp is not None and (isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0 <= sp <= 1):
+            raise ValueError(f"kvkit.vllm: sparsity must be a fraction in [0, 1], got {sp!r}")
+        if self.pattern is not None and not isinstance(self.pattern, str):
+            raise ValueError(f"kvkit.vllm: pattern must be a file path, got {type(self.pattern).__name__}")
         if self.reselect_layer is not None and (not isinstance(self.reselect_layer, int) or self.reselect_layer < 3):
             raise ValueError(f"kvkit.vllm: reselect_layer must be an integer >= 3, got {self.reselect_layer!r}")
 
@@ -85,6 +107,11 @@ class PluginPolicy:
 
     def recent_blocks(self, block_size: int) -> int:
         return self.budget_blocks(block_size) - self.sink_blocks(block_size)
+
+    def recent_start_block(self, seq_len: int, block_size: int) -> int:
+        """duo: the first block of a streaming head's recent window (it reads blocks ``[0, sink_blocks)`` and
+        ``[max(sink_blocks, this), ceil(seq_len / block_size))``)."""
+        return max(self.sink_blocks(block_size), max(0, seq_len - self.recent) // block_size)
 
     def select_layers(self, num_layers: int) -> tuple[int, ...]:
         """tidal: the layers that read everything and (re)select the blocks the next layers read;
@@ -114,6 +141,21 @@ def _int_or_none(key: str, value: str):
         return int(value)
     except ValueError:
         raise ValueError(f"kvkit.vllm: option {key}={value!r} is not an integer") from None
+
+
+def _parse_value(key: str, value: str):
+    if key == "score":
+        return value
+    if key == "pattern":
+        return None if value.lower() in ("none", "") else value
+    if key == "sparsity":
+        if value.lower() in ("none", ""):
+            return None
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"kvkit.vllm: option sparsity={value!r} is not a number") from None
+    return _int_or_none(key, value)
 
 
 def parse_policy(spec) -> PluginPolicy | None:
@@ -149,7 +191,7 @@ def parse_policy(spec) -> PluginPolicy | None:
     unknown = set(kwargs) - known
     if unknown:
         raise ValueError(f"kvkit.vllm: unknown option(s) {sorted(unknown)} for {name!r}; known: {sorted(known)}")
-    clean = {k: (_int_or_none(k, v) if isinstance(v, str) and k != "score" else v) for k, v in kwargs.items()}
+    clean = {k: (_parse_value(k, v) if isinstance(v, str) else v) for k, v in kwargs.items()}
     return PluginPolicy(name=name, **clean)
 
 

@@ -4,6 +4,11 @@ One record per metadata build (one engine step of one KV-cache group): the decod
 step, the blocks a full read of their contexts would touch in one layer (``full_blocks``), the
 blocks actually handed to the op summed over layers (``blocks_read``) and the number of layer calls.
 Only decode rows (one query token) are counted: prefill is exact full attention and not counted.
+
+Policies that read the same blocks in every KV head count blocks. ``duo`` reads per KV head (a retrieval head
+every block, a streaming head sink + recent blocks): it counts (block, KV head) pairs in ``head_blocks_read``
+(summed over layers and the rank's ``kv_heads``), and ``blocks_read`` is their mean over the KV heads (a float);
+``read_fraction`` is then the mean fraction over heads and layers.
 Reachable from tests and benchmarks with the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
@@ -17,11 +22,16 @@ from dataclasses import dataclass
 class StepRecord:
     decode_reqs: int
     full_blocks: int  # blocks of the decode rows' contexts, one layer
-    blocks_read: int = 0  # blocks handed to the op for the decode rows, summed over layers
+    blocks_read: float = 0  # blocks handed to the op for the decode rows, summed over layers (duo: mean over heads)
     layer_calls: int = 0
+    kv_heads: int = 0  # duo: KV heads of this rank (reads counted per head); 0: reads counted per block
+    head_blocks_read: int = 0  # duo: (block, KV head) pairs read by the decode rows, summed over layers
 
     @property
     def read_fraction(self) -> float:
+        if self.kv_heads:
+            denom = self.full_blocks * self.layer_calls * self.kv_heads
+            return self.head_blocks_read / denom if denom else 1.0
         denom = self.full_blocks * self.layer_calls
         return self.blocks_read / denom if denom else 1.0
 
