@@ -101,3 +101,78 @@ def test_chunked_prefill_matches_mechanics():
 def test_bad_options(bad):
     with pytest.raises(ValueError, match="chelsea"):
         kvkit.get_policy("chelsea", **bad)
+
+
+def test_protect_keeps_the_most_attended_tokens_exact_at_the_same_memory():
+    """protect: per chunk, the slots with the highest observation-window attention stay exact (size 1, the very
+    key and value); the chunk still keeps ceil(ratio * chunk) slots, so memory matches the paper's matching (plus
+    the score), and the protected slots are the top of the score the store computed."""
+    model = tiny_model("llama")
+    n = 70
+    ids = _ids(n)
+    caches = {}
+    for protect in (0.0, 0.25):
+        kvkit.patch(model, "chelsea", ratio=0.5, protect=protect, **SMALL)
+        cache = kvkit.KVCache(model)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        caches[protect] = cache
+        kvkit.unpatch(model)
+    full = kvkit.KVCache(kvkit.patch(model, "full"))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=full, use_cache=True)
+    kvkit.unpatch(model)
+    for i, (a, b) in enumerate(zip(_stores(caches[0.0]), _stores(caches[0.25]))):
+        assert a.num_slots() == b.num_slots() and a.n_merged == b.n_merged
+        fk, fv = full.layers[i].keys, full.layers[i].values
+        H = fk.shape[1]
+        for h in range(H):
+            m = b.n_merged
+            single = (b.size[0, h, :m] == 1).nonzero()[:, 0]
+            pos = b.pos[0, h, single].long()
+            # every protected (size-1) centroid is the exact token at its position
+            torch.testing.assert_close(b.keys[0, h, single], fk[0, h, pos])
+            torch.testing.assert_close(b.values[0, h, single], fv[0, h, pos])
+            # each merged chunk (8 tokens, 2 protected) has at least its 2 protected tokens exact: those with the
+            # highest score among the chunk's tokens
+            assert single.numel() >= 2 * (m // 4)
+    # the protection changes what is kept
+    assert any(not torch.equal(a.keys, b.keys) for a, b in zip(_stores(caches[0.0]), _stores(caches[0.25])))
+    nb0 = sum(s.nbytes() for s in _stores(caches[0.0]))
+    nb1 = sum(s.nbytes() for s in _stores(caches[0.25]))
+    assert nb1 > nb0 and nb1 - nb0 <= sum(s.score.numel() * 4 for s in _stores(caches[0.25]))
+
+
+def test_protect_selects_by_attention(monkeypatch):
+    """The tokens kept exact in each merged chunk are the chunk's top-2 by the score the store computed."""
+    from kvkit.policies.chelsea import Chelsea
+
+    seen = []
+    compress = ChelseaStore.compress
+
+    def spy(self):
+        if self.score is not None and not seen:
+            seen.append((self.score.clone(), self.pos.clone()))
+        compress(self)
+
+    monkeypatch.setattr(ChelseaStore, "compress", spy)
+    model = tiny_model("llama")
+    kvkit.patch(model, "chelsea", ratio=0.5, protect=0.25, **SMALL)
+    cache = kvkit.KVCache(model)
+    with torch.no_grad():
+        model(input_ids=_ids(40), past_key_values=cache, use_cache=True)
+    kvkit.unpatch(model)
+    score, pos = seen[0]
+    s = _stores(cache)[0]
+    chunks = (40 - 2 - 4) // 8
+    assert s.n_merged == chunks * 4
+    for h in range(score.shape[1]):
+        exact = set(s.pos[0, h, : s.n_merged][s.size[0, h, : s.n_merged] == 1].tolist())
+        for c in range(chunks):
+            lo = 2 + 8 * c
+            top = score[0, h, lo : lo + 8].topk(2).indices + lo
+            assert set(pos[0, h, top].tolist()) <= exact, (h, c)
+    with pytest.raises(ValueError, match="protect < ratio"):
+        Chelsea(ratio=0.25, protect=0.25, chunk_size=8)
+    with pytest.raises(ValueError, match="protect"):
+        Chelsea(protect=1.5)

@@ -17,6 +17,15 @@ each row, so a left-padded row is clustered exactly as the same prompt alone. Me
 the prefill and, during decoding, at the start of ``update`` once ``merge_interval`` new tokens have
 arrived (on the committed tokens only, so ``crop`` of the newest tokens stays exact).
 
+Beyond the paper (kvkit, ``protect``, off by default): the tokens the prompt's last ``window`` queries attend to
+most are kept exact. On RULER the paper's matching merges a needle's digit keys first (they are each other's
+nearest neighbours), which loses the answer; with ``protect = f`` the ``ceil(f * chunk_size)`` slots of each chunk
+with the highest observation-window attention (SnapKV's score: summed over the window's queries and over each KV
+head's query group, max-pooled over 7 neighbouring tokens) are taken out of the matching and the rest merges
+down to ``ceil(ratio * chunk_size) - ceil(f * chunk_size)`` slots, so a chunk still keeps exactly
+``ceil(ratio * chunk_size)`` slots (same memory). Scores come from the prefill; chunks of generated tokens
+(merged during decoding) have no score and protect their earliest tokens.
+
 Slot positions (for causal masking): a centroid's position is the position of its latest member.
 Only committed tokens older than the recent window are merged, so every centroid lies strictly in
 the past of any later query and the causal mask never hides it.
@@ -63,6 +72,9 @@ class Chelsea(Policy):
     size_bias : bool
         Add ``log(cluster size)`` to merged keys' scores (ToMe proportional attention; kvkit's
         option, default from a measurement on the default model, see results/chelsea/README.md).
+    protect : float
+        Fraction of each chunk kept exact by observation-window attention (kvkit, beyond the paper;
+        0 = the paper). Must stay below ``ratio``.
     """
 
     ratio: float = 0.2  # Chelsea: up to 80% KV memory reduction
@@ -71,6 +83,9 @@ class Chelsea(Policy):
     window: int = 32  # recent tokens kept exact
     merge_interval: int = 64  # one chunk of new tokens between merges
     size_bias: bool = True  # measured: see results/chelsea/README.md
+    protect: float = 0.0  # kvkit: 0 = the paper's matching over every slot of a chunk
+
+    PROTECT_POOL: ClassVar[int] = 7  # max-pool of the protection score over neighbouring tokens (SnapKV's kernel)
 
     description = "Chelsea: chunked soft-matching merge of similar keys/values into sized centroids (2506.11418)"
     saves = "memory+reads"
@@ -87,10 +102,22 @@ class Chelsea(Policy):
                 raise ValueError(f"chelsea: {name} must be an integer >= 0, got {val!r}")
         if not isinstance(self.size_bias, bool):
             raise ValueError(f"chelsea: size_bias must be True or False, got {self.size_bias!r}")
+        if isinstance(self.protect, bool) or not isinstance(self.protect, (int, float)) or not 0 <= self.protect < 1:
+            raise ValueError(f"chelsea: protect must be a fraction in [0, 1), got {self.protect!r}")
+        if self.protect and self.protected_per_chunk >= self.kept_per_chunk:
+            raise ValueError(
+                f"chelsea: protect ({self.protect}) keeps {self.protected_per_chunk} of each {self.chunk_size}-token "
+                f"chunk exact, but the chunk keeps only {self.kept_per_chunk} slots (ratio {self.ratio}): "
+                "use protect < ratio"
+            )
 
     @property
     def kept_per_chunk(self) -> int:
         return max(1, math.ceil(self.ratio * self.chunk_size - 1e-9))
+
+    @property
+    def protected_per_chunk(self) -> int:
+        return math.ceil(self.protect * self.chunk_size - 1e-9) if self.protect else 0
 
     def new_layer(self, info: LayerInfo):
         return ChelseaStore(info, self)
@@ -160,18 +187,19 @@ def _compact_valid(valid):
 class ChelseaStore(SlotStore):
     """Merged centroids (first ``n_merged`` slots) + exact slots (sinks, unmerged, window, new)."""
 
-    _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto")
+    _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto", "score")
 
     def __init__(self, info: LayerInfo, policy: Chelsea):
         super().__init__(info)
         self.p = policy
         self.size: torch.Tensor | None = None  # [B, H, n] int32 cluster sizes
         self.merged_upto: torch.Tensor | None = None  # [B] tokens (from the first real one) already merged
+        self.score: torch.Tensor | None = None  # [B, H, n] fp32 protection score (``protect`` > 0 only)
         self.n_merged = 0
 
     def reset(self) -> None:
         super().reset()
-        self.size = self.merged_upto = None
+        self.size = self.merged_upto = self.score = None
         self.n_merged = 0
 
     def append(self, k, v) -> None:
@@ -183,16 +211,29 @@ class ChelseaStore(SlotStore):
             self.pos = self.pos.expand(-1, H, -1).contiguous()  # centroids differ per head
         one = torch.ones(B, H, T, dtype=torch.int32, device=k.device)
         self.size = one if self.size is None else torch.cat([self.size, one], -1)
+        if self.score is not None:  # generated tokens have no observation score
+            self.score = torch.cat([self.score, self.score.new_zeros(B, H, T)], -1)
 
     def _drop_last(self, n: int) -> None:
         super()._drop_last(n)
         self.size = self.size[..., :-n]
+        if self.score is not None:
+            self.score = self.score[..., :-n]
 
     def nbytes(self) -> int:
-        return _tensor_bytes(self.keys, self.values, self.pos, self.size, self.first_pos, self.merged_upto)
+        return _tensor_bytes(self.keys, self.values, self.pos, self.size, self.first_pos, self.merged_upto,
+                             self.score)
 
     # ---- merging -----------------------------------------------------------------------------
     def on_prefill(self, query, module) -> None:
+        if self.p.protected_per_chunk:
+            from kvkit.stores.scored import pool_group, window_attention
+
+            w = max(1, min(self.p.window, query.shape[2]))
+            qpos = torch.arange(self.seen - w, self.seen, device=query.device)
+            scaling = getattr(module, "scaling", None) or self.info.head_dim**-0.5
+            a = window_attention(query[:, :, -w:], self.keys, self.pos, qpos, scaling).sum(dim=2)  # [B, Hq, n]
+            self.score = pool_group(a, Chelsea.PROTECT_POOL, self.keys.shape[1], mode="max")
         self.compress()
 
     def should_compress(self) -> bool:
@@ -227,7 +268,21 @@ class ChelseaStore(SlotStore):
         gv = _take(v, grid).float().view(B, H, C, L, D)
         gp = _take(pos, grid).view(B, H, C, L)
         gs = _take(size, grid).float().view(B, H, C, L)
-        mk, mv, mp, ms = merge_chunks(gk, gv, gp, gs, K)
+        P = p.protected_per_chunk
+        if P and self.score is not None:
+            # the P highest-scored slots of each chunk stay exact; the others merge down to K - P
+            gsc = _take(self.score, grid).view(B, H, C, L)
+            prot = torch.zeros_like(gsc, dtype=torch.bool).scatter_(-1, gsc.topk(P, dim=-1).indices, True)
+            order = prot.to(torch.int8).argsort(dim=-1, stable=True)  # unprotected first, in time order
+            sub = lambda x, idx: x.gather(-1, idx) if x.dim() == idx.dim() else _rows(x, idx)  # noqa: E731
+            mk, mv, mp, ms = merge_chunks(*(sub(x, order[..., : L - P]) for x in (gk, gv, gp, gs)), K - P)
+            keep = order[..., L - P :]
+            mk, mv = torch.cat([mk, _rows(gk, keep)], -2), torch.cat([mv, _rows(gv, keep)], -2)
+            mp, ms = torch.cat([mp, gp.gather(-1, keep)], -1), torch.cat([ms, gs.gather(-1, keep)], -1)
+            srt = mp.argsort(dim=-1, stable=True)
+            mk, mv, mp, ms = _rows(mk, srt), _rows(mv, srt), mp.gather(-1, srt), ms.gather(-1, srt)
+        else:
+            mk, mv, mp, ms = merge_chunks(gk, gv, gp, gs, K)
         ok = (torch.arange(C, device=dev)[None, :] < chunks[:, None])[:, None, :, None]  # [B, 1, C, 1]
         mp = torch.where(ok, mp, torch.full_like(mp, -1))
         new_k = mk.to(k.dtype).reshape(B, H, C * K, D)
@@ -250,6 +305,8 @@ class ChelseaStore(SlotStore):
         self.values = torch.cat([_take(mv_all, sel_m), _take(v, sel_r)], 2)
         self.pos = torch.cat([_take(mp_all, sel_m), rp], 2)
         self.size = torch.cat([_take(ms_all, sel_m), _take(size, sel_r)], 2)
+        if self.score is not None:  # centroids are never merged again: their score no longer matters
+            self.score = torch.cat([self.score.new_zeros(B, H, sel_m.shape[1]), _take(self.score, sel_r)], 2)
         self.n_merged = sel_m.shape[1]
         self.merged_upto = mu + chunks * L
 
