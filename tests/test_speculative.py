@@ -330,9 +330,10 @@ def test_default_model_greedy_ten_long_prompts(default_model):
     assert 0.2 < sum(r.acceptance for r in results) / len(results) < 1.0
 
 
-def test_speculate_cli_self_draft_and_hierarchy_in_one_run(tmp_path):
-    # `kvkit speculate --assistant`: plain, self-draft alone and self-draft under the assistant share one
-    # prefill, every row is lossless, and the json marks which rows used the assistant
+@pytest.mark.parametrize("batch", [1, 3])
+def test_speculate_cli_self_draft_and_hierarchy_in_one_run(tmp_path, batch):
+    # `kvkit speculate --assistant [--batch 3]`: plain, self-draft alone and self-draft under the assistant share
+    # one prefill, every row is lossless, and the json marks which rows used the assistant
     import json
 
     from kvkit.cli import main
@@ -348,9 +349,10 @@ def test_speculate_cli_self_draft_and_hierarchy_in_one_run(tmp_path):
     out = tmp_path / "spec.jsonl"
     code = main(["speculate", "--model", dirs["target"], "--assistant", dirs["small"], "--length", "300",
                  "--new-tokens", "8", "--gamma", "3", "--assistant-gamma", "2", "--draft-policy", "streaming",
-                 "--budget", "64", "--json", str(out)])
+                 "--budget", "64", "--batch", str(batch), "--json", str(out)])
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [batch] * 3
     assert [r["setting"].endswith("assistant " + dirs["small"]) for r in rows] == [False, False, True]
     assert [r["assistant"] for r in rows] == [None, None, dirs["small"]]
     assert all(r["same"] for r in rows) and rows[2]["assistant_acceptance"] is not None
