@@ -2,7 +2,7 @@
 
 ``kvkit.speculative.generate(model, ids, attention_mask=mask, draft_policy="streaming", gamma=4)`` or
 ``model.generate(ids, attention_mask=mask, custom_generate=kvkit.speculative.generate, gamma=4)`` on
-left-padded batches (each row accepts its own drafts); optionally, at batch 1, a tiny ``assistant=``
+left-padded batches (each row accepts its own drafts); optionally a tiny ``assistant=``
 model drafting for the self-draft (TriForce's hierarchy). See :mod:`.generate`.
 """
 
