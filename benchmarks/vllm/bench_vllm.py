@@ -218,10 +218,22 @@ def throughput(a) -> dict:
            "min_free_blocks": min((r[6] for r in steps), default=None),
            "needle_found": f"{found}/{a.requests}",
            "answers": answers, "expected": [v for _, _, v in reqs], "tokens": tokens,
+           **_step_split(steps, t + wall),
            "trace": [[round(r[0] - t, 3), *r[1:]] for r in steps],
            "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0), "torch_threads": _torch_threads()}
     T.shutdown(llm)
     return res
+
+
+def _step_split(steps: list, t_end: float) -> dict:
+    """Wall time of the steps that prefill (some prompt tokens scheduled) vs decode-only steps, from the times of
+    consecutive scheduling decisions (a step's time: from its schedule call to the next one, or to the end)."""
+    ends = [r[0] for r in steps[1:]] + [t_end]
+    pre = [e - r[0] for r, e in zip(steps, ends) if r[4]]
+    dec = [e - r[0] for r, e in zip(steps, ends) if not r[4]]
+    return {"prefill_steps": len(pre), "prefill_steps_s": round(sum(pre), 2),
+            "decode_only_steps": len(dec), "decode_only_steps_s": round(sum(dec), 2),
+            "decode_only_step_ms_median": round(1000 * statistics.median(dec), 1) if dec else None}
 
 
 def _torch_threads() -> int:
