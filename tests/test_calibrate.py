@@ -95,6 +95,49 @@ def test_calibrated_settings_found_from_config(caldir):
     kvkit.unpatch(model)
 
 
+def test_calibrated_cake_taus_found_from_config(caldir):
+    """CAKE's taus: the calibration first, then the paper's table / (1, 1); user taus and calibrated=False win."""
+    from kvkit.policies.cake import CakeStore
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    _write(caldir / "tiny.json", model, {"cake": _section(tau1=2.0, tau2=0.5)})
+    cake = kvkit.registry.policy_class("cake")
+    assert store.resolve(cake(budget=16, window=4), model.config).taus(model.config) == (2.0, 0.5)
+    assert store.resolve(cake(budget=16, window=4, calibrated=False), model.config).taus(model.config) == (1.0, 1.0)
+    assert store.resolve(cake(budget=16, window=4, tau1=3.0), model.config).taus(model.config) == (3.0, 1.0)
+    kvkit.patch(model, "cake", budget=16, window=4)
+    stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, CakeStore)]
+    assert stores and {(st.tau1, st.tau2) for st in stores} == {(2.0, 0.5)}
+    greedy(model, _ids(40), 3)
+    kvkit.unpatch(model)
+    _write(caldir / "tiny.json", model, {"cake": _section(tau1=-1.0, tau2=0.5)})
+    store._CACHE.clear()
+    with pytest.raises(ValueError, match="tau1"):
+        kvkit.patch(model, "cake", budget=16, window=4)
+        kvkit.KVCache(model)
+    kvkit.unpatch(model)
+
+
+def test_calibrate_cake_sweeps_the_taus(monkeypatch):
+    """The sweep tries the paper's taus first and keeps the pair answering most needles (ties: the paper's)."""
+    from kvkit.calibrate import knobs, needles
+
+    seen = []
+
+    def fake_score(model, tok, data, specs, log=print):
+        seen.extend(specs)
+        answered = {"2.0,0.5": [1, 1, 0], "0.5,0.5": [1, 1, 0]}
+        return {"full": [1, 1, 1], "predictions": {}, **{s[0]: answered.get(s[0], [1, 0, 0]) for s in specs}}
+
+    monkeypatch.setattr(needles, "score_policies", fake_score)
+    monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0: [None] * 3)
+    model = tiny_model("llama", num_hidden_layers=4)
+    opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, budget_fraction=0.5, log=lambda m: None)
+    assert seen[0][0] == "1.0,1.0" and all(sp[2]["budget"] == 128 for sp in seen)
+    assert opts == {"tau1": 0.5, "tau2": 0.5}  # first of the two best in candidate order
+    assert ev["per_taus"]["2.0,0.5"] == {"answered": 2, "of": 3} and ev["paper_taus"] == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("content, why", [
     ("{not json", "not valid JSON"),
     ('[1, 2]', "expected a JSON object"),

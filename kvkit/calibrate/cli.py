@@ -1,5 +1,5 @@
 """``kvkit calibrate duo``: learn a DuoAttention head pattern for a model and write it as JSON (or TSV).
-``kvkit calibrate shadowkv|tidal|zipcache``: a per-model knob, written as one section of the model's
+``kvkit calibrate shadowkv|tidal|cake|zipcache``: a per-model knob, written as one section of the model's
 calibration file (:mod:`kvkit.calibrate.store`), which the policy then finds from the model's config."""
 
 from __future__ import annotations
@@ -63,6 +63,13 @@ def _add_knob_commands(sub) -> None:
     t.add_argument("--budget-fraction", type=float, default=0.25, help="tidal budget as a fraction of --length")
     t.add_argument("--selection", default="kv_head", choices=["kv_head", "q_head"])
     t.set_defaults(func=cmd_calibrate_knob, knob="tidal")
+    c = sub.add_parser("cake", help="CAKE layer-preference temperatures tau1/tau2 from a needle sweep",
+                       description="Needles (kvkit's own words and 7-digit codes) in essay text; CAKE at "
+                       "--budget-fraction of the context with each candidate (tau1, tau2) decodes them from one shared "
+                       "prefill per sample; the pair answering most needles is kept (ties: the paper's).")
+    _common(c, 2048, 8)
+    c.add_argument("--budget-fraction", type=float, default=0.5, help="CAKE budget as a fraction of --length")
+    c.set_defaults(func=cmd_calibrate_knob, knob="cake")
     z = sub.add_parser("zipcache", help="ZipCache bit widths: the cheapest that keeps calibration needles",
                        description="Candidate (high_ratio, high_bits, low_bits, key_bits) settings in order of "
                        "bytes; the first that answers every needle the full cache answers is kept.")
@@ -93,6 +100,9 @@ def cmd_calibrate_knob(args) -> int:
         opts, ev = knobs.calibrate_tidal(model, tok, length=args.length, samples=args.samples,
                                          budget_fraction=args.budget_fraction, selection=args.selection,
                                          seed=args.seed, log=log)
+    elif args.knob == "cake":
+        opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,
+                                        budget_fraction=args.budget_fraction, seed=args.seed, log=log)
     else:
         opts, ev = knobs.calibrate_zipcache(model, tok, length=args.length, samples=args.samples, seed=args.seed,
                                             log=log)

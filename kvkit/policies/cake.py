@@ -108,6 +108,10 @@ class Cake(Policy):
     tail : int or None
         Decode tokens allowed above a layer's size before a bulk eviction (kvkit; at most ``window``);
         None: ``window``.
+    calibrated : bool
+        True (default): with tau1/tau2 left at None, the model's calibrated taus (``kvkit calibrate cake``;
+        found from the config by :mod:`kvkit.calibrate.store`) before the paper's table. False: the paper's
+        table / (1.0, 1.0).
     """
 
     budget: int = 1024  # CAKE cache_size (per-layer average, window included)
@@ -117,6 +121,7 @@ class Cake(Policy):
     tau1: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
+    calibrated: bool = True  # kvkit: the model's calibrated taus when none given; False = the paper's table
 
     description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
     saves = "memory+reads"
@@ -160,7 +165,10 @@ class Cake(Policy):
         return CakeCascade()
 
     def new_layer(self, info: LayerInfo):
-        return CakeStore(info, self, *self.taus(info.config))
+        from kvkit.calibrate.store import resolve
+
+        p = resolve(self, info.config)
+        return CakeStore(info, p, *p.taus(info.config))
 
 
 @dataclass
