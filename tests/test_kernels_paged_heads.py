@@ -136,3 +136,23 @@ def test_shape_errors():
         PH.decode(q[:, :3], kc, vc, blocks, ntok, 0.125, "vec")
     with pytest.raises(ValueError, match="do not match"):
         PH.decode(q, kc, vc, blocks[:, :1], ntok, 0.125, "vec")
+
+
+@pytest.mark.parametrize("layout", ["amx", "vec"])
+def test_decode_rows_in_place(layout):
+    """The engine's entry: bf16 query rows picked by token index, bf16 results written into those rows of the
+    output in place (other rows untouched) == :func:`decode` rounded to bf16."""
+    D, G, bs = 64, 3, 32
+    kv_cache, q, blocks, ntok, _, _ = _setup(layout, D, G, bs, [50, 3 * bs + 1, 70], H=3, recent=40, seed=7)
+    kc, vc = PH.split_cache(kv_cache)
+    T = 9
+    tok = torch.tensor([1, 4, 8])
+    query = torch.randn(T, 3 * G, D).bfloat16()
+    query[tok] = q
+    output = torch.full((T, 3 * G, D), 7.0, dtype=torch.bfloat16)
+    PH.decode_rows(query, tok, kc, vc, blocks, ntok, D ** -0.5, layout, output)
+    expect = PH.decode(q, kc, vc, blocks, ntok, D ** -0.5, layout).bfloat16()
+    assert torch.equal(output[tok], expect)
+    rest = torch.ones(T, dtype=torch.bool)
+    rest[tok] = False
+    assert bool((output[rest] == 7.0).all())

@@ -76,12 +76,17 @@ AI void attend(const float *q, const uint16_t *kbase, const uint16_t *vbase, int
     const uint16_t *kp = kbase + blk * bstride, *vp = vbase + blk * bstride;
     const int n = ntok - j * bs < bs ? (int)(ntok - j * bs) : bs;
     const int nt = (n + 15) & ~15;  /* tokens scored: whole 16-token tiles (lanes >= n masked below) */
-    if (j + 1 < nb) {
-      __builtin_prefetch(kbase + (int64_t)bl[j + 1] * bstride);
-      __builtin_prefetch(vbase + (int64_t)bl[j + 1] * bstride);
-    }
+    /* the next block's pages (scattered: the hardware prefetcher restarts at each block), spread over this
+       block's score tiles: LPT 64-byte lines of each of its K and V pages per tile */
+    const char *nk = j + 1 < nb ? (const char *)(kbase + (int64_t)bl[j + 1] * bstride) : 0;
+    const char *nv = j + 1 < nb ? (const char *)(vbase + (int64_t)bl[j + 1] * bstride) : 0;
+    const int LPT = (bs * D * 2 / 64 + bs / 16 - 1) / (bs / 16);
     /* scores */
     for (int t = 0; t < nt; t += 16) {
+      if (nk) {
+        const int64_t l0 = (int64_t)(t / 16) * LPT * 64;
+        for (int e = 0; e < LPT; e++) { __builtin_prefetch(nk + l0 + 64 * e); __builtin_prefetch(nv + l0 + 64 * e); }
+      }
       v16 dv[G], dw[G];  /* two accumulators per query row (FMA latency) */
       for (int g = 0; g < G; g++) { dv[g] = (v16){0}; dw[g] = (v16){0}; }
       if (AMX) {  /* tile t/16: [D/2][16 tokens][2 channels] */
@@ -163,6 +168,25 @@ static void __attribute__((noinline)) attend_any(const float *q, const uint16_t 
 #define BY_A(G_, D_) do { if (amx) AT(G_, D_, 1); else AT(G_, D_, 0); } while (0)
 #define BY_D(G_) do { if (D == 64) BY_A(G_, 64); else BY_A(G_, 128); } while (0)
 
+/* one (row, KV head): the compiled fast path for (G <= 8, D in {64, 128}), else the generic one */
+static void __attribute__((noinline)) attend_task(const float *qr, const uint16_t *kb, const uint16_t *vb,
+    int64_t bstride, const int32_t *bl, int64_t nt, int bs, float scaling, float *orow, int G, int D, int amx) {
+  if (D == 64 || D == 128) {
+    switch (G) {
+      case 1: BY_D(1); return;
+      case 2: BY_D(2); return;
+      case 3: BY_D(3); return;
+      case 4: BY_D(4); return;
+      case 5: BY_D(5); return;
+      case 6: BY_D(6); return;
+      case 7: BY_D(7); return;
+      case 8: BY_D(8); return;
+      default: break;
+    }
+  }
+  attend_any(qr, kb, vb, bstride, bl, nt, bs, scaling, orow, G, D, amx);
+}
+
 /* q [n, H*G, D] fp32; kcache / vcache: the key / value page of (block b, KV head h) at b*bstride + h*hstride
    (bf16 elements); blocks [n, H, W] int32 block ids; ntok [n, H] int32 tokens read; out [n, H*G, D] fp32.
    layout: 1 = "amx", 0 = "vec". Returns -1 on unsupported shapes. */
@@ -179,20 +203,40 @@ int kvkit_paged_heads_decode(const float *q, const uint16_t *kcache, const uint1
     if (nt <= 0) { memset(orow, 0, sizeof(float) * G * D); continue; }
     const int32_t *bl = blocks + task * W;
     const uint16_t *kb = kcache + (int64_t)h * hstride, *vb = vcache + (int64_t)h * hstride;
-    if (D == 64 || D == 128) {
-      switch (G) {
-        case 1: BY_D(1); continue;
-        case 2: BY_D(2); continue;
-        case 3: BY_D(3); continue;
-        case 4: BY_D(4); continue;
-        case 5: BY_D(5); continue;
-        case 6: BY_D(6); continue;
-        case 7: BY_D(7); continue;
-        case 8: BY_D(8); continue;
-        default: break;
-      }
+    attend_task(qr, kb, vb, bstride, bl, nt, bs, scaling, orow, G, D, amx);
+  }
+  return 0;
+}
+
+AI float bf2f(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+AI uint16_t f2bf(float f) {  /* round to nearest even (finite inputs) */
+  uint32_t u; memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The engine's entry: bf16 query rows read in place (row tok[i] of q [T, H*G, D], row stride qst elements, heads
+   contiguous) and bf16 output rows written in place (row tok[i] of out, row stride ost): no float copies. */
+int kvkit_paged_heads_decode_rows(const uint16_t *q, int64_t qst, const int64_t *tok, const uint16_t *kcache,
+                                  const uint16_t *vcache, int64_t bstride, int64_t hstride, const int32_t *blocks,
+                                  int64_t W, const int32_t *ntok, int64_t n, int H, int G, int D, int bs, int amx,
+                                  float scaling, uint16_t *out, int64_t ost, int nthreads) {
+  if (G < 1 || G > MAXG || D % 16 || D > 512 || (amx && D % 32) || bs % 16 || bs > 4096) return -1;
+  #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+  for (int64_t task = 0; task < n * H; task++) {
+    const int64_t i = task / H;
+    const int h = (int)(task % H);
+    float qr[G * D], orow[G * D];
+    const uint16_t *qs = q + tok[i] * qst + (int64_t)h * G * D;
+    for (int e = 0; e < G * D; e++) qr[e] = bf2f(qs[e]);
+    const int64_t nt = ntok[task];
+    if (nt <= 0) memset(orow, 0, sizeof(float) * G * D);
+    else {
+      const int32_t *bl = blocks + task * W;
+      const uint16_t *kb = kcache + (int64_t)h * hstride, *vb = vcache + (int64_t)h * hstride;
+      attend_task(qr, kb, vb, bstride, bl, nt, bs, scaling, orow, G, D, amx);
     }
-    attend_any(qr, kb, vb, bstride, bl, nt, bs, scaling, orow, G, D, amx);
+    uint16_t *os = out + tok[i] * ost + (int64_t)h * G * D;
+    for (int e = 0; e < G * D; e++) os[e] = f2bf(orow[e]);
   }
   return 0;
 }
@@ -296,6 +340,8 @@ def decode_ref(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KERNEL = Kernel("paged_heads_cpu", _SRC, {
     "kvkit_paged_heads_decode": ([_P, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _I, _I, _I, _I, _I, _F, _P, _I], _I),
+    "kvkit_paged_heads_decode_rows": ([_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _I, _I, _I, _I, _I, _F,
+                                       _P, _I64, _I], _I),
 }, "KVKIT_PAGED_HEADS_CPU")
 _load = _KERNEL.load
 
@@ -325,7 +371,8 @@ def decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, 
     if tuple(blocks.shape[:2]) != (n, H) or tuple(ntok.shape) != (n, H):
         raise ValueError(f"kvkit paged heads: blocks {tuple(blocks.shape)} / ntok {tuple(ntok.shape)} do not match "
                          f"{n} rows x {H} KV heads")
-    page_offsets(bs, D, layout)  # validates the layout
+    if layout not in LAYOUTS or bs % 16 or D % 16 or (layout == "amx" and D % 32):
+        page_offsets(bs, D, layout)  # raises, naming the problem
     ok = (available() and key_cache.dtype == torch.bfloat16 and value_cache.dtype == torch.bfloat16
           and key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1 and key_cache.stride(2) == D)
     if not ok:
@@ -351,3 +398,33 @@ def decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, 
         raise RuntimeError(f"kvkit paged_heads_cpu kernel refused shapes H={H} G={Hq // H} D={D} bs={bs} "
                            f"layout={layout}")
     return out
+
+
+def decode_rows(query: torch.Tensor, tok: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                blocks: torch.Tensor, ntok: torch.Tensor, scale: float, layout: str, output: torch.Tensor) -> None:
+    """The engine's call: rows ``tok [n]`` (int64) of ``query [T, H*G, D]`` attend as in :func:`decode` and their
+    results land in the same rows of ``output [T, H*G, D]``. bf16 query / output with contiguous heads go straight
+    through the C kernel (read and written in place); otherwise :func:`decode` and a copy."""
+    T, Hq, D = query.shape
+    H = key_cache.shape[1]
+    fast = (available() and query.dtype == torch.bfloat16 and output.dtype == torch.bfloat16
+            and key_cache.dtype == torch.bfloat16 and value_cache.dtype == torch.bfloat16
+            and query.stride(2) == 1 and query.stride(1) == D and output.stride(2) == 1 and output.stride(1) == D
+            and key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1 and key_cache.stride(2) == D
+            and tok.dtype == torch.int64 and tok.is_contiguous() and blocks.dtype == torch.int32
+            and blocks.is_contiguous() and ntok.dtype == torch.int32 and ntok.is_contiguous()
+            and tuple(blocks.shape[:2]) == (tok.numel(), H) and Hq % H == 0 and layout in LAYOUTS)
+    if not fast:
+        output[tok] = decode(query[tok], key_cache, value_cache, blocks, ntok, scale, layout).to(output.dtype)
+        return
+    n = tok.numel()
+    if n == 0:
+        return
+    rc = _load().kvkit_paged_heads_decode_rows(
+        query.data_ptr(), query.stride(0), tok.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        key_cache.stride(0), key_cache.stride(1), blocks.data_ptr(), blocks.shape[2], ntok.data_ptr(), n, H, Hq // H,
+        D, key_cache.shape[2], int(layout == "amx"), float(scale), output.data_ptr(), output.stride(0),
+        max(1, torch.get_num_threads()))
+    if rc != 0:
+        raise RuntimeError(f"kvkit paged_heads_cpu kernel refused shapes H={H} G={Hq // H} D={D} "
+                           f"bs={key_cache.shape[2]} layout={layout}")

@@ -414,9 +414,8 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
 
         blocks, ntok = plan.lists(mask)
         key_cache, value_cache = PH.split_cache(kv_cache)
-        out = PH.decode(query[plan.tok], key_cache, value_cache, blocks, ntok, self.scale,
-                        PH.layout_for_isa(layer.isa))
-        output[plan.tok] = out.view(output[plan.tok].shape).to(output.dtype)
+        PH.decode_rows(query.view(query.shape[0], -1, self.head_size), plan.tok, key_cache, value_cache, blocks, ntok,
+                       self.scale, PH.layout_for_isa(layer.isa), output.view(output.shape[0], -1, self.head_size))
         return output
 
     def _select(self, plan: StepPlan, query: torch.Tensor, md: CPUAttentionMetadata):
