@@ -31,6 +31,8 @@ if args.model == "default":
          "shadowkv1024-4k"),
         ("cake2048-4k", "cake", "budget 2048", "agnostic", "bytes", None),
         ("chelsea50-4k", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
+        ("chelsea50p25-4k", "chelsea", "ratio 0.5, protect 0.25 (kvkit, beyond the paper)", "agnostic", "bytes",
+         "chelsea50-4k"),
         ("snapkv2048-4k", "snapkv", "budget 2048", "agnostic", "bytes", None),
         ("snapkv2048-4k-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
         ("../ruler/streaming2048-4k", "streaming", "budget 2048", "agnostic", "bytes", None),
@@ -39,6 +41,8 @@ if args.model == "default":
         ("cake1024-4k", "cake", "budget 1024", "agnostic", "bytes", None),
         ("cake1024-4k-qaware", "cake", "budget 1024", "question in prefill", "bytes", None),
         ("chelsea25-4k", "chelsea", "ratio 0.25", "agnostic", "bytes", None),
+        ("chelsea25p125-4k", "chelsea", "ratio 0.25, protect 0.125 (kvkit, beyond the paper)", "agnostic", "bytes",
+         "chelsea25-4k"),
         ("snapkv1024-4k", "snapkv", "budget 1024", "agnostic", "bytes", None),
         ("snapkv1024-4k-qaware", "snapkv", "budget 1024", "question in prefill", "bytes", None),
         ("../ruler/streaming1024-4k", "streaming", "budget 1024", "agnostic", "bytes", None),
@@ -55,9 +59,20 @@ else:
         ("zipcache", "zipcache", "calibrated = paper 4/2-bit 60/40", "agnostic", "bytes", None),
         ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
         ("tidal1732kv", "tidal", "budget 1732 (~42% of reads), kv_head, paper layers", "agnostic", "reads", None),
+        ("cake2048-qaware", "cake", "budget 2048", "question in prefill", "bytes", None),
+        ("snapkv2048-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
+        ("streaming1024", "streaming", "budget 1024", "agnostic", "bytes", None),
+        ("snapkv1024", "snapkv", "budget 1024", "agnostic", "bytes", None),
+        ("cake1024", "cake", "budget 1024", "agnostic", "bytes", None),
+        ("chelsea25", "chelsea", "ratio 0.25", "agnostic", "bytes", None),
+        ("shadowkv512", "shadowkv", "budget 512, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
+        ("tidal550kv", "tidal", "budget 550 (~13% of reads), kv_head, paper layers", "agnostic", "reads", None),
+        ("cake1024-qaware", "cake", "budget 1024", "question in prefill", "bytes", None),
+        ("snapkv1024-qaware", "snapkv", "budget 1024", "question in prefill", "bytes", None),
     ]
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper 4/2-bit 60/40",
-         "shadowkv1024-4k": "paper rank 30"}
+         "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
+         "chelsea25-4k": "paper matching (protect 0)"}
 
 
 def rows(folder):
