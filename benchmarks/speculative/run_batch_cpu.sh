@@ -9,7 +9,7 @@ mkdir -p "$out"
 run() {  # batch length
   OMP_NUM_THREADS=2 .venv/bin/kvkit speculate --task continue --batch "$1" --length "$2" --new-tokens 64 \
     --draft-policy streaming,retrieval --budget 512 --gamma 2,4 --repeat 2 --threads 2 --baselines dynamic \
-    --json "$out/batch_cpu.jsonl" 2>&1 | grep -v Warning | tee "$out/batch${1}_${2}_cpu.log"
+    --json "$out/batch_cpu.jsonl" 2>&1 | grep -v Warning | tee "$out/batch${1}_${2}_cpu.txt"
 }
 for spec in ${@:-8:6144 1:4096 4:4096 8:4096}; do
   run "${spec%%:*}" "${spec##*:}"
