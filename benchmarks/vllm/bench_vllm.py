@@ -247,7 +247,12 @@ def _compare_to(base: dict, r: dict, answer_tokens: int) -> dict:
     same = sum(x == y for x, y in zip(base["tokens"], r["tokens"]))
     same_ans = sum(x[:answer_tokens] == y[:answer_tokens] for x, y in zip(base["tokens"], r["tokens"]))
     n = len(base["tokens"])
-    return {"outputs_identical_to_vanilla_bf16": f"{same}/{n}", "answers_identical_to_vanilla_bf16": f"{same_ans}/{n}"}
+    lead = []  # identical leading tokens per request
+    for x, y in zip(base["tokens"], r["tokens"]):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        lead.append(k)
+    return {"outputs_identical_to_vanilla_bf16": f"{same}/{n}", "answers_identical_to_vanilla_bf16": f"{same_ans}/{n}",
+            "identical_leading_tokens": lead}
 
 
 def decode_steps(a) -> dict:
