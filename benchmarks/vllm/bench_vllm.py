@@ -376,6 +376,15 @@ def _profile_steps(eng, n: int, batch: int) -> dict:
     return res
 
 
+def _dumps(res: dict) -> str:
+    """JSON, one key per line, lists of numbers (token ids, traces) on one line each."""
+    import re
+
+    s = json.dumps(res, indent=1)
+    return re.sub(r"\[\s*((?:-?[\d.]+,\s*)*-?[\d.]+)\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", s)
+
+
 def _child(extra: list[str]) -> dict:
     """This script again, in its own process (``--child`` + ``extra`` + this run's arguments): its RESULT line."""
     cmd = [sys.executable, __file__, "--child", *extra] + [x for x in sys.argv[1:] if x != "--child"]
@@ -453,7 +462,7 @@ def main():
     res["load_avg_end"] = os.getloadavg()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+        f.write(_dumps(res) + "\n")
     print(json.dumps(res, indent=1)[:4000])
 
 
