@@ -9,5 +9,5 @@ B=${1:-4}; L=${2:-1024}
 out=results/speculative
 OMP_NUM_THREADS=2 .venv/bin/kvkit speculate --model qwen2.5-coder-1.5b --assistant qwen2.5-coder-0.5b --task continue \
   --batch "$B" --length "$L" --new-tokens 32 --gamma 4 --assistant-gamma 3 --draft-policy retrieval --budget 512 \
-  --threads 2 --baselines dynamic --json "$out/hierarchy_batch_qwen_cpu.jsonl" 2>&1 | grep -v Warning \
+  --threads 2 --baselines dynamic --json "$out/hierarchy_batch_qwen_cpu.jsonl" 2>&1 | grep -v -e Warning -e "de-quantizing" \
   | tee "$out/hierarchy_batch${B}_${L}_qwen_cpu.txt"
