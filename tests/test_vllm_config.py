@@ -11,8 +11,9 @@ def test_switch_parses_and_validates():
     assert C.parse_policy({"policy": "tidal", "budget": 512}).budget == 512
     for off in (None, "", "off", "none"):
         assert C.parse_policy(off) is None
+    assert C.parse_policy("duo").name == "duo"  # the plugin runs DuoAttention (per-head reads)
     with pytest.raises(ValueError, match="the vLLM plugin does not run it yet"):
-        C.parse_policy("duo")
+        C.parse_policy("cake")
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         C.parse_policy("nope")
     with pytest.raises(ValueError, match="unknown option"):
