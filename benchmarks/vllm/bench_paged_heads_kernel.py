@@ -8,7 +8,8 @@ query. Timed (median of ``--reps`` calls each):
 * ``vllm_full``: vLLM's ``cpu_attention_with_kv_cache`` over every block (vanilla decode);
 * ``vllm_streaming``: vLLM's op over a table reduced to sink + recent blocks (what a layer whose heads all stream
   runs under ``duo``);
-* ``kvkit_full``: the per-head kernel with every head reading every block (the kernel's own speed at vanilla reads);
+* ``kvkit_full``: the per-head kernel with every head reading every block (the kernel's own speed at vanilla reads;
+  called as the engine calls it, :func:`kvkit.kernels.paged_heads_cpu.decode_rows`: bf16 in and out, in place);
 * ``kvkit_duo_R``: the kernel with R of the KV heads retrieval (every block), the others streaming (sink + recent
   blocks): what a layer mixing both kinds runs under ``duo``.
 
@@ -79,6 +80,8 @@ def main():
     s_seq = torch.full((n,), (len(cols) - 1) * bs + (L - (nb - 1) * bs), dtype=torch.int32)
     qsl = torch.arange(n + 1, dtype=torch.int32)
     out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
+    kout = torch.empty(n, H * G, D, dtype=torch.bfloat16)
+    tok = torch.arange(n)
 
     def vllm_op(table, lens):
         sched = ops.cpu_attn_get_scheduler_metadata(
@@ -103,7 +106,9 @@ def main():
         blocks = torch.where(ret.view(1, H, 1), bt.unsqueeze(1), s_tbl.unsqueeze(1)).contiguous()
         ntok = torch.where(ret.view(1, H), seq.unsqueeze(1), s_seq.unsqueeze(1)).contiguous()
         name = "kvkit_full_ms" if R == H else f"kvkit_duo_{R}of{H}_retrieval_ms"
-        res[name] = round(timed(lambda: PH.decode(q, kc, vc, blocks, ntok, D ** -0.5, layout), a.reps), 3)
+        # the engine's call: bf16 query rows read and bf16 output rows written in place
+        res[name] = round(timed(lambda: PH.decode_rows(q, tok, kc, vc, blocks, ntok, D ** -0.5, layout, kout),
+                                a.reps), 3)
     # the kernel's output against vLLM's at full reads (bf16 output rounding; AMX also rounds probabilities)
     blocks = bt.unsqueeze(1).expand(n, H, nb).contiguous()
     ntok = seq.unsqueeze(1).expand(n, H).contiguous()

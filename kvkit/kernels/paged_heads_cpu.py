@@ -76,17 +76,10 @@ AI void attend(const float *q, const uint16_t *kbase, const uint16_t *vbase, int
     const uint16_t *kp = kbase + blk * bstride, *vp = vbase + blk * bstride;
     const int n = ntok - j * bs < bs ? (int)(ntok - j * bs) : bs;
     const int nt = (n + 15) & ~15;  /* tokens scored: whole 16-token tiles (lanes >= n masked below) */
-    /* the next block's pages (scattered: the hardware prefetcher restarts at each block), spread over this
-       block's score tiles: LPT 64-byte lines of each of its K and V pages per tile */
-    const char *nk = j + 1 < nb ? (const char *)(kbase + (int64_t)bl[j + 1] * bstride) : 0;
-    const char *nv = j + 1 < nb ? (const char *)(vbase + (int64_t)bl[j + 1] * bstride) : 0;
-    const int LPT = (bs * D * 2 / 64 + bs / 16 - 1) / (bs / 16);
     /* scores */
+    /* no software prefetch of the next block: spreading prefetches of its pages over this block's tiles made a
+       4 x 4K layer 0.68 ms against 0.54 ms without (timed A/B, benchmarks in results/vllm/duo/README.md) */
     for (int t = 0; t < nt; t += 16) {
-      if (nk) {
-        const int64_t l0 = (int64_t)(t / 16) * LPT * 64;
-        for (int e = 0; e < LPT; e++) { __builtin_prefetch(nk + l0 + 64 * e); __builtin_prefetch(nv + l0 + 64 * e); }
-      }
       v16 dv[G], dw[G];  /* two accumulators per query row (FMA latency) */
       for (int g = 0; g < G; g++) { dv[g] = (v16){0}; dw[g] = (v16){0}; }
       if (AMX) {  /* tile t/16: [D/2][16 tokens][2 channels] */
