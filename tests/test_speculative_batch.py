@@ -211,30 +211,12 @@ def test_batched_hierarchy_with_eos_and_rows_leaving():
 
 def test_batched_hierarchy_sampling_follows_target_distribution():
     """Chi-square at batch 8 with the assistant under the self-draft: both levels use the rejection rule."""
-    V, temp = 5, 0.8
-    m = tiny_model("llama", vocab_size=V, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
-    small = tiny_model("llama", vocab_size=V, num_hidden_layers=1, hidden_size=16, intermediate_size=32, seed=7)
+    m = tiny_model("llama", vocab_size=5, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    small = tiny_model("llama", vocab_size=5, num_hidden_layers=1, hidden_size=16, intermediate_size=32, seed=7)
     with torch.no_grad():
         m.lm_head.weight.mul_(40)
         small.lm_head.weight.mul_(20)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, V, (20,), generator=g), torch.randint(1, V, (16,), generator=g)]
-    ids = torch.zeros(8, 20, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b in range(8):
-        p = prompts[b % 2]
-        ids[b, 20 - len(p) :], mask[b, 20 - len(p) :] = p, 1
-    laws = [_joint_law(m, p, V, temp) for p in prompts]
-    torch.manual_seed(0)
-    counts = torch.zeros(2, V * V, dtype=torch.float64)
-    st = SpeculativeStats()
-    for _ in range(40):
-        out = generate(m, ids, attention_mask=mask, gamma=2, assistant=small, assistant_gamma=2,
-                       assistant_cache={"budget": 6, "sink": 1}, draft_options={"budget": 3, "sink": 1},
-                       max_new_tokens=4, do_sample=True, temperature=temp, top_k=None, top_p=None, eos_token_id=None,
-                       stats=st)
-        for b in range(8):
-            counts[b % 2, out[b, 21] * V + out[b, 22]] += 1
+    counts, laws, st = _sampled_at_batch(m, assistant=small, assistant_gamma=2, assistant_cache={"budget": 6, "sink": 1})
     assert 0.05 < st.acceptance_rate < 0.97 and 0.05 < st.assistant_acceptance_rate < 0.97
     for i in range(2):
         assert _chi2_pvalue(counts[i], laws[i]) > 1e-3, i
@@ -298,13 +280,10 @@ def _joint_law(m, prompt, V, temp):
     return joint.flatten()
 
 
-def test_sampling_at_batch_follows_target_distribution():
-    """Chi-square at batch 8 (fixed seed): rows alternate two prompts of different lengths (one left padded); the joint
-    law of each row's 2nd and 3rd sampled tokens is the target's for its prompt."""
-    V, temp = 5, 0.8
-    m = tiny_model("llama", vocab_size=V, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
-    with torch.no_grad():
-        m.lm_head.weight.mul_(40)  # a peaked, prompt-dependent target (the random init is near uniform)
+def _sampled_at_batch(m, temp=0.8, **kwargs):
+    """Batch 8 whose rows alternate two prompts of different lengths (one left padded), sampled 40 times with
+    ``kwargs``: the counts of each row's (2nd, 3rd) tokens per prompt ``[2, V * V]``, the target's laws, the stats."""
+    V = m.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, V, (20,), generator=g), torch.randint(1, V, (16,), generator=g)]
     ids = torch.zeros(8, 20, dtype=torch.long)
@@ -318,9 +297,19 @@ def test_sampling_at_batch_follows_target_distribution():
     st = SpeculativeStats()
     for _ in range(40):
         out = generate(m, ids, attention_mask=mask, gamma=2, draft_options={"budget": 3, "sink": 1}, max_new_tokens=4,
-                       do_sample=True, temperature=temp, top_k=None, top_p=None, eos_token_id=None, stats=st)
+                       do_sample=True, temperature=temp, top_k=None, top_p=None, eos_token_id=None, stats=st, **kwargs)
         for b in range(8):
             counts[b % 2, out[b, 21] * V + out[b, 22]] += 1
+    return counts, laws, st
+
+
+def test_sampling_at_batch_follows_target_distribution():
+    """Chi-square at batch 8 (fixed seed): rows alternate two prompts of different lengths (one left padded); the joint
+    law of each row's 2nd and 3rd sampled tokens is the target's for its prompt."""
+    m = tiny_model("llama", vocab_size=5, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40)  # a peaked, prompt-dependent target (the random init is near uniform)
+    counts, laws, st = _sampled_at_batch(m)
     assert 0.05 < st.acceptance_rate < 0.97  # rejections (and residual sampling) really happen
     for i in range(2):
         assert _chi2_pvalue(counts[i], laws[i]) > 1e-3, i
