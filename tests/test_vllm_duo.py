@@ -98,6 +98,8 @@ def test_pattern_errors_and_tp_slices(tmp_path, monkeypatch):
 def test_layout_and_kernel_match_vllm_ops(isa, D):
     from vllm import _custom_ops as ops
 
+    from kvkit.vllm.testing import vllm_decode_op
+
     if isa == "amx":
         if not torch.cpu._is_amx_tile_supported():
             pytest.skip("no AMX on this machine")
@@ -125,16 +127,7 @@ def test_layout_and_kernel_match_vllm_ops(isa, D):
     assert torch.equal(ours, theirs)
     q = torch.randn(n, H * G, D, generator=g).bfloat16()
     seq = torch.tensor(seqs, dtype=torch.int32)
-    qsl = torch.arange(n + 1, dtype=torch.int32)
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=n, num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=seq, dtype=torch.bfloat16,
-        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
-        dynamic_causal=None, kv_cache_dtype="auto")
-    out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
-    ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=seq, scale=D ** -0.5,
-        causal=True, alibi_slopes=None, sliding_window=-1, block_table=bt, softcap=0, scheduler_metadata=sched,
-        s_aux=None)
+    out = vllm_decode_op(q, kc, vc, bt, seq, isa)()
     blocks = bt.unsqueeze(1).expand(n, H, bt.shape[1]).contiguous()
     ntok = seq.unsqueeze(1).expand(n, H).contiguous()
     mine = PH.decode(q, kc, vc, blocks, ntok, D ** -0.5, layout)

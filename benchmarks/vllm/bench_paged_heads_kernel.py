@@ -18,50 +18,26 @@ Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
-import time
 
 import torch
-
-
-def timed(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return 1000 * statistics.median(ts)
+from _kernel_bench import layer, parser, timed
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--block", type=int, default=128)
+    ap = parser()
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--recent", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvkit.kernels import paged_heads_cpu as PH
+    from kvkit.vllm.testing import vllm_decode_op
 
     H, G, D, bs, n, L = a.kv_heads, a.group, a.head_dim, a.block, a.rows, a.tokens
-    nb = -(-L // bs)
-    NB = n * nb + 4
-    g = torch.Generator().manual_seed(0)
-    bt = torch.randperm(NB, generator=g)[: n * nb].view(n, nb).to(torch.int32)
-    seq = torch.full((n,), L, dtype=torch.int32)
-    q = torch.randn(n, H * G, D, generator=g).bfloat16()
+    g, NB, nb, bt, seq, q = layer(a)
     isa = _get_attn_isa(torch.bfloat16, bs, D, "auto")
     if isa == "amx":
         torch.cpu._init_amx()
@@ -78,29 +54,14 @@ def main():
     s_tbl = torch.zeros_like(bt)
     s_tbl[:, : len(cols)] = bt[:, cols]
     s_seq = torch.full((n,), (len(cols) - 1) * bs + (L - (nb - 1) * bs), dtype=torch.int32)
-    qsl = torch.arange(n + 1, dtype=torch.int32)
-    out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
     kout = torch.empty(n, H * G, D, dtype=torch.bfloat16)
     tok = torch.arange(n)
-
-    def vllm_op(table, lens):
-        sched = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=n, num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=lens, dtype=torch.bfloat16,
-            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
-            dynamic_causal=None, kv_cache_dtype="auto")
-
-        def run():
-            ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=lens,
-                scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
-                scheduler_metadata=sched, s_aux=None)
-        return run
 
     res = {"rows": n, "tokens": L, "kv_heads": H, "group": G, "head_dim": D, "block": bs, "threads": a.threads,
            "isa": isa, "kernel_available": PH.available(), "sink": a.sink, "recent": a.recent,
            "streaming_blocks": len(cols), "blocks": nb}
-    res["vllm_full_ms"] = round(timed(vllm_op(bt, seq), a.reps), 3)
-    res["vllm_streaming_ms"] = round(timed(vllm_op(s_tbl, s_seq), a.reps), 3)
+    res["vllm_full_ms"] = round(timed(vllm_decode_op(q, kc, vc, bt, seq, isa), a.reps), 3)
+    res["vllm_streaming_ms"] = round(timed(vllm_decode_op(q, kc, vc, s_tbl, s_seq, isa), a.reps), 3)
     for R in range(H, -1, -1):
         ret = torch.tensor([h < R for h in range(H)])
         blocks = torch.where(ret.view(1, H, 1), bt.unsqueeze(1), s_tbl.unsqueeze(1)).contiguous()
@@ -112,7 +73,7 @@ def main():
     # the kernel's output against vLLM's at full reads (bf16 output rounding; AMX also rounds probabilities)
     blocks = bt.unsqueeze(1).expand(n, H, nb).contiguous()
     ntok = seq.unsqueeze(1).expand(n, H).contiguous()
-    vllm_op(bt, seq)()
+    out = vllm_decode_op(q, kc, vc, bt, seq, isa)()
     mine = PH.decode(q, kc, vc, blocks, ntok, D ** -0.5, layout)
     res["max_rel_diff_vs_vllm"] = float(((out.float() - mine).abs().max() / mine.abs().max()).item())
     print(json.dumps(res))

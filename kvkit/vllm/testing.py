@@ -147,3 +147,27 @@ def greedy_deltas(van: dict, other: dict) -> tuple[int, list[float]]:
             break
         same += 1
     return same, [abs(x - y) for x, y in zip(van["logprobs"][:same], other["logprobs"][:same])]
+
+
+def vllm_decode_op(q, key_cache, value_cache, block_table, seq_lens, isa: str, out=None):
+    """vLLM's own CPU decode attention (one query row per request) as a zero-argument call that fills and returns
+    ``out [n, Hq, D]``: the reference the kvkit paged kernels are tested and timed against."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    n, Hq, D = q.shape
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=n, num_heads=Hq, num_kv_heads=key_cache.shape[1], head_dim=D, seq_lens=seq_lens,
+        dtype=torch.bfloat16, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
+    out = torch.empty(n, Hq, D, dtype=torch.bfloat16) if out is None else out
+
+    def run():
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
+            seq_lens=seq_lens, scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=block_table, softcap=0, scheduler_metadata=sched, s_aux=None)
+        return out
+
+    return run
