@@ -211,3 +211,93 @@ def test_candidates():
     assert (2, 12) in c and (2, 15) in c and all(x[0] == 2 and list(x) == sorted(set(x)) for x in c)
     assert zipcache_bits(ZIPCACHE_CANDIDATES[0]) == pytest.approx(6.4)
     assert zipcache_bits(dict(high_ratio=0.6, high_bits=4, low_bits=2, key_bits=4)) == pytest.approx(7.2)
+
+
+@pytest.mark.parametrize("layout", [(2, 4), (2, 3, 6), (3, 6)])
+def test_tidal_budget_for_matches_measured_reads(layout):
+    """The read-fraction calibration's budget arithmetic is what a decode step really reads (decode_read_bytes)."""
+    from kvkit.calibrate.knobs import tidal_budget_for, tidal_read_fraction
+    from kvkit.policies.tidal import decode_read_bytes
+
+    model = tiny_model("llama", num_hidden_layers=8)
+    n = 96
+    b = tidal_budget_for(layout, 8, n + 1, 0.7)  # the decode step holds n + 1 tokens
+    assert b is not None and b < n
+    assert tidal_read_fraction(layout, 8, n + 1, b) <= 0.7 < tidal_read_fraction(layout, 8, n + 1, b + 8)
+    kvkit.patch(model, "tidal", budget=b, selection="kv_head", select_layers=layout)
+    try:
+        cache = kvkit.KVCache(model)
+        ids = _ids(n)
+        with torch.no_grad():
+            out = model(ids, past_key_values=cache, use_cache=True)
+            model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        r = decode_read_bytes(cache)
+        assert r["read"] / r["full"] == pytest.approx(tidal_read_fraction(layout, 8, n + 1, b), abs=1e-9)
+    finally:
+        kvkit.unpatch(model)
+    assert tidal_budget_for((2, 3, 4, 5, 6), 8, 100, 0.5) is None  # 7 full-read layers of 8 exceed half
+
+
+def test_calibrate_tidal_at_a_read_fraction(monkeypatch):
+    """Each layout gets the budget that puts its reads at the fraction; most needles wins, ties -> fewer layers."""
+    from kvkit.calibrate import knobs, needles
+
+    seen = []
+
+    def fake_score(model, tok, data, specs, log=print, margin=False):
+        seen.extend(specs)
+        assert margin
+        good = {"2,4,6": [1, 1, 0], "2,5": [1, 1, 0], "2,6": [1, 1, 0]}
+        lp = {"2,4,6": [-0.5, -0.5, -3.0], "2,5": [-1.0, -1.0, -3.0], "2,6": [-1.0, -1.0, -3.0]}
+        return {"full": [1, 1, 1], "predictions": {}, **{s[0]: good.get(s[0], [1, 0, 0]) for s in specs},
+                "logprob": {"full": [-0.1] * 3, **{s[0]: lp.get(s[0], [-5.0] * 3) for s in specs}}}
+
+    monkeypatch.setattr(needles, "score_policies", fake_score)
+    monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0: [None] * 3)
+    model = tiny_model("llama", num_hidden_layers=8)
+    opts, ev = knobs.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.7, log=lambda m: None)
+    # three layouts answer 2 of 3; (2, 4, 6) keeps the answers likelier; (2, 5) and (2, 6) tie -> the earlier
+    assert opts == {"select_layers": [2, 4, 6]} and ev["per_layout"]["2,4,6"]["answer_logprob"] == pytest.approx(-4 / 3, abs=1e-4)
+    for label, pol, o in seen:
+        assert o["budget"] == knobs.tidal_budget_for(o["select_layers"], 8, 512, 0.7)
+        assert ev["per_layout"][label]["read_fraction"] <= 0.7
+    budgets = {lab: o["budget"] for lab, _, o in seen}
+    assert budgets["2,4,6"] < budgets["2,5"]  # more selection layers, smaller budget
+    with pytest.raises(ValueError, match="not both"):
+        knobs.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.5, budget_fraction=0.25)
+
+
+class CharTokenizer:
+    """A character tokenizer for the tiny models (vocab 128), called like a HF tokenizer."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 120 for c in text]}
+
+
+def test_answer_logprob_is_the_teacher_forced_likelihood():
+    """With the full cache, the margin equals the answer tokens' log-probability from one plain forward over
+    context + question + answer; a policy that evicts the context changes it."""
+    from kvkit.calibrate.needles import NeedleSample, answer_logprob
+    from kvkit.evals.common import encode
+    from kvkit.evals.shared_prefill import record_prefill
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    tok = CharTokenizer()
+    ctx = "the code of the amber vault is 4711 . " * 6
+    prompt = ctx + "\n\nwhat is the code? The code is"
+    s = NeedleSample("n/0", prompt, len(ctx), "4711", 0.5, 1)
+    ids = encode(tok, prompt + " " + s.answer)
+    n_ans = len(" 4711")
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0, -n_ans - 1:-1].float(), -1)
+    want = float(lp.gather(-1, ids[0, -n_ans:, None]).mean())
+    kvkit.patch(model, "full")
+    try:
+        rec = record_prefill(model, encode(tok, ctx))
+        assert answer_logprob(model, tok, s, rec) == pytest.approx(want, abs=1e-4)
+        kvkit.patch(model, "streaming", budget=8, sink=2)
+        assert abs(answer_logprob(model, tok, s, rec) - want) > 1e-3
+    finally:
+        kvkit.unpatch(model)

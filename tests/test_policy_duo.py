@@ -255,6 +255,31 @@ def test_calibration_time_limit(tmp_path):
         calibrate(model, WordTokenizer(), steps=2, time_limit=0, **kw)
 
 
+def test_calibration_resume_equals_one_run(tmp_path):
+    """time_limit + resume over three runs == one uninterrupted run (gates, history); other settings refused."""
+    kw = dict(progress=False, length=200, min_length=180, sink=4, recent=16, num_passkeys=2, passkey_words=4)
+    one = calibrate(tiny_model("llama"), WordTokenizer(), steps=4, out=tmp_path / "one.json", **kw)
+    out = tmp_path / "parts.json"
+    ck = tmp_path / "parts.json.ckpt.pt"
+    r1 = calibrate(tiny_model("llama"), WordTokenizer(), steps=4, out=out, time_limit=1e-9, resume=True, **kw)
+    assert r1["steps_run"] == 1 and ck.exists()
+    with pytest.raises(ValueError, match="other settings.*sink"):
+        calibrate(tiny_model("llama"), WordTokenizer(), steps=4, out=out, resume=True, **{**kw, "sink": 8})
+    with pytest.raises(ValueError, match="another model"):
+        calibrate(tiny_model("llama", num_hidden_layers=4), WordTokenizer(), steps=4, out=out, resume=True, **kw)
+    r2 = calibrate(tiny_model("llama"), WordTokenizer(), steps=4, out=out, time_limit=1e-9, resume=True, **kw)
+    assert r2["steps_run"] == 2 and [h["step"] for h in r2["history"]] == [1, 2]
+    r3 = calibrate(tiny_model("llama"), WordTokenizer(), steps=4, out=out, resume=True, **kw)
+    assert r3["steps_run"] == 4 and not ck.exists()  # done: the checkpoint is gone
+    assert r3["history"] == one["history"]
+    torch.testing.assert_close(r3["alpha"], one["alpha"], rtol=0, atol=0)
+    ck.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="delete it to start over"):
+        calibrate(tiny_model("llama"), WordTokenizer(), steps=4, out=out, resume=True, **kw)
+    with pytest.raises(ValueError, match="resume needs out"):
+        calibrate(tiny_model("llama"), WordTokenizer(), steps=4, resume=True, **kw)
+
+
 def test_calibration_cli(tmp_path, monkeypatch):
     import kvkit.models
     from kvkit.calibrate.cli import main_calibrate

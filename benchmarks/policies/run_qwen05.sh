@@ -29,8 +29,8 @@ quarter)
     --run shadowkv512=shadowkv:budget=512,min_prompt=2048 --run tidal550kv=tidal:budget=550,selection=kv_head ;;
 qaware)
   # index-major: --samples n runs sample n-1 of every task before any task gets sample n
-  for b in 2048 1024; do
-    for n in 1 2 3; do
+  for n in 1 2 3; do
+    for b in 2048 1024; do
       for p in cake snapkv; do
         nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy $p --budget $b --full-prompt-prefill \
           --prompts $P --samples $n --out $Q/$p$b-qaware --resume

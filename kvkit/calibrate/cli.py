@@ -32,6 +32,9 @@ def add_commands(subparsers) -> None:
     d.add_argument("--time-limit", type=float, default=None,
                    help="stop after the first step that ends past this many seconds (the pattern is still written)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    d.add_argument("--resume", action="store_true",
+                   help="keep the state after every step next to --out (<out>.ckpt.pt) and continue from it when it "
+                        "exists (same options): with --time-limit, a long schedule over several runs")
     d.set_defaults(func=cmd_calibrate_duo)
     _add_knob_commands(sub)
 
@@ -59,8 +62,12 @@ def _add_knob_commands(sub) -> None:
                        description="Needles (kvkit's own words and 7-digit codes) in essay text; every "
                        "candidate layout of selection layers decodes them from one shared prefill per sample; "
                        "the layout answering most needles is kept.")
-    _common(t, 2048, 8)
-    t.add_argument("--budget-fraction", type=float, default=0.25, help="tidal budget as a fraction of --length")
+    _common(t, 4096, 12)
+    t.add_argument("--read-fraction", type=float, default=None,
+                   help="decode reads as a fraction of full attention's; each layout gets the budget that matches "
+                        "(default 0.5)")
+    t.add_argument("--budget-fraction", type=float, default=None,
+                   help="instead: one tidal budget for every layout, as a fraction of --length")
     t.add_argument("--selection", default="kv_head", choices=["kv_head", "q_head"])
     t.set_defaults(func=cmd_calibrate_knob, knob="tidal")
     c = sub.add_parser("cake", help="CAKE layer-preference temperatures tau1/tau2 from a needle sweep",
@@ -98,7 +105,10 @@ def cmd_calibrate_knob(args) -> int:
                                             max_error=args.max_error, seed=args.seed, log=log)
     elif args.knob == "tidal":
         opts, ev = knobs.calibrate_tidal(model, tok, length=args.length, samples=args.samples,
-                                         budget_fraction=args.budget_fraction, selection=args.selection,
+                                         budget_fraction=args.budget_fraction,
+                                         read_fraction=(None if args.budget_fraction is not None and args.read_fraction
+                                                        is None else args.read_fraction or 0.5),
+                                         selection=args.selection,
                                          seed=args.seed, log=log)
     elif args.knob == "cake":
         opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,
@@ -140,6 +150,7 @@ def cmd_calibrate_duo(args) -> int:
         reg=args.reg,
         seed=args.seed,
         time_limit=args.time_limit,
+        resume=args.resume,
     )
     last = res["history"][-1]
     print(

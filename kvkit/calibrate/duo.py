@@ -254,14 +254,45 @@ def _lr_lambda(steps: int):
 
 
 # ---- the optimisation ----------------------------------------------------------------------------------
+def checkpoint_path(out) -> Path:
+    """Where :func:`calibrate` keeps its resumable state for the pattern file ``out``."""
+    out = Path(out)
+    return out.with_name(out.name + ".ckpt.pt")
+
+
+def _load_checkpoint(path: Path, cfg: "DuoCalibration", ident: dict) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise ValueError(f"duo calibration: cannot read the checkpoint {path} ({e}); delete it to start over") from e
+    if not isinstance(ck, dict) or ck.get("format") != "kvkit-duo-calibration-checkpoint":
+        raise ValueError(f"duo calibration: {path} is not a kvkit duo calibration checkpoint; delete it to start over")
+    if ck["model"] != ident:
+        raise ValueError(f"duo calibration: the checkpoint {path} was made for another model ({ck['model'].get('name')}, "
+                         f"{ck['model'].get('num_layers')} layers); delete it or choose another --out")
+    want = asdict(cfg)
+    if ck["settings"] != want:
+        diff = sorted(k for k in want if ck["settings"].get(k) != want[k])
+        raise ValueError(f"duo calibration: the checkpoint {path} was made with other settings ({', '.join(diff)} differ); "
+                         "resume with the same options, or delete it to start over")
+    return ck
+
+
 def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bool = True, log=None,
-              model_name: str | None = None, time_limit: float | None = None, **settings) -> dict:
+              model_name: str | None = None, time_limit: float | None = None, resume: bool = False,
+              **settings) -> dict:
     """Learn DuoAttention gates for ``model``; returns ``{"alpha": [L, H] tensor, "history": [...], ...}``.
 
     ``settings`` are :class:`DuoCalibration` fields (``length``, ``sink``, ``recent``, ...). With ``out``
     the pattern is written there (kvkit JSON, or reference TSV for a ``.tsv`` name). ``time_limit``
     (seconds) stops the optimisation after the first step that ends past it (the pattern is still
-    written; its metadata records how many steps ran). The model's
+    written; its metadata records how many steps ran). ``resume`` (needs ``out``): the state after every
+    step (gates, optimiser, schedule, history) is kept next to ``out`` (:func:`checkpoint_path`); a run with
+    the same settings continues from it, so ``time_limit`` + ``resume`` spread the paper's long schedule
+    over several sessions with the same result as one run (samples are deterministic in (seed, step)). The
+    checkpoint is removed once every step ran. The model's
     weights, ``requires_grad`` flags and attention implementation are left as they were.
     """
     cfg = DuoCalibration(**({"steps": steps} if steps is not None else {}), **settings)
@@ -285,6 +316,19 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
     gates = torch.nn.Parameter(torch.ones(L, H, device=device, dtype=torch.float32))
     opt = torch.optim.AdamW([gates], lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.steps))
+    if resume and out is None:
+        raise ValueError("duo calibration: resume needs out (the checkpoint is kept next to the pattern file)")
+    ckpt = checkpoint_path(out) if resume else None
+    history, start, wall_before = [], 0, 0.0
+    ck = _load_checkpoint(ckpt, cfg, ident) if ckpt is not None else None
+    if ck is not None:
+        with torch.no_grad():
+            gates.copy_(ck["gates"].to(device))
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        history, start, wall_before = list(ck["history"]), int(ck["step"]), float(ck["wall_s"])
+        if log is not None:
+            log({"resumed_at_step": start, "of": cfg.steps, "checkpoint": str(ckpt)})
     state = CalibrationState(gates, cfg.sink, cfg.recent, windows)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
 
@@ -292,19 +336,18 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
     old_impl = model.config._attn_implementation
     was_training = model.training
     AttentionInterface.register(ATTN_NAME, duo_calibration_attention)
-    history = []
     t0 = time.time()
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, desc="duo calibrate", unit="step")
+        bar = tqdm(total=cfg.steps, initial=start, desc="duo calibrate", unit="step")
     try:
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()
         model.set_attn_implementation(ATTN_NAME)
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             with torch.no_grad():
                 gates.clamp_(0, 1)
             ids, labels = data.sample(step)
@@ -335,6 +378,13 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
                 bar.update(1)
             if log is not None:
                 log(rec)
+            if ckpt is not None and step + 1 < cfg.steps:
+                tmp = ckpt.with_name(ckpt.name + ".tmp")
+                torch.save({"format": "kvkit-duo-calibration-checkpoint", "model": ident, "settings": asdict(cfg),
+                            "step": step + 1, "gates": gates.detach().cpu().clone(), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "history": history,
+                            "wall_s": wall_before + time.time() - t0}, tmp)
+                tmp.replace(ckpt)  # a crash leaves the previous whole checkpoint
             if time_limit is not None and time.time() - t0 > time_limit and step + 1 < cfg.steps:
                 break
     finally:
@@ -345,7 +395,9 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
             p.requires_grad_(f)
         model.train(was_training)
     alpha = gates.detach().clamp(0, 1).cpu().double()
-    wall = time.time() - t0
+    wall = wall_before + time.time() - t0
+    if ckpt is not None and len(history) == cfg.steps and ckpt.exists():
+        ckpt.unlink()
     retrieval_default = binarize(alpha, 0.75 if H == tc.num_attention_heads else 0.5, gated)
     result = {
         "alpha": alpha,

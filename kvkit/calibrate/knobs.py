@@ -103,7 +103,8 @@ def calibrate_shadowkv(model, tokenizer, length: int = 2048, samples: int = 3, m
 # ---- TidalDecode: selection layers from a needle sweep ----------------------------------------------------
 def tidal_candidates(num_layers: int) -> list[tuple[int, ...]]:
     """Selection-layer layouts to try: layer 2 plus one re-selection layer at 0.2 .. 0.8 of depth (the
-    paper's is 0.4), and layer 2 plus several re-selection layers from 0.4 of depth on."""
+    paper's is 0.4), layer 2 plus several re-selection layers from 0.4 of depth on, and evenly spaced
+    re-selection (every 2nd .. 8th layer from layer 2: small models need fresher selections)."""
     L = num_layers
     singles = sorted({min(L - 1, max(4, round(f * L))) for f in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)})
     out = [(2, r) for r in singles]
@@ -113,40 +114,98 @@ def tidal_candidates(num_layers: int) -> list[tuple[int, ...]]:
     multi2 = tuple(sorted({2, *(min(L - 1, max(3, round(f * L))) for f in (0.5, 0.7))}))
     if multi2 not in out:
         out.append(multi2)
+    for stride in (8, 6, 5, 4, 3, 2):
+        even = tuple(range(2, L, stride))
+        if len(even) > 1 and even not in out:
+            out.append(even)
     return out
 
 
-def calibrate_tidal(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.25,
-                    selection: str = "kv_head", seed: int = 0, log=print) -> tuple[dict, dict]:
-    """The selection layers that answer the most calibration needles at ``budget = budget_fraction * length``
-    (ties: fewer selection layers, then the earlier layout)."""
+def tidal_read_fraction(layout, num_layers: int, held: int, budget: int) -> float:
+    """K/V read per decode step by tidal with ``layout`` as selection layers, as a fraction of full attention's,
+    at ``held`` tokens: the layers before the first selection layer and the selection layers read everything,
+    the others ``budget + 1`` rows (kv_head selection)."""
+    full = layout[0] + len(layout)
+    reuse = num_layers - full
+    return (full + reuse * min(1.0, (budget + 1) / held)) / num_layers
+
+
+def tidal_budget_for(layout, num_layers: int, held: int, read_fraction: float) -> int | None:
+    """The largest budget whose decode reads stay within ``read_fraction`` of full attention's at ``held``
+    tokens (None: the layout's full-read layers alone exceed it, or no reuse layer is left)."""
+    full = layout[0] + len(layout)
+    reuse = num_layers - full
+    if reuse <= 0:
+        return None
+    b = int((read_fraction * num_layers - full) * held / reuse) - 1
+    return b if b >= 16 else None
+
+
+def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, budget_fraction: float | None = None,
+                    read_fraction: float | None = 0.5, selection: str = "kv_head", seed: int = 0,
+                    log=print) -> tuple[dict, dict]:
+    """The selection layers that answer the most calibration needles.
+
+    ``read_fraction`` (default): every layout is given the budget that makes its decode reads that fraction of
+    full attention's (more selection layers -> fresher selections but a smaller budget); ties: fewer selection
+    layers (less ranking work). ``budget_fraction`` instead: one budget ``budget_fraction * length`` for every
+    layout (the first calibration, which let denser layouts read more)."""
     from kvkit.calibrate.needles import make_samples, score_policies, summarize
 
     t0 = time.perf_counter()
     L = model.config.get_text_config(decoder=True).num_hidden_layers
     if L < 5:
         raise ValueError(f"tidal calibration needs a model with at least 5 layers, this one has {L}")
-    budget = max(1, int(budget_fraction * length))
-    cands = tidal_candidates(L)
+    if (budget_fraction is None) == (read_fraction is None):
+        raise ValueError("tidal calibration: give read_fraction or budget_fraction, not both")
+    frac = read_fraction if read_fraction is not None else budget_fraction
+    if not 0 < frac < 1:
+        raise ValueError(f"tidal calibration: the fraction must be in (0, 1); got {frac}")
     data = make_samples(tokenizer, samples, length, seed=seed)
-    specs = [(",".join(map(str, c)), "tidal", dict(budget=budget, selection=selection, select_layers=c))
-             for c in cands]
-    res = score_policies(model, tokenizer, data, specs, log=log)
+    held = length  # the calibration prompts' length (within 3%)
+    specs, budgets = [], {}
+    for c in tidal_candidates(L):
+        b = max(1, int(budget_fraction * length)) if read_fraction is None else tidal_budget_for(c, L, held, read_fraction)
+        if b is None:
+            continue
+        label = ",".join(map(str, c))
+        budgets[label] = b
+        specs.append((label, "tidal", dict(budget=b, selection=selection, select_layers=c)))
+    if not specs:
+        raise ValueError(f"tidal calibration: no selection layout reads at most {read_fraction} of full attention")
+    res = score_policies(model, tokenizer, data, specs, log=log, margin=True)
     table = summarize(res, [s[0] for s in specs])
-    best = max(range(len(cands)), key=lambda i: (table[specs[i][0]]["answered"], -len(cands[i]), -i))
+    lp = res.get("logprob", {})
+    for lab, row in table.items():
+        row["budget"] = budgets[lab]
+        row["read_fraction"] = round(tidal_read_fraction([int(x) for x in lab.split(",")], L, held, budgets[lab]), 3)
+        if lp.get(lab):
+            row["answer_logprob"] = round(sum(lp[lab]) / len(lp[lab]), 4)
+    best = max(range(len(specs)), key=lambda i: (table[specs[i][0]]["answered"],
+                                                 table[specs[i][0]].get("answer_logprob", 0.0),
+                                                 -len(specs[i][2]["select_layers"]), -i))
     paper = (2, round(0.4 * L))
+    if read_fraction is not None:
+        crit = (f"most needles answered with decode reads at {read_fraction} of full attention's at ~{length} tokens "
+                f"(each layout's budget set to match; selection={selection}); ties: the higher mean teacher-forced "
+                "log-probability of the answers (answer_logprob), then fewer selection layers")
+    else:
+        crit = (f"most needles answered at budget {budgets[specs[0][0]]} of ~{length} tokens (selection={selection}); "
+                "ties: the higher answer_logprob, then fewer selection layers")
+    best_label = specs[best][0]
     evidence = {
-        "criterion": f"most needles answered at budget {budget} of ~{length} tokens (selection={selection}); "
-                     "ties: fewer selection layers",
+        "criterion": crit,
         "needles_answered_by_full": f"{sum(res['full'])}/{len(data)}",
+        "full_answer_logprob": (round(sum(lp["full"]) / len(lp["full"]), 4) if lp.get("full") else None),
         "per_layout": table,
         "paper_layout": list(paper),
+        "chosen_budget_fraction": round(budgets[best_label] / held, 4),
         "predictions": res["predictions"],
         "data": "kvkit needles (own words, 7-digit codes; 1 or 3 needles) in essay text from the last third of "
                 "PaulGrahamEssays.json; chat template; question fed after the context",
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    return {"select_layers": list(cands[best])}, evidence
+    return {"select_layers": list(specs[best][2]["select_layers"])}, evidence
 
 
 # ---- ZipCache: the cheapest bit widths that keep the needles -----------------------------------------------

@@ -99,13 +99,44 @@ def _chat(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[s
     return prompt + answer_prefix, ce
 
 
+def answer_logprob(model, tokenizer, s: NeedleSample, rec) -> float:
+    """Mean log-probability of the needle's answer tokens, teacher-forced after the question, under the policy
+    ``model`` is patched with (the context replayed from ``rec``, as :func:`kvkit.evals.common.generate` does).
+
+    The question is fed in one forward on top of the compressed context, then the answer one token per forward
+    (decode steps, so every policy runs its decode path). A margin: how far a policy is from losing the answer,
+    which separates candidates that all answer the needle."""
+    import torch
+
+    import kvkit
+    from kvkit.evals.common import encode
+    from kvkit.evals.shared_prefill import replay_prefill
+
+    q = encode(tokenizer, s.prompt[s.context_end:])
+    full = encode(tokenizer, s.prompt[s.context_end:] + " " + s.answer)[0]
+    if full.shape[0] <= q.shape[1] or not torch.equal(full[: q.shape[1]], q[0]):  # the prefix re-tokenized
+        ans = encode(tokenizer, " " + s.answer)[0]
+    else:
+        ans = full[q.shape[1]:]
+    cache = replay_prefill(model, rec, cache=kvkit.KVCache(model))  # positions follow the cache's length
+    total = 0.0
+    with torch.no_grad():
+        logits = model(q.to(model.device), past_key_values=cache, use_cache=True).logits[:, -1]
+        for t in ans.tolist():
+            total += float(torch.log_softmax(logits.float(), dim=-1)[0, t])
+            logits = model(torch.tensor([[t]], device=model.device), past_key_values=cache, use_cache=True).logits[:, -1]
+    return total / len(ans)
+
+
 def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: list[tuple[str, str, dict]],
-                   max_new_tokens: int = 12, log=print, stop_early=None) -> dict:
+                   max_new_tokens: int = 12, log=print, stop_early=None, margin: bool = False) -> dict:
     """Run every sample through full attention and each ``(label, policy, options)`` candidate.
 
     Returns ``{"samples": [...], "full": [0/1 ...], label: [0/1 ...], "seconds": ...}``; candidates are
     scored only on samples full answers (the others are recorded with None). ``stop_early(label, hits)``:
-    optional; True stops scoring that candidate (e.g. it already missed a needle).
+    optional; True stops scoring that candidate (e.g. it already missed a needle). ``margin``: also
+    ``out["logprob"][label]``, the answer's mean teacher-forced log-probability per scored sample
+    (:func:`answer_logprob`; full's under ``"full"``).
     """
     import kvkit
     from kvkit.evals.common import encode, generate
@@ -113,6 +144,8 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
 
     t0 = time.perf_counter()
     out = {"full": [], **{c[0]: [] for c in candidates}, "predictions": {}}
+    if margin:
+        out["logprob"] = {"full": [], **{c[0]: [] for c in candidates}}
     dropped = set()
     try:
         for s in samples:
@@ -122,6 +155,8 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
             g = generate(model, tokenizer, s.prompt, max_new_tokens, s.context_end, replay=rec)
             ok = s.answer in g.text
             out["full"].append(int(ok))
+            if margin and ok:
+                out["logprob"]["full"].append(round(answer_logprob(model, tokenizer, s, rec), 4))
             line = [f"{s.id} ({s.needles} needle(s), depth {s.depth:.2f}, {g.prompt_tokens} tok): full "
                     f"{'ok' if ok else 'MISS ' + repr(g.text.strip()[:20])}"]
             for label, policy, options in candidates:
@@ -133,6 +168,8 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
                 hit = int(s.answer in gc.text)
                 out[label].append(hit)
                 out["predictions"].setdefault(label, {})[s.id] = gc.text.strip()[:24]
+                if margin:
+                    out["logprob"][label].append(round(answer_logprob(model, tokenizer, s, rec), 4))
                 if stop_early is not None and stop_early(label, out[label]):
                     dropped.add(label)
                 line.append(f"{label} {'ok' if hit else 'x'}")
