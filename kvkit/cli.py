@@ -18,6 +18,23 @@ DEMO_POLICIES = ("duo", "zipcache", "streaming")
 DEMO_OPTIONS = {"streaming": {"budget": 256}}
 
 
+def _split_pairs(item: str) -> list[str]:
+    """``a=1,b=[2,3],c=x`` -> ``["a=1", "b=[2,3]", "c=x"]``: commas inside brackets belong to the value."""
+    out, depth, cur = [], 0, []
+    for ch in item:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
 def parse_options(pairs: list[str] | None, json_opts: str | None = None) -> dict:
     """``--policy-options '{"budget": 512}'`` plus ``--opt budget=512,sink=4`` (repeatable)."""
     out = {}
@@ -30,7 +47,7 @@ def parse_options(pairs: list[str] | None, json_opts: str | None = None) -> dict
             raise ValueError("--policy-options must be a JSON object")
         out.update(loaded)
     for item in pairs or []:
-        for pair in item.split(","):
+        for pair in _split_pairs(item):
             if not pair.strip():
                 continue
             if "=" not in pair:

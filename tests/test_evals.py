@@ -307,3 +307,16 @@ def test_two_writers_on_one_run_folder_keep_each_others_rows(tmp_path):
     a.add({"id": "t2/0", "score": 1.0})
     on_disk = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert len(on_disk) == 4 and [r["score"] for r in on_disk if r["id"] == "t2/0"] == [1.0]
+
+
+def test_option_pairs_keep_lists_whole():
+    """``--opt`` / ``--run`` options: commas inside brackets belong to the value (tidal's select_layers)."""
+    from kvkit.cli import parse_options
+    from kvkit.evals.cli import _parse_run
+
+    assert parse_options(["budget=835,select_layers=[2,6,9],selection=kv_head"]) == {
+        "budget": 835, "select_layers": [2, 6, 9], "selection": "kv_head"}
+    name, pol, opts = _parse_run("t=tidal:budget=835,select_layers=[2,6,9]")
+    assert (name, pol, opts["select_layers"], opts["budget"]) == ("t", "tidal", [2, 6, 9], 835)
+    with pytest.raises(ValueError, match="key=value"):
+        parse_options(["budget=8,[2,3]"])
