@@ -258,7 +258,7 @@ def test_calibrate_tidal_at_a_read_fraction(monkeypatch):
     opts, ev = knobs.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.7, log=lambda m: None)
     # three layouts answer 2 of 3; (2, 4, 6) keeps the answers likelier; (2, 5) and (2, 6) tie -> the earlier
     assert opts == {"select_layers": [2, 4, 6]} and ev["per_layout"]["2,4,6"]["answer_logprob"] == pytest.approx(-4 / 3, abs=1e-4)
-    for label, pol, o in seen:
+    for label, _, o in seen:
         assert o["budget"] == knobs.tidal_budget_for(o["select_layers"], 8, 512, 0.7)
         assert ev["per_layout"][label]["read_fraction"] <= 0.7
     budgets = {lab: o["budget"] for lab, _, o in seen}

@@ -16,16 +16,22 @@ agnostic)
   for c in ${CAL-shadowkv tidal zipcache}; do
     case $c in
     shadowkv) RUNS="$RUNS --run shadowkvcal1024-4k=shadowkv:budget=1024,min_prompt=2048" ;;
-    tidal) RUNS="$RUNS --run tidalcal1732kv-4k=tidal:budget=1732,selection=kv_head" ;;
+    tidal) RUNS="$RUNS --run tidalcal1732kv-4k=tidal:budget=1732,selection=kv_head" ;;  # the first calibration's layers
+    tidalrf) RUNS="$RUNS --run $TIDAL_RF" ;;  # the read-fraction calibration's layout at half the reads (below)
+    shadowkv2048) RUNS="$RUNS --run shadowkvcal2048-4k=shadowkv:budget=2048,min_prompt=2048" ;;  # paper budget
     zipcache) RUNS="$RUNS --run zipcachecal-4k=zipcache" ;;
     esac
   done
   nice -n 5 .venv/bin/kvkit eval sweep --model default --prompts $P --out-root results/policies --resume $RUNS ;;
 qaware)
+  # QPOL="snapkv cake" (default) / QBUD="2048 1024" (default) choose the runs; cake1024-4k-qaware was run before
+  # CAKE's tau calibration (taus 1, 1), cake2048-4k-qaware uses the calibrated taus
   for n in 1 2 3 4 5; do
-    for b in 2048 1024; do
-      nice -n 5 .venv/bin/kvkit eval ruler --model default --policy snapkv --budget $b --full-prompt-prefill \
-        --prompts $P --samples $n --out results/policies/snapkv$b-4k-qaware --resume
+    for b in ${QBUD:-2048 1024}; do
+      for p in ${QPOL:-snapkv cake}; do
+        nice -n 5 .venv/bin/kvkit eval ruler --model default --policy $p --budget $b --full-prompt-prefill \
+          --prompts $P --samples $n --out results/policies/$p$b-4k-qaware --resume
+      done
     done
   done ;;
 *) echo "usage: $0 {agnostic|qaware}" >&2; exit 2 ;;

@@ -260,7 +260,7 @@ def checkpoint_path(out) -> Path:
     return out.with_name(out.name + ".ckpt.pt")
 
 
-def _load_checkpoint(path: Path, cfg: "DuoCalibration", ident: dict) -> dict | None:
+def _load_checkpoint(path: Path, cfg: DuoCalibration, ident: dict) -> dict | None:
     if not path.exists():
         return None
     try:

@@ -69,8 +69,8 @@ def make_samples(tokenizer, n: int, length: int, seed: int = 0) -> list[NeedleSa
         ask = rng.randrange(k)
         depths = sorted(rng.uniform(0.05, 0.95) for _ in keys)
         n_chars = int(length * chars_per_token)
-        for _ in range(6):  # fit the haystack to the token target
-            off = rng.randrange(0, max(1, len(text) - n_chars - 1)) if _ == 0 else off
+        off = rng.randrange(0, max(1, len(text) - n_chars - 1))
+        for _ in range(6):  # fit the haystack to the token target (same offset, resized)
             hay = text[off: off + n_chars]
             ctx = hay
             for d, key, val in sorted(zip(depths, keys, values), reverse=True):

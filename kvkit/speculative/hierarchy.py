@@ -30,16 +30,15 @@ import torch
 from kvkit.policies.base import check_positive_int
 from kvkit.speculative.draft import DraftCache, mask_to_index
 from kvkit.speculative.forward import logits as forward_logits
-from kvkit.speculative.rows import hole_mask
-from kvkit.speculative.verify import accept_greedy, accept_sample, pick, process
+from kvkit.speculative.rows import hole_mask, process_rows
+from kvkit.speculative.verify import accept_greedy, accept_sample, pick
 
 
 def _process(run, logits: torch.Tensor, prefixes: list[torch.Tensor] | None) -> torch.Tensor:
     """``logits [B, T, V]`` through the run's processors; row b's column t follows ``prefixes[b][: len - T + 1 + t]``."""
     if not run.logits_processor:
         return logits.float()
-    return torch.stack([process(run.logits_processor, prefixes[b], logits[b].cpu()) for b in range(logits.shape[0])]
-                       ).to(logits.device)
+    return process_rows(run.logits_processor, prefixes, logits)
 
 
 class Assistant:

@@ -26,6 +26,13 @@ import torch
 from kvkit.speculative.verify import process
 
 
+def process_rows(logits_processor, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+    """``logits [B, T, V]`` through ``logits_processor`` row by row (processors see one sequence at a time); row b's
+    column t follows ``prefixes[b][: len - T + 1 + t]``."""
+    return torch.stack([process(logits_processor, prefixes[b], logits[b].cpu()) for b in range(logits.shape[0])]
+                       ).to(logits.device)
+
+
 def hole_mask(token_pos: torch.Tensor, q: torch.Tensor, windows: dict[str, int | None]):
     """The attention mask of a forward of ``q.shape[1]`` tokens per row appended after held slots with holes.
 
@@ -96,13 +103,9 @@ class Rows:
         """Apply ``logits_processor`` to ``logits [B, T, V]`` (row t follows the row's tokens + ``drafts[:, :t]``)."""
         if not logits_processor:
             return logits
-        rows = []
-        for b in range(self.size):
-            prefix = self.sequence(b)
-            if drafts is not None and drafts.shape[1]:
-                prefix = torch.cat([prefix, drafts[b].cpu()])
-            rows.append(process(logits_processor, prefix, logits[b].cpu()))
-        return torch.stack(rows).to(logits.device)
+        prefixes = [self.sequence(b) if drafts is None or not drafts.shape[1] else
+                    torch.cat([self.sequence(b), drafts[b].cpu()]) for b in range(self.size)]
+        return process_rows(logits_processor, prefixes, logits)
 
     # ---- after a forward ---------------------------------------------------------------------------
     def start(self, first: torch.Tensor) -> None:
