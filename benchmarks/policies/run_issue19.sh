@@ -5,10 +5,14 @@
 #                                                           # budgets interleaved sample-by-sample (index-major)
 # The calibrated tidal / zipcache / shadowkv runs use no options: the policy reads the model's shipped
 # calibration (kvkit/data/calibration/<model>.json); CAL="shadowkv" (a subset) or CAL="" limits them,
-# SNAP=0 leaves the SnapKV runs out (this session: one sweep SNAP=1 CAL=shadowkv, one SNAP=0 CAL="tidal zipcache").
+# SNAP=0 leaves the SnapKV runs out (sixth session: one sweep SNAP=1 CAL=shadowkv, one SNAP=0 CAL="tidal zipcache";
+# eighth: SNAP=0 CAL="tidalrf shadowkv2048").
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 TQDM_MININTERVAL=60 TOKENIZERS_PARALLELISM=false
 P=results/policies/ruler-4096-s5.jsonl
+# `kvkit calibrate tidal --model default --out kvkit/data/calibration/smollm2-135m-instruct.json --threads 1` (read
+# fraction 0.5): layers [2, 6, 10, 14, 18, 22, 26]; budget 1132 puts the reads at 0.50 of full's at 3968 tokens
+TIDAL_RF="tidalrf1132kv-4k=tidal:budget=1132,selection=kv_head,select_layers=[2,6,10,14,18,22,26]"
 case ${1:-agnostic} in
 agnostic)
   RUNS=""
