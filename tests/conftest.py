@@ -19,3 +19,16 @@ def default_model():
     from kvkit.models import load_default
 
     return load_default()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama (2048-token context) saved with the real SmolLM2 tokenizer, for CLI tests that load a
+    model folder (modules may override it)."""
+    from kvkit.models import load_tokenizer
+
+    tok = load_tokenizer("default")
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)

@@ -7,19 +7,6 @@ import pytest
 from kvkit.cli import main
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama saved with the real SmolLM2 tokenizer."""
-    from kvkit.models import load_tokenizer
-    from kvkit.testing import tiny_model
-
-    tok = load_tokenizer("default")
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048).save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
-
-
 def run(*argv):
     return main([str(a) for a in argv])
 

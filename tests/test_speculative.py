@@ -359,19 +359,15 @@ def test_speculate_cli_self_draft_and_hierarchy_in_one_run(tmp_path, batch):
     assert rows[1]["assistant_acceptance"] is None and rows[1]["acceptance"] is not None
 
 
-def test_speculate_cli_repeat_reports_medians_and_phase_costs(tmp_path, capsys):
+def test_speculate_cli_repeat_reports_medians_and_phase_costs(tmp_path, capsys, tiny_dir):
     # --repeat 2: plain and each setting run twice, interleaved; the row holds both runs, the median and the
     # per-repeat speedups; draft/verify costs are positive and in plain-step units
     import json
     import statistics
 
     from kvkit.cli import main
-    from kvkit.models import load_tokenizer
 
-    tok = load_tokenizer("default")
-    d = tmp_path / "target"
-    tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048).save_pretrained(d)
-    tok.save_pretrained(d)
+    d = tiny_dir
     out = tmp_path / "spec.jsonl"
     assert main(["speculate", "--model", str(d), "--length", "200", "--new-tokens", "6", "--gamma", "2",
                  "--draft-policy", "retrieval", "--budget", "64", "--repeat", "2", "--baselines", "static,dynamic",

@@ -366,18 +366,14 @@ def test_defect7_compressing_targets_that_stay_lossless():
 
 
 @pytest.mark.parametrize("task", ["needle", "continue"])
-def test_speculate_cli_batch(tmp_path, task):
+def test_speculate_cli_batch(tmp_path, task, tiny_dir):
     # `kvkit speculate --batch 3`: plain batched greedy (kvkit full and transformers' DynamicCache) and the settings
     # decode the same tokens in every row (exit status 0); needle rows differ in length (left padded)
     import json
 
     from kvkit.cli import main
-    from kvkit.models import load_tokenizer
 
-    tok = load_tokenizer("default")
-    d = tmp_path / "target"
-    tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048).save_pretrained(d)
-    tok.save_pretrained(d)
+    d = tiny_dir
     out = tmp_path / "spec.jsonl"
     assert main(["speculate", "--model", str(d), "--task", task, "--batch", "3", "--length", "200", "--new-tokens", "8",
                  "--gamma", "3", "--draft-policy", "streaming,retrieval", "--budget", "64", "--baselines", "dynamic",
