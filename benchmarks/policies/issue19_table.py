@@ -11,8 +11,10 @@ import csv
 import json
 import pathlib
 import statistics
+import sys
 
 root = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(root))
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", choices=("default", "qwen05"), default="default")
 args = ap.parse_args()
@@ -24,20 +26,24 @@ if args.model == "default":
     OUT, TITLE, README_TABLE = pol / "issue19", "default model (SmolLM2-135M-Instruct)", True
     RUNS = [
         ("duo054-4k", "duo", "~54% of KV removed (shipped pattern)", "agnostic", "bytes", None),
-        ("tidalcal1732kv-4k", "tidal", "budget 1732 (~42% of reads), kv_head, calibrated select_layers", "agnostic",
-         "reads", "tidal1732kv-4k"),
+        ("tidalrf1132kv-4k", "tidal", "budget 1132, kv_head, layers [2, 6, ..., 26] (read-fraction calibration)", "agnostic", "reads", "tidal1732kv-4k"),
+        ("tidalcal1732kv-4k", "tidal", "budget 1732, kv_head, layers [2, 15, 21] (first calibration)",
+         "agnostic", "reads", "tidal1732kv-4k"),
         ("zipcachecal-4k", "zipcache", "calibrated bit widths (all 4-bit)", "agnostic", "bytes", "zipcache-4k"),
         ("shadowkvcal1024-4k", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 120", "agnostic", "bytes",
          "shadowkv1024-4k"),
+        ("shadowkvcal2048-4k", "shadowkv", "budget 2048 (the paper's), min_prompt 2048, calibrated rank 120",
+         "agnostic", "bytes", None),
         ("cake2048-4k", "cake", "budget 2048, taus (1, 1) (run before the tau calibration)", "agnostic", "bytes", None),
         ("chelsea50-4k", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
         ("chelsea50p25-4k", "chelsea", "ratio 0.5, protect 0.25 (kvkit, beyond the paper)", "agnostic", "bytes",
          "chelsea50-4k"),
         ("snapkv2048-4k", "snapkv", "budget 2048", "agnostic", "bytes", None),
         ("snapkv2048-4k-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
+        ("cake2048-4k-qaware", "cake", "budget 2048, calibrated taus (2, 2)", "question in prefill", "bytes", None),
         ("../ruler/streaming2048-4k", "streaming", "budget 2048", "agnostic", "bytes", None),
         ("duo081-4k", "duo", "~81% of KV removed", "agnostic", "bytes", None),
-        ("tidal550kv-4k", "tidal", "budget 550 (~13% of reads), kv_head, paper layers", "agnostic", "reads", None),
+        ("tidal550kv-4k", "tidal", "budget 550, kv_head, paper layers 2 + 12", "agnostic", "reads", None),
         ("cake1024-4k", "cake", "budget 1024, taus (1, 1)", "agnostic", "bytes", None),
         ("cake1024-4k-qaware", "cake", "budget 1024, taus (1, 1)", "question in prefill", "bytes", None),
         ("chelsea25-4k", "chelsea", "ratio 0.25", "agnostic", "bytes", None),
@@ -58,7 +64,7 @@ else:
         ("chelsea50", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
         ("zipcache", "zipcache", "calibrated = paper 4/2-bit 60/40", "agnostic", "bytes", None),
         ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
-        ("tidal1732kv", "tidal", "budget 1732 (~42% of reads), kv_head, paper layers", "agnostic", "reads", None),
+        ("tidal1732kv", "tidal", "budget 1732, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake2048-qaware", "cake", "budget 2048", "question in prefill", "bytes", None),
         ("snapkv2048-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
         ("streaming1024", "streaming", "budget 1024", "agnostic", "bytes", None),
@@ -66,10 +72,15 @@ else:
         ("cake1024", "cake", "budget 1024", "agnostic", "bytes", None),
         ("chelsea25", "chelsea", "ratio 0.25", "agnostic", "bytes", None),
         ("shadowkv512", "shadowkv", "budget 512, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
-        ("tidal550kv", "tidal", "budget 550 (~13% of reads), kv_head, paper layers", "agnostic", "reads", None),
+        ("tidal550kv", "tidal", "budget 550, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake1024-qaware", "cake", "budget 1024", "question in prefill", "bytes", None),
         ("snapkv1024-qaware", "snapkv", "budget 1024", "question in prefill", "bytes", None),
     ]
+# tidal stores every byte and saves reads: (selection layers, model layers, budget) of each tidal run, for the
+# per-step read fraction at the run's prompt length (kvkit.calibrate.knobs.tidal_read_fraction; the first decode step)
+READS = {"tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
+         "tidal1732kv-4k": ((2, 12), 30, 1732), "tidal550kv-4k": ((2, 12), 30, 550),
+         "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
          "chelsea25-4k": "paper matching (protect 0)"}
@@ -110,10 +121,16 @@ for folder, policy, setting, protocol, saves, paper in RUNS:
     f = score(full, ids)
     a = score(rs, ids)
     kv = statistics.mean(rs[i]["kv_bytes"] for i in ids) / statistics.mean(full[i]["kv_bytes"] for i in ids)
+    reads = None
+    if folder in READS:
+        from kvkit.calibrate.knobs import tidal_read_fraction
+
+        layout, n_layers, budget = READS[folder]
+        reads = statistics.mean(tidal_read_fraction(layout, n_layers, rs[i]["prompt_tokens"] + 1, budget) for i in ids)
     row = dict(run=folder, policy=policy, setting=setting, protocol=protocol, samples=len(ids),
                tasks=len(per_task), min_per_task=min(per_task.values()) if len(per_task) == 13 else 0,
                average=round(a, 2), full_same=round(f, 2), retention=round(a / f, 3) if f else None,
-               kv_vs_full=round(kv, 3), saves=saves)
+               kv_vs_full=round(kv, 3), reads_vs_full=None if reads is None else round(reads, 3), saves=saves)
     if paper:
         pr = rows(pol / paper)
         pids = [i for i in ids if i in pr]
@@ -123,7 +140,7 @@ for folder, policy, setting, protocol, saves, paper in RUNS:
     out.append(row)
 
 cols = ["policy", "setting", "protocol", "samples", "tasks", "min_per_task", "average", "full_same", "retention",
-        "kv_vs_full", "paper_setting", "paper_same_samples", "run"]
+        "kv_vs_full", "reads_vs_full", "paper_setting", "paper_same_samples", "run"]
 lines = ["| " + " | ".join(c.replace("_", " ") for c in cols) + " |", "|" + "---|" * len(cols)]
 for r in out:
     lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
@@ -132,7 +149,8 @@ OUT.with_suffix(".md").write_text(
     f"# Issue 19: every policy on RULER-4K, {TITLE} (matched samples)\n\n"
     f"Generated by `python benchmarks/policies/issue19_table.py --model {args.model}`. retention = average / full's average on the "
     "same samples (mean over the tasks present). kv vs full = mean `KVCache.nbytes()` after generation / "
-    "full's (tidal keeps every byte and saves reads). tasks = tasks with at least one sample (of 13); "
+    "full's (tidal keeps every byte and saves reads: reads vs full = K/V read per decode step / full's at the "
+    "samples' length). tasks = tasks with at least one sample (of 13); "
     "min per task is 0 until every task has a sample. paper same samples = the paper-setting run of the "
     "same policy scored on exactly the samples of this row.\n\n" + md, encoding="utf-8")
 with open(OUT.with_suffix(".csv"), "w", newline="", encoding="utf-8") as fh:

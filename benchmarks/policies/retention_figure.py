@@ -1,0 +1,70 @@
+"""Retention vs KV kept, one panel per model (the kvpress leaderboard's picture), from the issue-19 tables.
+
+    python benchmarks/policies/issue19_table.py --model default && python benchmarks/policies/issue19_table.py --model qwen05
+    python benchmarks/policies/retention_figure.py      # -> results/policies/retention.png
+
+x = the fraction of full's KV a policy keeps on the device (``KVCache.nbytes()``), or for TidalDecode, which keeps
+every byte, the fraction it reads per decode step; y = RULER-4K retention (score / full's on the same samples).
+Filled markers: question-agnostic (context compressed before the question); hollow: question in the prefill.
+Rows with fewer than 13 samples (one per task) are left out; the label gives the sample count.
+"""
+
+import csv
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+root = pathlib.Path(__file__).resolve().parents[2]
+pol = root / "results" / "policies"
+PANELS = [(pol / "issue19.csv", "SmolLM2-135M-Instruct (default)"), (pol / "qwen05" / "table.csv", "Qwen2.5-Coder-0.5B-Instruct")]
+STYLE = {"duo": ("tab:blue", "o"), "tidal": ("tab:orange", "s"), "zipcache": ("tab:green", "D"),
+         "shadowkv": ("tab:red", "^"), "cake": ("tab:purple", "v"), "chelsea": ("tab:brown", "P"),
+         "snapkv": ("tab:pink", "X"), "streaming": ("tab:gray", "*")}
+MIN_SAMPLES = 13
+
+
+def load(path):
+    if not path.exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as fh:
+        return [r for r in csv.DictReader(fh) if r.get("retention") and int(r["samples"] or 0) >= MIN_SAMPLES]
+
+
+fig, axes = plt.subplots(1, len(PANELS), figsize=(13, 5.2), sharey=True)
+for ax, (path, title) in zip(axes, PANELS):
+    rows = load(path)
+    seen, placed = set(), []
+    for r in rows:
+        p = r["policy"]
+        color, marker = STYLE.get(p, ("black", "."))
+        x = float(r["reads_vs_full"]) if r.get("reads_vs_full") else float(r["kv_vs_full"])
+        y = float(r["retention"])
+        aware = r["protocol"] != "agnostic"
+        label = p if p not in seen else None
+        seen.add(p)
+        ax.scatter([x], [y], s=70, marker=marker, color=color if not aware else "none", edgecolors=color,
+                   linewidths=1.6, label=label, zorder=3)
+        dy = 3
+        while any(abs(x - px) < 0.09 and abs(y - py) < 0.012 and abs(dy - pdy) < 8 for px, py, pdy in placed):
+            dy -= 8  # a label already sits here: move this one down a line
+        placed.append((x, y, dy))
+        ax.annotate(f"{r['run'].replace('../ruler/', '').replace('-4k', '')} ({r['samples']})", (x, y),
+                    textcoords="offset points", xytext=(5, dy), fontsize=6.5, color=color)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.axhline(0.95, color="tab:green", lw=0.6, ls=":")
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel("KV kept on device (tidal: K/V read per step), fraction of full")
+    ax.set_xlim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+axes[0].set_ylabel("RULER-4K retention (score / full's, same samples)")
+axes[0].set_ylim(-0.02, 1.15)
+fig.suptitle("kvkit policies: accuracy kept vs KV kept (filled: question-agnostic, hollow: question in prefill; "
+             "(n) = samples)", fontsize=10)
+fig.tight_layout()
+out = pol / "retention.png"
+fig.savefig(out, dpi=130)
+print(out)
