@@ -8,7 +8,7 @@ import json
 
 
 def add_commands(subparsers) -> None:
-    cal = subparsers.add_parser("calibrate", help="per-model calibration of a policy (duo, shadowkv, tidal, zipcache)")
+    cal = subparsers.add_parser("calibrate", help="per-model calibration of a policy (duo, shadowkv, tidal, cake, zipcache)")
     sub = cal.add_subparsers(dest="calibrate_policy", required=True)
     d = sub.add_parser(
         "duo",
@@ -60,8 +60,10 @@ def _add_knob_commands(sub) -> None:
     s.set_defaults(func=cmd_calibrate_knob, knob="shadowkv")
     t = sub.add_parser("tidal", help="TidalDecode selection layers from a needle sweep",
                        description="Needles (kvkit's own words and 7-digit codes) in essay text; every "
-                       "candidate layout of selection layers decodes them from one shared prefill per sample; "
-                       "the layout answering most needles is kept.")
+                       "candidate layout of selection layers decodes them from one shared prefill per sample, each "
+                       "at the budget that puts its decode reads at --read-fraction of full attention's; the layout "
+                       "answering most needles is kept (ties: the answers' teacher-forced log-probability, then "
+                       "fewer selection layers).")
     _common(t, 4096, 12)
     t.add_argument("--read-fraction", type=float, default=None,
                    help="decode reads as a fraction of full attention's; each layout gets the budget that matches "
