@@ -48,7 +48,7 @@ for ax, (path, title) in zip(axes, PANELS):
         ax.scatter([x], [y], s=70, marker=marker, color=color if not aware else "none", edgecolors=color,
                    linewidths=1.6, label=label, zorder=3)
         dy = 3
-        while any(abs(x - px) < 0.09 and abs(y - py) < 0.012 and abs(dy - pdy) < 8 for px, py, pdy in placed):
+        while any(abs(x - px) < 0.12 and abs((y + dy / 260) - (py + pdy / 260)) < 0.03 for px, py, pdy in placed):
             dy -= 8  # a label already sits here: move this one down a line
         placed.append((x, y, dy))
         ax.annotate(f"{r['run'].replace('../ruler/', '').replace('-4k', '')} ({r['samples']})", (x, y),
