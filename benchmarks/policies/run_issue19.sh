@@ -21,7 +21,7 @@ agnostic)
     case $c in
     shadowkv) RUNS="$RUNS --run shadowkvcal1024-4k=shadowkv:budget=1024,min_prompt=2048" ;;
     tidal) RUNS="$RUNS --run tidalcal1732kv-4k=tidal:budget=1732,selection=kv_head" ;;  # the first calibration's layers
-    tidalrf) RUNS="$RUNS --run $TIDAL_RF" ;;  # the read-fraction calibration's layout at half the reads (below)
+    tidalrf) RUNS="$RUNS --run $TIDAL_RF" ;;  # the read-fraction calibration's layout at half the reads (TIDAL_RF above)
     shadowkv2048) RUNS="$RUNS --run shadowkvcal2048-4k=shadowkv:budget=2048,min_prompt=2048" ;;  # paper budget
     zipcache) RUNS="$RUNS --run zipcachecal-4k=zipcache" ;;
     esac

@@ -108,8 +108,8 @@ def cmd_calibrate_knob(args) -> int:
     elif args.knob == "tidal":
         opts, ev = knobs.calibrate_tidal(model, tok, length=args.length, samples=args.samples,
                                          budget_fraction=args.budget_fraction,
-                                         read_fraction=(None if args.budget_fraction is not None and args.read_fraction
-                                                        is None else args.read_fraction or 0.5),
+                                         read_fraction=(args.read_fraction if args.read_fraction is not None else
+                                                        None if args.budget_fraction is not None else 0.5),
                                          selection=args.selection,
                                          seed=args.seed, log=log)
     elif args.knob == "cake":

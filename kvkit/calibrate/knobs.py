@@ -147,9 +147,10 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
     """The selection layers that answer the most calibration needles.
 
     ``read_fraction`` (default): every layout is given the budget that makes its decode reads that fraction of
-    full attention's (more selection layers -> fresher selections but a smaller budget); ties: fewer selection
-    layers (less ranking work). ``budget_fraction`` instead: one budget ``budget_fraction * length`` for every
-    layout (the first calibration, which let denser layouts read more)."""
+    full attention's (more selection layers -> fresher selections but a smaller budget). ``budget_fraction``
+    instead: one budget ``budget_fraction * length`` for every layout (the first calibration, which let denser
+    layouts read more). Ties: the higher mean teacher-forced log-probability of the answers
+    (:func:`kvkit.calibrate.needles.answer_logprob`), then fewer selection layers (less ranking work)."""
     from kvkit.calibrate.needles import make_samples, score_policies, summarize
 
     t0 = time.perf_counter()
@@ -163,22 +164,20 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
         raise ValueError(f"tidal calibration: the fraction must be in (0, 1); got {frac}")
     data = make_samples(tokenizer, samples, length, seed=seed)
     held = length  # the calibration prompts' length (within 3%)
-    specs, budgets = [], {}
+    specs = []
     for c in tidal_candidates(L):
         b = max(1, int(budget_fraction * length)) if read_fraction is None else tidal_budget_for(c, L, held, read_fraction)
-        if b is None:
-            continue
-        label = ",".join(map(str, c))
-        budgets[label] = b
-        specs.append((label, "tidal", dict(budget=b, selection=selection, select_layers=c)))
+        if b is not None:
+            specs.append((",".join(map(str, c)), "tidal", dict(budget=b, selection=selection, select_layers=c)))
     if not specs:
         raise ValueError(f"tidal calibration: no selection layout reads at most {read_fraction} of full attention")
     res = score_policies(model, tokenizer, data, specs, log=log, margin=True)
     table = summarize(res, [s[0] for s in specs])
     lp = res.get("logprob", {})
-    for lab, row in table.items():
-        row["budget"] = budgets[lab]
-        row["read_fraction"] = round(tidal_read_fraction([int(x) for x in lab.split(",")], L, held, budgets[lab]), 3)
+    for lab, _, o in specs:
+        row = table[lab]
+        row["budget"] = o["budget"]
+        row["read_fraction"] = round(tidal_read_fraction(o["select_layers"], L, held, o["budget"]), 3)
         if lp.get(lab):
             row["answer_logprob"] = round(sum(lp[lab]) / len(lp[lab]), 4)
     best = max(range(len(specs)), key=lambda i: (table[specs[i][0]]["answered"],
@@ -190,22 +189,22 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
                 f"(each layout's budget set to match; selection={selection}); ties: the higher mean teacher-forced "
                 "log-probability of the answers (answer_logprob), then fewer selection layers")
     else:
-        crit = (f"most needles answered at budget {budgets[specs[0][0]]} of ~{length} tokens (selection={selection}); "
+        crit = (f"most needles answered at budget {specs[0][2]['budget']} of ~{length} tokens (selection={selection}); "
                 "ties: the higher answer_logprob, then fewer selection layers")
-    best_label = specs[best][0]
+    chosen = specs[best][2]
     evidence = {
         "criterion": crit,
         "needles_answered_by_full": f"{sum(res['full'])}/{len(data)}",
         "full_answer_logprob": (round(sum(lp["full"]) / len(lp["full"]), 4) if lp.get("full") else None),
         "per_layout": table,
         "paper_layout": list(paper),
-        "chosen_budget_fraction": round(budgets[best_label] / held, 4),
+        "chosen_budget_fraction": round(chosen["budget"] / held, 4),
         "predictions": res["predictions"],
         "data": "kvkit needles (own words, 7-digit codes; 1 or 3 needles) in essay text from the last third of "
                 "PaulGrahamEssays.json; chat template; question fed after the context",
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    return {"select_layers": list(specs[best][2]["select_layers"])}, evidence
+    return {"select_layers": list(chosen["select_layers"])}, evidence
 
 
 # ---- ZipCache: the cheapest bit widths that keep the needles -----------------------------------------------
