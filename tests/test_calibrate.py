@@ -105,6 +105,15 @@ def test_calibrated_cake_taus_found_from_config(caldir):
     assert store.resolve(cake(budget=16, window=4), model.config).taus(model.config) == (2.0, 0.5)
     assert store.resolve(cake(budget=16, window=4, calibrated=False), model.config).taus(model.config) == (1.0, 1.0)
     assert store.resolve(cake(budget=16, window=4, tau1=3.0), model.config).taus(model.config) == (3.0, 1.0)
+    _write(caldir / "tiny.json", model, {"cake": _section(tau1=2.0, tau2=0.5, pool_kernel=9)})
+    store._CACHE.clear()
+    kvkit.patch(model, "cake", budget=16, window=4)
+    assert {st.kernel for st in kvkit.KVCache(model).layers if isinstance(st, CakeStore)} == {9}
+    kvkit.patch(model, "cake", budget=16, window=4, calibrated=False)
+    assert {st.kernel for st in kvkit.KVCache(model).layers if isinstance(st, CakeStore)} == {5}
+    kvkit.unpatch(model)
+    _write(caldir / "tiny.json", model, {"cake": _section(tau1=2.0, tau2=0.5)})
+    store._CACHE.clear()
     kvkit.patch(model, "cake", budget=16, window=4)
     stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, CakeStore)]
     assert stores and {(st.tau1, st.tau2) for st in stores} == {(2.0, 0.5)}
@@ -132,10 +141,78 @@ def test_calibrate_cake_sweeps_the_taus(monkeypatch):
     monkeypatch.setattr(needles, "score_policies", fake_score)
     monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0: [None] * 3)
     model = tiny_model("llama", num_hidden_layers=4)
-    opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, budget_fraction=0.5, log=lambda m: None)
+    opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, budget_fraction=0.5, kernels=(),
+                                    log=lambda m: None)
     assert seen[0][0] == "1.0,1.0" and all(sp[2]["budget"] == 128 for sp in seen)
     assert opts == {"tau1": 0.5, "tau2": 0.5}  # first of the two best in candidate order
     assert ev["per_taus"]["2.0,0.5"] == {"answered": 2, "of": 3} and ev["paper_taus"] == [1.0, 1.0]
+
+    # with kernels: a second, question-aware stage at the chosen taus picks the pooling kernel
+    def fake_pool(model, tok, specs, length, samples, seed=0, log=print):
+        seen.extend(specs)
+        return 2, {s[0]: {"answered": 1, "of": 1} for s in specs}, {"full": [1], "n_samples": 1, "predictions": {}}
+
+    monkeypatch.setattr(knobs, "pooling_sweep", fake_pool)
+    seen.clear()
+    opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, kernels=(5, 15, 31), log=lambda m: None)
+    stage2 = [sp for sp in seen if "pool_kernel" in sp[2]]
+    assert [sp[2]["pool_kernel"] for sp in stage2] == [5, 15, 31]
+    assert all((sp[2]["tau1"], sp[2]["tau2"], sp[2]["budget"]) == (0.5, 0.5, 128) for sp in stage2)
+    assert opts == {"tau1": 0.5, "tau2": 0.5, "pool_kernel": 31} and ev["pooling"]["paper_kernel"] == 5
+
+
+def test_calibrated_snapkv_pooling_found_from_config(caldir):
+    """SnapKV's kernel / pooling: the calibration when both are left at None; the paper's (5, avg) one option away."""
+    from kvkit.policies.snapkv import SnapKVStore
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="max")})
+    snap = kvkit.registry.policy_class("snapkv")
+    cfg = model.config
+    assert snap(budget=16, window=4).settings(cfg) == (9, "max")
+    assert snap(budget=16, window=4, calibrated=False).settings(cfg) == (5, "avg")
+    assert snap(budget=16, window=4, kernel=3).settings(cfg) == (3, "avg")  # the user's kernel is never mixed
+    kvkit.patch(model, "snapkv", budget=16, window=4)
+    stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, SnapKVStore)]
+    assert stores and {(st.kernel, st.pooling) for st in stores} == {(9, "max")}
+    greedy(model, _ids(40), 3)
+    kvkit.unpatch(model)
+    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="median")})
+    store._CACHE.clear()
+    with pytest.raises(store.CalibrationError, match="pooling must be 'avg' or 'max'"):
+        kvkit.patch(model, "snapkv", budget=16, window=4)
+        kvkit.KVCache(model)
+    kvkit.unpatch(model)
+
+
+def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
+    """The sweep scores with the question in the prefill, keeps the pooling answering most needles, breaks ties
+    by the answers' log-probability, then the candidate order (the paper's first)."""
+    from kvkit.calibrate import knobs, needles
+
+    seen = {}
+
+    def fake_score(model, tok, data, specs, log=print, margin=False, question_aware=False):
+        seen.update(specs=specs, margin=margin, question_aware=question_aware)
+        answered = {"15,avg": [1, 1, 0], "31,avg": [1, 1, 0], "9,max": [1, 1, 0]}
+        lp = {"15,avg": [-0.5, -0.7], "31,avg": [-0.2, -0.4], "9,max": [-0.2, -0.4]}
+        return {"full": [1, 1, 1], "predictions": {}, **{s[0]: answered.get(s[0], [1, 0, 0]) for s in specs},
+                "logprob": {"full": [-0.1] * 3, **{s[0]: lp.get(s[0], [-1.0]) for s in specs}}}
+
+    def fake_samples(tok, n, length, seed=0, far=False):
+        seen["far"] = far
+        return [None] * 3
+
+    monkeypatch.setattr(needles, "score_policies", fake_score)
+    monkeypatch.setattr(needles, "make_samples", fake_samples)
+    opts, ev = knobs.calibrate_snapkv(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
+                                      log=lambda m: None)
+    assert seen["question_aware"] and seen["margin"] and seen["far"]
+    assert seen["specs"][0][0] == "5,avg" and all(sp[2]["budget"] == 128 for sp in seen["specs"])
+    assert opts == {"kernel": 31, "pooling": "avg"}  # 31,avg and 9,max tie on needles and log-prob: order
+    assert ev["per_pooling"]["15,avg"] == {"answered": 2, "of": 3, "answer_logprob": -0.6}
+    with pytest.raises(ValueError, match="budget_fraction"):
+        knobs.calibrate_snapkv(None, None, budget_fraction=1.5)
 
 
 @pytest.mark.parametrize("content, why", [
@@ -297,7 +374,55 @@ def test_answer_logprob_is_the_teacher_forced_likelihood():
     try:
         rec = record_prefill(model, encode(tok, ctx))
         assert answer_logprob(model, tok, s, rec) == pytest.approx(want, abs=1e-4)
+        assert answer_logprob(model, tok, s, None, question_aware=True) == pytest.approx(want, abs=1e-4)
         kvkit.patch(model, "streaming", budget=8, sink=2)
         assert abs(answer_logprob(model, tok, s, rec) - want) > 1e-3
+        # question-aware: the whole prompt prefilled exactly, then compressed (SnapKV scores with the question)
+        kvkit.patch(model, "snapkv", budget=12, window=4)
+        qa = answer_logprob(model, tok, s, None, question_aware=True)
+        assert abs(qa - want) > 1e-4 and abs(qa - answer_logprob(model, tok, s, rec)) > 1e-4
     finally:
         kvkit.unpatch(model)
+
+
+def test_far_needles_put_the_value_a_dozen_words_after_its_key():
+    from kvkit.calibrate import needles
+
+    try:
+        needles.essay_text()
+    except Exception as e:  # the essay package is what CI installs; say so when it is missing
+        pytest.skip(f"calibration essays not installed: {e}")
+    tok = CharTokenizer()
+    near = needles.make_samples(tok, 8, 600, seed=1)
+    far = needles.make_samples(tok, 8, 600, seed=1, far=True)
+    tail = " ".join(needles.NEEDLE_FAR.split()[-3:])  # "inner door is {value}."
+    for i, (a, b) in enumerate(zip(near, far)):
+        assert a.answer == b.answer and a.needles == b.needles
+        assert f"vault is {a.answer}." in a.prompt and tail.format(value=a.answer) not in a.prompt
+        if (i // 2) % 2 == 1:  # samples 2, 3, 6, 7: every needle in the far form, one 1-needle and one 3-needle
+            assert tail.format(value=b.answer) in b.prompt and f"vault is {b.answer}." not in b.prompt[:b.context_end]
+        else:
+            assert b.prompt == a.prompt
+
+
+def test_run_config_records_the_calibration_and_resume_refuses_another(caldir, tmp_path):
+    """A run folder records the calibrated options its policy used; resuming it after a recalibration is refused
+    (rows of two settings would mix), a folder made before the field existed still resumes."""
+    from kvkit.evals.common import RunDir, calibration_used
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="max")})
+    used = calibration_used(model, "snapkv", {"budget": 16, "window": 4})
+    assert used == {"options": {"kernel": 9, "pooling": "max"}, "file": "tiny.json"}
+    assert calibration_used(model, "snapkv", {"budget": 16, "window": 4, "calibrated": False}) is None
+    assert calibration_used(model, "snapkv", {"budget": 16, "window": 4, "kernel": 3}) is None
+    assert calibration_used(model, "full", {}) is None
+    cfg = {"benchmark": "ruler", "policy": "snapkv", "options": {"budget": 16}, "calibration": used}
+    RunDir(tmp_path / "run", cfg)
+    RunDir(tmp_path / "run", cfg, resume=True)  # same calibration: fine
+    other = dict(cfg, calibration={"options": {"kernel": 61, "pooling": "avg"}, "file": "tiny.json"})
+    with pytest.raises(ValueError, match="different configuration.*calibration"):
+        RunDir(tmp_path / "run", other, resume=True)
+    old = {k: v for k, v in cfg.items() if k != "calibration"}
+    RunDir(tmp_path / "old", old)
+    RunDir(tmp_path / "old", cfg, resume=True)  # made before the field was recorded

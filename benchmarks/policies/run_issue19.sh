@@ -29,12 +29,14 @@ agnostic)
   nice -n 5 .venv/bin/kvkit eval sweep --model default --prompts $P --out-root results/policies --resume $RUNS ;;
 qaware)
   # QPOL="snapkv cake" (default) / QBUD="2048 1024" (default) choose the runs; cake1024-4k-qaware was run before
-  # CAKE's tau calibration (taus 1, 1), cake2048-4k-qaware uses the calibrated taus
+  # CAKE's tau calibration (taus 1, 1), cake2048-4k-qaware uses the calibrated taus. QTAG names new folders
+  # ($p$b$QTAG-4k-qaware): the snapkv*-4k-qaware folders were run with the paper's pooling (kernel 5, avg), before
+  # `kvkit calibrate snapkv`; QPOL=snapkv QBUD=2048 QTAG=cal runs the calibrated pooling (ninth session)
   for n in 1 2 3 4 5; do
     for b in ${QBUD:-2048 1024}; do
       for p in ${QPOL:-snapkv cake}; do
         nice -n 5 .venv/bin/kvkit eval ruler --model default --policy $p --budget $b --full-prompt-prefill \
-          --prompts $P --samples $n --out results/policies/$p$b-4k-qaware --resume
+          --prompts $P --samples $n --out results/policies/$p$b${QTAG:-}-4k-qaware --resume
       done
     done
   done ;;

@@ -1,5 +1,5 @@
 """``kvkit calibrate duo``: learn a DuoAttention head pattern for a model and write it as JSON (or TSV).
-``kvkit calibrate shadowkv|tidal|cake|zipcache``: a per-model knob, written as one section of the model's
+``kvkit calibrate shadowkv|tidal|cake|snapkv|zipcache``: a per-model knob, written as one section of the model's
 calibration file (:mod:`kvkit.calibrate.store`), which the policy then finds from the model's config."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 
 def add_commands(subparsers) -> None:
-    cal = subparsers.add_parser("calibrate", help="per-model calibration of a policy (duo, shadowkv, tidal, cake, zipcache)")
+    cal = subparsers.add_parser("calibrate", help="per-model calibration of a policy (duo, shadowkv, tidal, cake, snapkv, zipcache)")
     sub = cal.add_subparsers(dest="calibrate_policy", required=True)
     d = sub.add_parser(
         "duo",
@@ -51,6 +51,15 @@ def _common(p, length: int, samples: int) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
+def _sweep_parser(sub, name: str, help: str, description: str):
+    """A needle-sweep calibration at a budget fraction of the context (2048 tokens, 8 samples by default)."""
+    p = sub.add_parser(name, help=help, description=description)
+    _common(p, 2048, 8)
+    p.add_argument("--budget-fraction", type=float, default=0.5, help=f"{name} budget as a fraction of --length")
+    p.set_defaults(func=cmd_calibrate_knob, knob=name)
+    return p
+
+
 def _add_knob_commands(sub) -> None:
     s = sub.add_parser("shadowkv", help="ShadowKV SVD rank from the spectral energy of the pre-RoPE keys",
                        description="Smallest SVD rank whose rebuilt pre-RoPE keys stay within --max-error "
@@ -72,13 +81,20 @@ def _add_knob_commands(sub) -> None:
                    help="instead: one tidal budget for every layout, as a fraction of --length")
     t.add_argument("--selection", default="kv_head", choices=["kv_head", "q_head"])
     t.set_defaults(func=cmd_calibrate_knob, knob="tidal")
-    c = sub.add_parser("cake", help="CAKE layer-preference temperatures tau1/tau2 from a needle sweep",
-                       description="Needles (kvkit's own words and 7-digit codes) in essay text; CAKE at "
-                       "--budget-fraction of the context with each candidate (tau1, tau2) decodes them from one shared "
-                       "prefill per sample; the pair answering most needles is kept (ties: the paper's).")
-    _common(c, 2048, 8)
-    c.add_argument("--budget-fraction", type=float, default=0.5, help="CAKE budget as a fraction of --length")
-    c.set_defaults(func=cmd_calibrate_knob, knob="cake")
+    c = _sweep_parser(
+        sub, "cake", "CAKE layer-preference temperatures tau1/tau2, then its pooling kernel",
+        "Needles (kvkit's own words and 7-digit codes) in essay text; CAKE at --budget-fraction of the context with "
+        "each candidate (tau1, tau2) decodes them from one shared prefill per sample; the pair answering most "
+        "needles is kept (ties: the paper's). Then, at those taus and with the question in the prefill, the "
+        "indicator's pooling kernel (--kernels).")
+    c.add_argument("--kernels", default="5,15,21,31,41,61",
+                   help="pooling kernels (odd) for the second, question-aware stage at the chosen taus; '' skips it")
+    _sweep_parser(
+        sub, "snapkv", "SnapKV pooling kernel (and avg/max) from a question-aware needle sweep",
+        "Needles (kvkit's own words and 7-digit codes) in essay text, the question in the prefill (SnapKV's "
+        "setting), half of them with the value a dozen words after its key; SnapKV at --budget-fraction of the "
+        "context with each candidate pooling (kernel 5 avg = the paper's, wider avg, max) decodes them; the one "
+        "answering most needles is kept (ties: the answers' teacher-forced log-probability, then the paper's first).")
     z = sub.add_parser("zipcache", help="ZipCache bit widths: the cheapest that keeps calibration needles",
                        description="Candidate (high_ratio, high_bits, low_bits, key_bits) settings in order of "
                        "bytes; the first that answers every needle the full cache answers is kept.")
@@ -113,8 +129,18 @@ def cmd_calibrate_knob(args) -> int:
                                          selection=args.selection,
                                          seed=args.seed, log=log)
     elif args.knob == "cake":
+        try:
+            kernels = tuple(int(k) for k in args.kernels.split(",") if k.strip())
+        except ValueError:
+            raise SystemExit(f"--kernels: expected odd integers separated by commas, got {args.kernels!r}") from None
+        if any(k <= 0 or k % 2 == 0 for k in kernels):
+            raise SystemExit(f"--kernels: every kernel must be a positive odd integer, got {args.kernels!r}")
         opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,
-                                        budget_fraction=args.budget_fraction, seed=args.seed, log=log)
+                                        budget_fraction=args.budget_fraction, seed=args.seed, kernels=kernels,
+                                        log=log)
+    elif args.knob == "snapkv":
+        opts, ev = knobs.calibrate_snapkv(model, tok, length=args.length, samples=args.samples,
+                                          budget_fraction=args.budget_fraction, seed=args.seed, log=log)
     else:
         opts, ev = knobs.calibrate_zipcache(model, tok, length=args.length, samples=args.samples, seed=args.seed,
                                             log=log)

@@ -296,11 +296,16 @@ def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 4, s
 CAKE_TAUS = [(1.0, 1.0), (0.5, 0.5), (2.0, 2.0), (1.0, 2.0), (2.0, 1.0), (1.6, 0.4), (0.5, 2.0), (2.0, 0.5), (4.0, 4.0)]
 
 
+CAKE_KERNELS = (5, 15, 21, 31, 41, 61)
+
+
 def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.5,
-                   seed: int = 0, log=print) -> tuple[dict, dict]:
+                   seed: int = 0, kernels=CAKE_KERNELS, log=print) -> tuple[dict, dict]:
     """The (tau1, tau2) of CAKE's layer preference ``H^(1/tau1) V^(1/tau2)`` that answers the most calibration
     needles at ``budget = budget_fraction * length``, the context compressed before the question (ties: the
-    paper's value for the model first, then the order of ``CAKE_TAUS``)."""
+    paper's value for the model first, then the order of ``CAKE_TAUS``); then, at those taus, the indicator's
+    pooling kernel by :func:`pooling_sweep` (question in the prefill; the paper's 5 first). ``kernels=()`` skips
+    the second stage."""
     from kvkit.calibrate.needles import make_samples, score_policies, summarize
     from kvkit.policies.cake import model_taus
 
@@ -313,6 +318,24 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
     res = score_policies(model, tokenizer, data, specs, log=log)
     table = summarize(res, [s[0] for s in specs])
     best = max(range(len(cands)), key=lambda i: (table[specs[i][0]]["answered"], -i))
+    t1, t2 = cands[best]
+    pool = None
+    if kernels:  # stage 2: the pooling kernel, question-aware, at the chosen taus
+        pspecs = [(f"kernel {k}", "cake", dict(budget=budget, tau1=t1, tau2=t2, pool_kernel=k)) for k in kernels]
+        pbest, ptable, pres = pooling_sweep(model, tokenizer, pspecs, length, samples, seed=seed, log=log)
+        plp = pres.get("logprob", {})
+        pool = {
+            "criterion": f"most needles answered at budget {budget} of ~{length} tokens with taus ({t1}, {t2}), "
+                         "question in the prefill (CAKE's protocol); ties: the higher mean teacher-forced "
+                         "log-probability of the answers, then the smaller kernel",
+            "needles_answered_by_full": f"{sum(pres['full'])}/{pres['n_samples']}",
+            "full_answer_logprob": (round(sum(plp["full"]) / len(plp["full"]), 4) if plp.get("full") else None),
+            "per_kernel": ptable,
+            "paper_kernel": 5,
+            "predictions": pres["predictions"],
+            "data": POOLING_DATA,
+        }
+        kernel = pspecs[pbest][2]["pool_kernel"]
     evidence = {
         "criterion": f"most needles answered at budget {budget} of ~{length} tokens, context compressed before the "
                      "question; ties: the paper's taus, then the candidate order",
@@ -325,4 +348,67 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
                 "PaulGrahamEssays.json; chat template; question fed after the context",
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    return {"tau1": cands[best][0], "tau2": cands[best][1]}, evidence
+    if pool is not None:
+        evidence["pooling"] = pool
+        return {"tau1": t1, "tau2": t2, "pool_kernel": kernel}, evidence
+    return {"tau1": t1, "tau2": t2}, evidence
+
+
+# ---- SnapKV: the pooling kernel that keeps whole answers ----------------------------------------------------
+
+#: (kernel, pooling) candidates: the paper's first, then wider average pooling, then max pooling (kernel 9
+#: was dropped: at ~2K tokens it answered 3 of 6 needles on SmolLM2-135M, where 15 and wider answered 6).
+SNAPKV_POOLING = ((5, "avg"), (15, "avg"), (21, "avg"), (31, "avg"), (41, "avg"), (61, "avg"),
+                  (15, "max"), (21, "max"), (31, "max"))
+
+
+def pooling_sweep(model, tokenizer, specs, length: int, samples: int, seed: int = 0, log=print):
+    """Score ``(label, policy, options)`` specs on calibration needles with the question in the prefill, half of
+    them in the far form (:data:`~kvkit.calibrate.needles.NEEDLE_FAR`: the window's queries find the key, pooling
+    must reach from there to the value's last token). Returns ``(best index, table, result)``: the most needles
+    answered, ties by the higher mean teacher-forced log-probability of the answers, then the order of ``specs``."""
+    from kvkit.calibrate.needles import make_samples, score_policies, summarize
+
+    data = make_samples(tokenizer, samples, length, seed=seed, far=True)
+    res = score_policies(model, tokenizer, data, specs, log=log, margin=True, question_aware=True)
+    table = summarize(res, [s[0] for s in specs])
+    lp = res.get("logprob", {})
+    for lab, _, _ in specs:
+        if lp.get(lab):
+            table[lab]["answer_logprob"] = round(sum(lp[lab]) / len(lp[lab]), 4)
+    best = max(range(len(specs)), key=lambda i: (table[specs[i][0]]["answered"],
+                                                 table[specs[i][0]].get("answer_logprob", float("-inf")), -i))
+    res["n_samples"] = len(data)
+    return best, table, res
+
+
+POOLING_DATA = ("kvkit needles (own words, 7-digit codes; 1 or 3 needles; half in the 'far' form, the value a dozen "
+                "words after its key) in essay text from the last third of PaulGrahamEssays.json; chat template; "
+                "question in the prefill")
+
+
+def calibrate_snapkv(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.5,
+                     seed: int = 0, candidates=SNAPKV_POOLING, log=print) -> tuple[dict, dict]:
+    """The pooling (kernel, avg|max) with which SnapKV at ``budget = budget_fraction * length`` answers the most
+    calibration needles, the question in the prefill (SnapKV's setting: the observation window is the question),
+    by :func:`pooling_sweep` (ties: log-probability, then the paper's (5, avg) first, narrower kernels first)."""
+    t0 = time.perf_counter()
+    if not 0 < budget_fraction < 1:
+        raise ValueError(f"snapkv calibration: budget_fraction must be in (0, 1); got {budget_fraction}")
+    budget = max(2, int(budget_fraction * length))
+    specs = [(f"{k},{pool}", "snapkv", dict(budget=budget, kernel=k, pooling=pool)) for k, pool in candidates]
+    best, table, res = pooling_sweep(model, tokenizer, specs, length, samples, seed=seed, log=log)
+    chosen = specs[best][2]
+    lp = res.get("logprob", {})
+    evidence = {
+        "criterion": f"most needles answered at budget {budget} of ~{length} tokens, question in the prefill; ties: "
+                     "the higher mean teacher-forced log-probability of the answers, then the candidate order",
+        "needles_answered_by_full": f"{sum(res['full'])}/{res['n_samples']}",
+        "full_answer_logprob": (round(sum(lp["full"]) / len(lp["full"]), 4) if lp.get("full") else None),
+        "per_pooling": table,
+        "paper_pooling": [5, "avg"],
+        "predictions": res["predictions"],
+        "data": POOLING_DATA,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return {"kernel": chosen["kernel"], "pooling": chosen["pooling"]}, evidence

@@ -28,6 +28,9 @@ WORDS = (
     "summit talon thistle thunder topaz tundra umber velvet violet walnut willow zephyr"
 ).split()
 NEEDLE = "The access code of the {key} vault is {value}."
+#: the "far" form: the value sits a dozen words after its key and is not introduced by the answer prefix's words,
+#: so attention to the key (what a question finds) is not attention next to the value
+NEEDLE_FAR = "The {key} vault was sealed last spring, and the number written on its inner door is {value}."
 QUESTION = "What is the access code of the {key} vault? Answer with the number only."
 ANSWER_PREFIX = "The access code of the {key} vault is"
 INTRO = "Read the following text. It hides access codes of vaults; remember them.\n\n"
@@ -52,8 +55,9 @@ def essay_text() -> str:
     return text[int(len(text) * HAYSTACK_START):]
 
 
-def make_samples(tokenizer, n: int, length: int, seed: int = 0) -> list[NeedleSample]:
-    """``n`` needle samples of about ``length`` prompt tokens (chat template included)."""
+def make_samples(tokenizer, n: int, length: int, seed: int = 0, far: bool = False) -> list[NeedleSample]:
+    """``n`` needle samples of about ``length`` prompt tokens (chat template included). ``far``: every other
+    pair of samples (one 1-needle, one 3-needle) states its needles in the :data:`NEEDLE_FAR` form."""
     rng = random.Random(seed)
     text = essay_text()
     chars_per_token = 4.0
@@ -76,7 +80,8 @@ def make_samples(tokenizer, n: int, length: int, seed: int = 0) -> list[NeedleSa
             for d, key, val in sorted(zip(depths, keys, values), reverse=True):
                 cut = ctx.rfind(". ", 0, int(len(hay) * d))
                 cut = cut + 2 if cut > 0 else int(len(hay) * d)
-                ctx = ctx[:cut] + NEEDLE.format(key=key, value=val) + " " + ctx[cut:]
+                form = NEEDLE_FAR if far and (i // 2) % 2 == 1 else NEEDLE
+                ctx = ctx[:cut] + form.format(key=key, value=val) + " " + ctx[cut:]
             prompt, ce = _chat(tokenizer, INTRO + ctx, QUESTION.format(key=keys[ask]),
                                ANSWER_PREFIX.format(key=keys[ask]))
             got = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -99,26 +104,30 @@ def _chat(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[s
     return prompt + answer_prefix, ce
 
 
-def answer_logprob(model, tokenizer, s: NeedleSample, rec) -> float:
+def answer_logprob(model, tokenizer, s: NeedleSample, rec, question_aware: bool = False) -> float:
     """Mean log-probability of the needle's answer tokens, teacher-forced after the question, under the policy
     ``model`` is patched with (the context replayed from ``rec``, as :func:`kvkit.evals.common.generate` does).
 
     The question is fed in one forward on top of the compressed context, then the answer one token per forward
     (decode steps, so every policy runs its decode path). A margin: how far a policy is from losing the answer,
-    which separates candidates that all answer the needle."""
+    which separates candidates that all answer the needle. ``question_aware``: the whole prompt (context and
+    question) is prefilled in one forward instead, so the policy compresses with the question seen (``rec`` unused)."""
     import torch
 
     import kvkit
     from kvkit.evals.common import encode
     from kvkit.evals.shared_prefill import replay_prefill
 
-    q = encode(tokenizer, s.prompt[s.context_end:])
-    full = encode(tokenizer, s.prompt[s.context_end:] + " " + s.answer)[0]
+    q = encode(tokenizer, s.prompt if question_aware else s.prompt[s.context_end:])
+    full = encode(tokenizer, (s.prompt if question_aware else s.prompt[s.context_end:]) + " " + s.answer)[0]
     if full.shape[0] <= q.shape[1] or not torch.equal(full[: q.shape[1]], q[0]):  # the prefix re-tokenized
         ans = encode(tokenizer, " " + s.answer)[0]
     else:
         ans = full[q.shape[1]:]
-    cache = replay_prefill(model, rec, cache=kvkit.KVCache(model))  # positions follow the cache's length
+    if question_aware:
+        cache = kvkit.KVCache(model)
+    else:
+        cache = replay_prefill(model, rec, cache=kvkit.KVCache(model))  # positions follow the cache's length
     total = 0.0
     with torch.no_grad():
         logits = model(q.to(model.device), past_key_values=cache, use_cache=True).logits[:, -1]
@@ -129,14 +138,17 @@ def answer_logprob(model, tokenizer, s: NeedleSample, rec) -> float:
 
 
 def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: list[tuple[str, str, dict]],
-                   max_new_tokens: int = 12, log=print, stop_early=None, margin: bool = False) -> dict:
+                   max_new_tokens: int = 12, log=print, stop_early=None, margin: bool = False,
+                   question_aware: bool = False) -> dict:
     """Run every sample through full attention and each ``(label, policy, options)`` candidate.
 
     Returns ``{"samples": [...], "full": [0/1 ...], label: [0/1 ...], "seconds": ...}``; candidates are
     scored only on samples full answers (the others are recorded with None). ``stop_early(label, hits)``:
     optional; True stops scoring that candidate (e.g. it already missed a needle). ``margin``: also
     ``out["logprob"][label]``, the answer's mean teacher-forced log-probability per scored sample
-    (:func:`answer_logprob`; full's under ``"full"``).
+    (:func:`answer_logprob`; full's under ``"full"``). ``question_aware``: each candidate prefills the whole
+    prompt, question included, in one forward (the policy compresses with the question seen: SnapKV's and
+    CAKE's setting) instead of the shared context prefill with the question fed after it.
     """
     import kvkit
     from kvkit.evals.common import encode, generate
@@ -164,12 +176,15 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
                     out[label].append(None)
                     continue
                 kvkit.patch(model, policy, **options)
-                gc = generate(model, tokenizer, s.prompt, max_new_tokens, s.context_end, replay=rec)
+                if question_aware:
+                    gc = generate(model, tokenizer, s.prompt, max_new_tokens)
+                else:
+                    gc = generate(model, tokenizer, s.prompt, max_new_tokens, s.context_end, replay=rec)
                 hit = int(s.answer in gc.text)
                 out[label].append(hit)
                 out["predictions"].setdefault(label, {})[s.id] = gc.text.strip()[:24]
                 if margin:
-                    out["logprob"][label].append(round(answer_logprob(model, tokenizer, s, rec), 4))
+                    out["logprob"][label].append(round(answer_logprob(model, tokenizer, s, rec, question_aware), 4))
                 if stop_early is not None and stop_early(label, out[label]):
                     dropped.add(label)
                 line.append(f"{label} {'ok' if hit else 'x'}")

@@ -93,13 +93,17 @@ def _cap(args, samples: list[dict]) -> list[dict]:
     return samples
 
 
-def _config(args, bench: str, policy: str, options: dict, **extra) -> dict:
+def _config(args, bench: str, policy: str, options: dict, model=None, **extra) -> dict:
     import kvkit
+    from kvkit.evals.common import calibration_used
 
-    return dict(benchmark=bench, model=args.model, policy=policy, options=options, seed=args.seed,
-                device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__, command=_command(),
-                max_new_tokens=getattr(args, "max_new_tokens", None),
-                full_prompt_prefill=getattr(args, "full_prompt_prefill", False), **extra)
+    cfg = dict(benchmark=bench, model=args.model, policy=policy, options=options, seed=args.seed,
+               device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__, command=_command(),
+               max_new_tokens=getattr(args, "max_new_tokens", None),
+               full_prompt_prefill=getattr(args, "full_prompt_prefill", False), **extra)
+    if model is not None:
+        cfg["calibration"] = calibration_used(model, policy, options)
+    return cfg
 
 
 def _summary(config: dict, rows: list[dict], scores: dict) -> dict:
@@ -132,7 +136,7 @@ def cmd_ruler(args) -> int:
             _dump(args.dump_prompts, samples)
             return 0
     run = RunDir(_out(args, "ruler", run_label(args.model, policy, options, length)),
-                 _config(args, "ruler", policy, options, length=length, tasks=names, chat=not args.no_chat,
+                 _config(args, "ruler", policy, options, model=model, length=length, tasks=names, chat=not args.no_chat,
                          prompts=str(args.prompts) if args.prompts else None),
                  resume=args.resume)
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
@@ -202,7 +206,8 @@ def cmd_sweep(args) -> int:
     samples, tasks, length, model, tok = _ruler_prompts(args)
     runs = []
     for name, policy, options in specs:
-        cfg = _config(args, "ruler", policy, options, length=length, tasks=tasks, chat=True, prompts=str(args.prompts))
+        cfg = _config(args, "ruler", policy, options, model=model, length=length, tasks=tasks, chat=True,
+                      prompts=str(args.prompts))
         cfg["full_prompt_prefill"] = False
         runs.append((RunDir(Path(args.out_root) / name, cfg, resume=args.resume), policy, options))
     run_sweep(model, tok, _cap(args, samples), runs, lambda s, p: ruler.score(s["metric"], p, s["outputs"]),
@@ -243,7 +248,7 @@ def cmd_niah(args) -> int:
             _dump(args.dump_prompts, samples)
             return 0
     run = RunDir(_out(args, "niah", run_label(args.model, policy, options, f"{max(lengths)}")),
-                 _config(args, "niah", policy, options, length=max(lengths), lengths=lengths, depths=depths,
+                 _config(args, "niah", policy, options, model=model, length=max(lengths), lengths=lengths, depths=depths,
                          task=args.task, chat=not args.no_chat), resume=args.resume)
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
                        lambda s, p: string_match_all(p, s["outputs"]), desc=f"NIAH {policy}",
@@ -283,7 +288,7 @@ def cmd_longbench(args) -> int:
     check_length(model, length)
     samples = longbench.make_samples(tok, args.data_dir, names, length, limit=args.samples, chat=not args.no_chat)
     run = RunDir(_out(args, "longbench", run_label(args.model, policy, options, length)),
-                 _config(args, "longbench", policy, options, length=length, tasks=names, chat=not args.no_chat,
+                 _config(args, "longbench", policy, options, model=model, length=length, tasks=names, chat=not args.no_chat,
                          data_dir=str(args.data_dir), sample_ids="task/line"), resume=args.resume)
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options, longbench.score, desc=f"LongBench {policy}",
                        full_prompt_prefill=args.full_prompt_prefill)

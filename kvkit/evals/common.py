@@ -238,7 +238,8 @@ class RunDir:
         samples = self.path / "samples.jsonl"
         if self.resume and cfg_path.exists():
             old = json.loads(cfg_path.read_text())
-            diff = {k: (old.get(k), v) for k, v in self.config.items() if k not in _FREE_KEYS and old.get(k) != v}
+            diff = {k: (old.get(k), v) for k, v in self.config.items() if k not in _FREE_KEYS and old.get(k) != v
+                    and not (k == "calibration" and k not in old)}  # folders made before it was recorded
             if diff:
                 shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
                 raise ValueError(f"--resume: {self.path} was made with a different configuration ({shown})")
@@ -322,6 +323,28 @@ def resolve_policy_options(policy: str, options: dict | None = None, budget: int
         listed = ", ".join(f"{k}={v!r}" for k, v in valid.items()) or "(none)"
         raise ValueError(f"unknown option(s) {', '.join(unknown)} for policy {policy!r}; valid options: {listed}")
     return opts
+
+
+def calibration_used(model, policy: str, options: dict) -> dict | None:
+    """The options a per-model calibration (:mod:`kvkit.calibrate.store`) sets for ``policy`` with ``options`` on
+    this model, with the file they come from; None when none applies. Recorded in a run's config, so a run resumed
+    after a recalibration is refused instead of mixing rows of two settings."""
+    import dataclasses
+
+    from kvkit.calibrate.store import CALIBRATED_OPTIONS, lookup, resolve
+    from kvkit.registry import policy_class
+
+    if policy not in CALIBRATED_OPTIONS:
+        return None
+    pol = policy_class(policy)(**options)
+    resolved = resolve(pol, model.config)
+    if resolved is pol:
+        return None
+    changed = {f.name: getattr(resolved, f.name) for f in dataclasses.fields(pol)
+               if getattr(resolved, f.name) != getattr(pol, f.name)}
+    changed = {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()}
+    found = lookup(model.config, policy)
+    return {"options": changed, "file": found[1].name if found else None} if changed else None
 
 
 def run_label(model: str, policy: str, options: dict, length) -> str:

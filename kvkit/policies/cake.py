@@ -8,7 +8,8 @@ never the full ``S x S`` matrix):
   and ``V`` = the variance across window queries summed over heads and keys, both on the non-window
   keys;
 * **eviction indicator** per key: mean over window queries of ``A`` + ``gamma`` x their variance,
-  avg-pooled along the keys (kernel 5, padding 2), averaged over the query heads of each KV group;
+  avg-pooled along the keys (kernel 5 in the paper; per model, see ``pool_kernel``), averaged over the query
+  heads of each KV group;
   the window's own keys always stay;
 * **cascading allocation**: the total evictable budget ``B = (budget - window) * L`` is shared among
   the layers ``l <= m`` whose prefill has run, ``P_l / sum_{k<=m} P_k`` each (integers, capped at the
@@ -100,8 +101,10 @@ class Cake(Policy):
         Last prompt queries used for scoring, their tokens always kept (S_w = 32 in the paper).
     gamma : float
         Weight of the variance in the eviction indicator (200 in the paper).
-    pool_kernel : int
-        Average-pooling kernel of the indicator along the keys (5 in the paper; padding kernel // 2).
+    pool_kernel : int or None
+        Average-pooling kernel of the indicator along the keys (5 in the paper; padding kernel // 2). None: the
+        model's calibrated kernel (``kvkit calibrate cake``, question-aware: with one token per digit a 7-digit
+        value outgrows the paper's kernel), else 5.
     tau1, tau2 : float or None
         Temperatures of the layer preference ``H^(1/tau1) * V^(1/tau2)``; None: the paper's per-model
         values (``TAU_TABLE``), (1.0, 1.0) for other models.
@@ -109,15 +112,15 @@ class Cake(Policy):
         Decode tokens allowed above a layer's size before a bulk eviction (kvkit; at most ``window``);
         None: ``window``.
     calibrated : bool
-        True (default): with tau1/tau2 left at None, the model's calibrated taus (``kvkit calibrate cake``;
-        found from the config by :mod:`kvkit.calibrate.store`) before the paper's table. False: the paper's
-        table / (1.0, 1.0).
+        True (default): with tau1/tau2/pool_kernel left at None, the model's calibrated taus and kernel
+        (``kvkit calibrate cake``; found from the config by :mod:`kvkit.calibrate.store`) before the paper's
+        table and kernel 5. False: the paper's table / (1.0, 1.0) and kernel 5.
     """
 
     budget: int = 1024  # CAKE cache_size (per-layer average, window included)
     window: int = 32  # CAKE S_w
     gamma: float = 200.0  # CAKE gamma
-    pool_kernel: int = 5  # CAKE avg-pool kernel size
+    pool_kernel: int | None = None  # None: calibrated, else CAKE's avg-pool kernel size 5
     tau1: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
@@ -134,15 +137,16 @@ class Cake(Policy):
     )
 
     def __post_init__(self):
-        for name in ("budget", "window", "pool_kernel"):
+        for name in ("budget", "window"):
             check_positive_int("cake", name, getattr(self, name))
+        check_positive_int("cake", "pool_kernel", self.pool_kernel, allow_none=True)
         check_positive_int("cake", "tail", self.tail, allow_none=True)
         if self.budget <= self.window:
             raise ValueError(
                 f"cake: budget ({self.budget}) must be larger than window ({self.window}): budget is the average "
                 "cache size per layer including the window"
             )
-        if self.pool_kernel % 2 == 0:
+        if self.pool_kernel is not None and self.pool_kernel % 2 == 0:
             raise ValueError(f"cake: pool_kernel must be odd (padding kernel // 2 keeps the length), got {self.pool_kernel}")
         if self.tail is not None and self.tail > self.window:
             raise ValueError(
@@ -213,7 +217,7 @@ class CakeStore(SlotStore):
     def __init__(self, info: LayerInfo, policy: Cake, tau1: float, tau2: float):
         super().__init__(info)
         self.budget, self.window, self.gamma = policy.budget, policy.window, policy.gamma
-        self.kernel = policy.pool_kernel
+        self.kernel = policy.pool_kernel if policy.pool_kernel is not None else 5
         self.tail = policy.tail if policy.tail is not None else policy.window
         self.tau1, self.tau2 = tau1, tau2
         self.score: torch.Tensor | None = None  # [B, H, n] prefill indicator (+inf window, -inf dead)

@@ -2,9 +2,16 @@
 
 After the exact prefill, the last ``window`` prompt queries (the observation window) attend to the prompt
 (:func:`~kvkit.stores.scored.window_attention`); a token's score is the attention they pay it, summed over the
-window, avg-pooled along the keys (``kernel``) and averaged over each KV head's query group; per KV head the
-``budget - window - sink`` best tokens are kept besides the window itself (and ``sink`` first tokens, 0 in the
-paper). With the question at the end of the prompt the window is the question (the paper's setting).
+window, pooled along the keys (``kernel``; average pooling, the reference's default, or max pooling, its other
+option) and averaged over each KV head's query group; per KV head the ``budget - window - sink`` best tokens are
+kept besides the window itself (and ``sink`` first tokens, 0 in the paper). With the question at the end of the
+prompt the window is the question (the paper's setting).
+
+The pooling kernel is per model (kvkit, ``kvkit calibrate snapkv``): the window's queries attend to the *start*
+of the answer (the first digit of a number), and pooling is what keeps the tokens after it. The paper's kernel 5
+covers a number Llama-3 writes in 3 tokens; tokenizers that write one token per digit (SmolLM2, Qwen2.5) need a
+wider one. With ``kernel`` and ``pooling`` left at None the model's calibrated values apply
+(:mod:`kvkit.calibrate.store`), else the paper's (5, avg); ``calibrated=False`` always gives the paper's.
 Decoding (kvkit's extension, the paper compresses the prompt only): new tokens are appended and, every ``tail``
 tokens above the budget, the same scoring with the last ``window`` decode queries evicts again, so memory stays
 at most ``budget + tail`` slots per KV head. All of it is a :class:`~kvkit.stores.scored.ScoredStore`.
@@ -32,19 +39,26 @@ class SnapKV(Policy):
         Slots kept per KV head, window included (the reference's ``max_capacity_prompt``).
     window : int
         Observation window: the last prompt queries that score, their tokens always kept (reference: 64).
-    kernel : int
-        Pooling kernel along the keys (reference: 5, average pooling).
+    kernel : int or None
+        Pooling kernel along the keys, odd (reference: 5). None: the model's calibrated kernel, else 5.
+    pooling : str or None
+        ``"avg"`` (reference default) or ``"max"`` (the reference's other option). None: calibrated, else avg.
     sink : int
         First tokens always kept (0 in the paper; kvkit option).
     tail : int
         Decode tokens allowed above the budget before a bulk eviction (kvkit).
+    calibrated : bool
+        True (default): ``kernel`` / ``pooling`` left at None take the model's calibration when one is found from
+        its config. False: the paper's kernel 5 with average pooling.
     """
 
     budget: int = 1024  # SnapKV max_capacity_prompt (paper sweeps 1024-4096)
     window: int = 64  # SnapKV reference window_size
-    kernel: int = 5  # SnapKV reference kernel_size (avgpool)
+    kernel: int | None = None  # None: calibrated, else the SnapKV reference's kernel_size 5
+    pooling: str | None = None  # None: calibrated, else the reference's avgpool
     sink: int = 0  # not in the paper
     tail: int = 32  # kvkit: bulk decode eviction
+    calibrated: bool = True  # kvkit: the model's calibrated kernel / pooling; False = the paper's (5, avg)
 
     description = "SnapKV: observation-window attention, pooled, per-head top-k of the prompt (2404.14469)"
     saves = "memory+reads"
@@ -52,25 +66,39 @@ class SnapKV(Policy):
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):
-        for name in ("budget", "window", "kernel", "tail"):
+        for name in ("budget", "window", "tail"):
             check_positive_int("snapkv", name, getattr(self, name))
+        if self.kernel is not None:
+            check_positive_int("snapkv", "kernel", self.kernel)
+        if self.pooling is not None and self.pooling not in ("avg", "max"):
+            raise ValueError(f"snapkv: pooling must be 'avg' or 'max' (the reference's avgpool / maxpool), got "
+                             f"{self.pooling!r}")
+        if not isinstance(self.calibrated, bool):
+            raise ValueError(f"snapkv: calibrated must be true or false, got {self.calibrated!r}")
         if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
             raise ValueError(f"snapkv: sink must be an integer >= 0, got {self.sink!r}")
         if self.window + self.sink >= self.budget:
             raise ValueError(f"snapkv: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
-        if self.kernel % 2 == 0:
+        if self.kernel is not None and self.kernel % 2 == 0:
             raise ValueError(f"snapkv: kernel must be odd (padding kernel // 2 keeps the length), got {self.kernel}")
 
+    def settings(self, config) -> tuple[int, str]:
+        """``(kernel, pooling)`` for a model: the options given, else its calibration, else the paper's (5, avg)."""
+        from kvkit.calibrate.store import resolve
+
+        p = resolve(self, config)
+        return (p.kernel if p.kernel is not None else 5), (p.pooling or "avg")
+
     def new_layer(self, info: LayerInfo):
-        return SnapKVStore(info, self)
+        return SnapKVStore(info, self, *self.settings(info.config))
 
 
 class SnapKVStore(ScoredStore):
-    def __init__(self, info: LayerInfo, p: SnapKV):
+    def __init__(self, info: LayerInfo, p: SnapKV, kernel: int, pooling: str):
         super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
-        self.kernel = p.kernel
+        self.kernel, self.pooling = kernel, pooling
 
     def score(self):
         q, qpos = self.observed()
         a = window_attention(q, self.keys, self.pos, qpos, self.scaling).sum(dim=2)  # [B, Hq, n]
-        return pool_group(a, self.kernel, self.keys.shape[1])  # [B, H, n]
+        return pool_group(a, self.kernel, self.keys.shape[1], mode=self.pooling)  # [B, H, n]

@@ -1,0 +1,92 @@
+"""snapkv: observation-window scoring, pooling (avg / max, per-model kernel) on tiny random models."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvkit
+from kvkit.policies.snapkv import SnapKVStore
+from kvkit.testing import random_ids, tiny_model
+
+BUDGET, WINDOW = 20, 4
+
+
+def _capture(monkeypatch):
+    """Record each layer's prefill query and key (post-RoPE, every prompt token) as the store sees them."""
+    seen = {}
+    orig = SnapKVStore.attend
+
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        if self.info.layer_idx not in seen:
+            seen[self.info.layer_idx] = (query.detach().clone(), key.detach().clone(), scaling)
+        return orig(self, module, query, key, value, attention_mask, scaling, dropout, **kw)
+
+    monkeypatch.setattr(SnapKVStore, "attend", attend)
+    return seen
+
+
+def _reference_scores(q, k, scaling, kernel, pooling, budget, window):
+    """SnapKV's selection written out: softmax of the last ``window`` queries over every prompt key (causal),
+    summed over the window, pooled along the keys, averaged over each KV head's query group; the window's own
+    tokens kept, the best ``budget - window`` of the others. Returns the scores ``[H, S]``."""
+    Hq, S, _ = q.shape[1:]
+    H = k.shape[1]
+    g = Hq // H
+    kk = k.repeat_interleave(g, dim=1)  # [1, Hq, S, D]
+    s = (q[:, :, -window:] @ kk.transpose(-1, -2)).float() * scaling  # [1, Hq, w, S]
+    qpos = torch.arange(S - window, S)[:, None]
+    s = s.masked_fill(torch.arange(S)[None, :] > qpos, float("-inf"))
+    a = torch.softmax(s, -1).sum(2)  # [1, Hq, S]
+    if pooling == "avg":
+        a = F.avg_pool1d(a, kernel, stride=1, padding=kernel // 2)
+    else:
+        a = F.max_pool1d(a, kernel, stride=1, padding=kernel // 2)
+    return a.view(1, H, g, S).mean(2)[0]  # [H, S]
+
+
+@pytest.mark.parametrize("kernel, pooling", [(3, "avg"), (7, "max")])
+def test_prefill_keeps_what_the_reference_selection_keeps(monkeypatch, kernel, pooling):
+    model = tiny_model("llama", num_hidden_layers=2)  # GQA: 4 query heads over 2 KV heads
+    seen = _capture(monkeypatch)
+    kvkit.patch(model, "snapkv", budget=BUDGET, window=WINDOW, kernel=kernel, pooling=pooling)
+    try:
+        with torch.no_grad():
+            out = model(random_ids(60), use_cache=True)
+        cache = out.past_key_values
+        for li, st in enumerate(cache.layers):
+            q, k, scaling = seen[li]
+            score = _reference_scores(q, k, scaling, kernel, pooling, BUDGET, WINDOW)
+            S = q.shape[2]
+            for h in range(st.pos.shape[1]):
+                got = sorted(st.pos[0, h].tolist())
+                assert got[-WINDOW:] == list(range(S - WINDOW, S)), f"layer {li} head {h}: window not kept"
+                # the others are a best-(budget - window) set (max pooling makes ties: compare scores, not ids)
+                want = score[h, : S - WINDOW].topk(BUDGET - WINDOW).values.sort().values
+                assert torch.allclose(score[h, got[:-WINDOW]].sort().values, want, atol=1e-6), f"layer {li} head {h}"
+    finally:
+        kvkit.unpatch(model)
+
+
+def test_max_pooling_keeps_the_neighbours_of_an_attended_token():
+    """A peak at one key: max pooling gives its kernel neighbours the peak's score, average pooling a fifth."""
+    from kvkit.stores.scored import pool_group
+
+    x = torch.zeros(1, 2, 21)
+    x[..., 10] = 1.0
+    mx = pool_group(x, 5, 1, mode="max")[0, 0]
+    av = pool_group(x, 5, 1, mode="avg")[0, 0]
+    assert mx[8:13].tolist() == [1.0] * 5 and mx[:8].sum() == 0 and mx[13:].sum() == 0
+    assert av[8:13].tolist() == pytest.approx([0.2] * 5)
+
+
+def test_options_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="pooling must be 'avg' or 'max'"):
+        kvkit.registry.policy_class("snapkv")(pooling="median")
+    with pytest.raises(ValueError, match="kernel must be odd"):
+        kvkit.registry.policy_class("snapkv")(kernel=4)
+    with pytest.raises(ValueError, match="kernel must be a positive integer"):
+        kvkit.registry.policy_class("snapkv")(kernel=0)
+    with pytest.raises(ValueError, match="calibrated must be true or false"):
+        kvkit.registry.policy_class("snapkv")(calibrated="yes")
+    # the paper's setting when nothing is calibrated for the model
+    assert kvkit.registry.policy_class("snapkv")().settings(tiny_model("llama", num_hidden_layers=2).config) == (5, "avg")
