@@ -25,7 +25,9 @@ if args.model == "default":
     FULL = root / "results" / "ruler" / "full-4k"
     OUT, TITLE, README_TABLE = pol / "issue19", "default model (SmolLM2-135M-Instruct)", True
     RUNS = [
-        ("duo054-4k", "duo", "~54% of KV removed (shipped pattern)", "agnostic", "bytes", None),
+        ("duo054c200-4k", "duo", "~54% of KV removed, pattern calibrated 200 steps (shipped)", "agnostic", "bytes",
+         "duo054-4k"),
+        ("duo054-4k", "duo", "~54% of KV removed, 12-step pattern (shipped before)", "agnostic", "bytes", None),
         ("tidalrf1132kv-4k", "tidal", "budget 1132, kv_head, layers [2, 6, ..., 26] (read-fraction calibration)", "agnostic", "reads", "tidal1732kv-4k"),
         ("tidalcal1732kv-4k", "tidal", "budget 1732, kv_head, layers [2, 15, 21] (first calibration)",
          "agnostic", "reads", "tidal1732kv-4k"),
@@ -38,11 +40,20 @@ if args.model == "default":
         ("chelsea50-4k", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
         ("chelsea50p25-4k", "chelsea", "ratio 0.5, protect 0.25 (kvkit, beyond the paper)", "agnostic", "bytes",
          "chelsea50-4k"),
-        ("snapkv2048-4k", "snapkv", "budget 2048", "agnostic", "bytes", None),
-        ("snapkv2048-4k-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
-        ("cake2048-4k-qaware", "cake", "budget 2048, calibrated taus (2, 2)", "question in prefill", "bytes", None),
+        ("snapkv2048cal-4k", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
+         "snapkv2048-4k"),
+        ("snapkv2048-4k", "snapkv", "budget 2048, paper pooling", "agnostic", "bytes", None),
+        ("snapkv2048cal-4k-qaware", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "question in prefill",
+         "bytes", "snapkv2048-4k-qaware"),
+        ("snapkv2048-4k-qaware", "snapkv", "budget 2048, paper pooling (kernel 5, avg)", "question in prefill", "bytes",
+         None),
+        ("cake2048cal-4k-qaware", "cake", "budget 2048, calibrated taus (2, 2) and pool kernel 15", "question in prefill",
+         "bytes", "cake2048-4k-qaware"),
+        ("cake2048-4k-qaware", "cake", "budget 2048, calibrated taus (2, 2), paper kernel 5", "question in prefill",
+         "bytes", None),
         ("../ruler/streaming2048-4k", "streaming", "budget 2048", "agnostic", "bytes", None),
-        ("duo081-4k", "duo", "~81% of KV removed", "agnostic", "bytes", None),
+        ("duo081c200-4k", "duo", "~81% of KV removed, pattern calibrated 200 steps", "agnostic", "bytes", "duo081-4k"),
+        ("duo081-4k", "duo", "~81% of KV removed, 12-step pattern", "agnostic", "bytes", None),
         ("tidal550kv-4k", "tidal", "budget 550, kv_head, paper layers 2 + 12", "agnostic", "reads", None),
         ("cake1024-4k", "cake", "budget 1024, taus (1, 1)", "agnostic", "bytes", None),
         ("cake1024-4k-qaware", "cake", "budget 1024, taus (1, 1)", "question in prefill", "bytes", None),
@@ -50,7 +61,9 @@ if args.model == "default":
         ("chelsea25p125-4k", "chelsea", "ratio 0.25, protect 0.125 (kvkit, beyond the paper)", "agnostic", "bytes",
          "chelsea25-4k"),
         ("snapkv1024-4k", "snapkv", "budget 1024", "agnostic", "bytes", None),
-        ("snapkv1024-4k-qaware", "snapkv", "budget 1024", "question in prefill", "bytes", None),
+        ("snapkv1024cal-4k-qaware", "snapkv", "budget 1024, calibrated pooling (kernel 61, avg)", "question in prefill",
+         "bytes", "snapkv1024-4k-qaware"),
+        ("snapkv1024-4k-qaware", "snapkv", "budget 1024, paper pooling", "question in prefill", "bytes", None),
         ("../ruler/streaming1024-4k", "streaming", "budget 1024", "agnostic", "bytes", None),
     ]
 else:
@@ -83,7 +96,9 @@ READS = {"tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal17
          "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
-         "chelsea25-4k": "paper matching (protect 0)"}
+         "chelsea25-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
+         "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",
+         "cake2048-4k-qaware": "paper kernel 5", "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)"}
 
 
 def rows(folder):

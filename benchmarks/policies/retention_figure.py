@@ -24,13 +24,17 @@ STYLE = {"duo": ("tab:blue", "o"), "tidal": ("tab:orange", "s"), "zipcache": ("t
          "shadowkv": ("tab:red", "^"), "cake": ("tab:purple", "v"), "chelsea": ("tab:brown", "P"),
          "snapkv": ("tab:pink", "X"), "streaming": ("tab:gray", "*")}
 MIN_SAMPLES = 13
+#: rows of settings kvkit no longer ships (the 12-step DuoAttention pattern, TidalDecode's first calibration): in
+#: the tables, not in the picture
+SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k"}
 
 
 def load(path):
     if not path.exists():
         return []
     with open(path, newline="", encoding="utf-8") as fh:
-        return [r for r in csv.DictReader(fh) if r.get("retention") and int(r["samples"] or 0) >= MIN_SAMPLES]
+        return [r for r in csv.DictReader(fh) if r.get("retention") and int(r["samples"] or 0) >= MIN_SAMPLES
+                and r["run"] not in SUPERSEDED]
 
 
 fig, axes = plt.subplots(1, len(PANELS), figsize=(13, 5.2), sharey=True)
