@@ -207,6 +207,27 @@ def _attn_pre_hook(module, args, kwargs):
     return None
 
 
+#: transformers releases kvkit's cache and attention hooks are written for: 5.24 passes the cache to attention
+#: as ``cache=`` and calls ``cache.update(key, value, layer_idx, kwargs=...)``, which kvkit does not handle yet
+TRANSFORMERS_SUPPORTED = ("5.0", "5.24")
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers release outside :data:`TRANSFORMERS_SUPPORTED` with what to install."""
+    from packaging.version import Version
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    low, high = TRANSFORMERS_SUPPORTED
+    if not Version(low) <= Version(version) < Version(high):
+        raise RuntimeError(
+            f"kvkit supports transformers >= {low}, < {high}; this environment has {version} (5.24 changed the "
+            f"attention layers' cache API). Install a supported one: pip install 'transformers>={low},<{high}'"
+        )
+
+
 def patch(model, policy="full", *, allow_beyond_context: bool = False, **options):
     """Install a kvkit policy on ``model`` (in place) and return the model.
 
@@ -219,6 +240,7 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, **options
     """
     if not isinstance(allow_beyond_context, bool):
         raise ValueError(f"allow_beyond_context must be True or False, got {allow_beyond_context!r}")
+    check_transformers()
     pol = get_policy(policy, **options)
     check_model(model, pol)
     if getattr(model, "_kvkit_state", None) is not None:

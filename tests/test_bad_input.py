@@ -64,3 +64,13 @@ def test_inputs_embeds_path_uses_kvcache(patched):
     emb = patched.get_input_embeddings()(torch.randint(1, 128, (1, 10)))
     out = patched(inputs_embeds=emb, use_cache=True)
     assert isinstance(out.past_key_values, kvkit.KVCache)
+
+
+def test_unsupported_transformers_release_is_refused_with_what_to_install():
+    from kvkit.patch import check_transformers
+
+    check_transformers("5.23.0")
+    check_transformers("5.0.0")
+    for v in ("5.24.0", "4.57.6", "6.0.0"):
+        with pytest.raises(RuntimeError, match=r"pip install 'transformers>=5.0,<5.24'"):
+            check_transformers(v)
