@@ -36,7 +36,10 @@ if args.model == "default":
          "shadowkv1024-4k"),
         ("shadowkvcal2048-4k", "shadowkv", "budget 2048 (the paper's), min_prompt 2048, calibrated rank 120",
          "agnostic", "bytes", None),
-        ("cake2048-4k", "cake", "budget 2048, taus (1, 1) (run before the tau calibration)", "agnostic", "bytes", None),
+        ("cake2048cal-4k", "cake", "budget 2048, calibrated taus (2, 2) and pool kernel 15", "agnostic", "bytes",
+         "cake2048-4k"),
+        ("cake2048-4k", "cake", "budget 2048, taus (1, 1), kernel 5 (before the calibrations)", "agnostic", "bytes",
+         None),
         ("chelsea50-4k", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
         ("chelsea50p25-4k", "chelsea", "ratio 0.5, protect 0.25 (kvkit, beyond the paper)", "agnostic", "bytes",
          "chelsea50-4k"),
@@ -98,7 +101,8 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
          "chelsea25-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",
-         "cake2048-4k-qaware": "paper kernel 5", "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)"}
+         "cake2048-4k-qaware": "paper kernel 5", "cake2048-4k": "taus (1, 1), kernel 5",
+         "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)"}
 
 
 def rows(folder):
