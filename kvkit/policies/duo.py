@@ -68,6 +68,16 @@ SHIPPED_PATTERNS = {
         hidden_size=640,
         vocab_size=262144,
     ),
+    # Qwen2.5-Coder-0.5B-Instruct: 200 steps on the CPU (results/duo/README.md). Qwen2.5-0.5B(-Instruct) has the
+    # same config shape and would match too; calibrate your own pattern for it (`kvkit calibrate duo`)
+    "duo_qwen2.5-coder-0.5b-instruct.json": dict(
+        model_type="qwen2",
+        num_hidden_layers=24,
+        num_key_value_heads=2,
+        num_attention_heads=14,
+        hidden_size=896,
+        vocab_size=151936,
+    ),
 }
 
 
