@@ -74,15 +74,19 @@ else:
     FULL = pol / "full"
     OUT, TITLE, README_TABLE = pol / "table", "Qwen2.5-Coder-0.5B-Instruct", False
     RUNS = [
+        ("duo054", "duo", "~54% of KV removed, pattern calibrated 200 steps (shipped)", "agnostic", "bytes", None),
         ("streaming2048", "streaming", "budget 2048", "agnostic", "bytes", None),
         ("snapkv2048", "snapkv", "budget 2048", "agnostic", "bytes", None),
         ("cake2048", "cake", "budget 2048", "agnostic", "bytes", None),
         ("chelsea50", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
-        ("zipcache", "zipcache", "calibrated = paper 4/2-bit 60/40", "agnostic", "bytes", None),
+        ("zipcachecal", "zipcache", "calibrated with code needles: 4-bit keys, values 4/2-bit 60/40", "agnostic",
+         "bytes", "zipcache"),
+        ("zipcache", "zipcache", "paper 4/2-bit 60/40 (number-needle calibration = paper)", "agnostic", "bytes", None),
         ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
         ("tidal1732kv", "tidal", "budget 1732, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake2048-qaware", "cake", "budget 2048", "question in prefill", "bytes", None),
         ("snapkv2048-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
+        ("duo081", "duo", "~81% of KV removed, pattern calibrated 200 steps", "agnostic", "bytes", None),
         ("streaming1024", "streaming", "budget 1024", "agnostic", "bytes", None),
         ("snapkv1024", "snapkv", "budget 1024", "agnostic", "bytes", None),
         ("cake1024", "cake", "budget 1024", "agnostic", "bytes", None),
@@ -102,7 +106,7 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper
          "chelsea25-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",
          "cake2048-4k-qaware": "paper kernel 5", "cake2048-4k": "taus (1, 1), kernel 5",
-         "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)"}
+         "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)", "zipcache": "paper 4/2-bit 60/40"}
 
 
 def rows(folder):

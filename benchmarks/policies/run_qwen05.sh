@@ -9,8 +9,9 @@
 #   --dump-prompts results/policies/qwen05/ruler-4096-s3.jsonl`.
 # Calibration (kvkit/data/calibration/qwen2.5-coder-0.5b-instruct.json): `kvkit calibrate shadowkv --model
 # qwen2.5-coder-0.5b --out ... --threads 1` (rank 64 of 128) and `kvkit calibrate zipcache ...` (the paper's 4/2-bit
-# split keeps every calibration needle: calibrated = paper); tidal not calibrated for this model (paper layers);
-# DuoAttention has no pattern for this model (its calibration takes hours on this CPU), so it is not in the table.
+# split kept every number needle; recalibrated on 2026-11-24 with code needles: 4-bit keys, `zipcachecal` below);
+# tidal not calibrated for this model (paper layers). DuoAttention: the shipped 200-step pattern
+# (kvkit/data/duo_qwen2.5-coder-0.5b-instruct.json, results/duo/README.md): `bash run_qwen05.sh duo`.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 TQDM_MININTERVAL=60 TOKENIZERS_PARALLELISM=false
 Q=results/policies/qwen05
@@ -27,6 +28,11 @@ quarter)
     --run streaming1024=streaming:budget=1024 --run snapkv1024=snapkv:budget=1024 \
     --run cake1024=cake:budget=1024 --run chelsea25=chelsea:ratio=0.25 \
     --run shadowkv512=shadowkv:budget=512,min_prompt=2048 --run tidal550kv=tidal:budget=550,selection=kv_head ;;
+duo)
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
+    --run duo054=duo:sparsity=0.54 --run duo081=duo:sparsity=0.81 ;;
+zipcachecal)  # after the code-needle recalibration (kvkit/data/calibration/qwen2.5-coder-0.5b-instruct.json)
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume --run zipcachecal=zipcache ;;
 qaware)
   # index-major: --samples n runs sample n-1 of every task before any task gets sample n
   for n in 1 2 3; do
@@ -37,5 +43,5 @@ qaware)
       done
     done
   done ;;
-*) echo "usage: $0 {half|quarter|qaware}" >&2; exit 2 ;;
+*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware}" >&2; exit 2 ;;
 esac
