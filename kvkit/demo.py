@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvkit.compat import cache_kw
+
 NEEDLE = "The special magic number for the blue lighthouse is {value}."
 QUESTION = "What is the special magic number for the blue lighthouse mentioned in the text above?"
 ANSWER_PREFIX = "The special magic number for the blue lighthouse is"
@@ -69,7 +71,7 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **
         cache = kvkit.KVCache(model)
         t0 = time.perf_counter()
         # logits of the last position only: a 256K-vocab model (Gemma 3) would otherwise build [T, 256K] fp32 logits
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - t0
         eos = set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         toks = []
@@ -79,7 +81,7 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **
             toks.append(int(nxt))
             if int(nxt) in eos or i == max_new_tokens - 1:
                 break
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            out = model(input_ids=nxt, **cache_kw(cache), use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         decode = time.perf_counter() - t0
         answer = tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True).strip()

@@ -13,6 +13,8 @@ import platform
 
 import torch
 
+from kvkit.compat import cache_kw
+
 #: options that make each policy compress on the tiny test contexts (tens of tokens)
 PROMPT_LENGTHS = (40, 27)
 NEW_TOKENS = 8
@@ -77,7 +79,7 @@ def check_cell(arch: str, policy: str) -> tuple[str, str]:
                 return "FAIL", f"batch row {i} differs from the same prompt alone"
         full = kvkit.KVCache(model, "full")
         model(torch.cat([ids, toks[:, :-1]], 1), attention_mask=torch.cat([mask, torch.ones_like(toks[:, :-1])], 1),
-              past_key_values=full, use_cache=True)
+              **cache_kw(full), use_cache=True)
         ratio = full.nbytes() / max(1, cache.nbytes())
         return "ok", f"{ratio:.1f}x"
     except Exception as e:  # the matrix reports failures instead of hiding them

@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvkit.attention import kvkit_attention
 from kvkit.cache import KVCache
+from kvkit.compat import get_cache, set_cache
 from kvkit.policies.base import Policy
 from kvkit.registry import get_policy
 
@@ -162,7 +163,7 @@ def _model_pre_hook(model_ref, module, args, kwargs):
     """Check the inputs and the context length; swap an absent or empty transformers cache for a ``KVCache``."""
     model = model_ref()
     _check_inputs(args, kwargs)
-    pkv = kwargs.get("past_key_values")
+    pkv = get_cache(kwargs)
     if isinstance(pkv, KVCache) and pkv.infos and model is not None:
         tc = model.config.get_text_config(decoder=True)
         want = (tc.num_hidden_layers, tc.num_key_value_heads or tc.num_attention_heads)
@@ -180,7 +181,7 @@ def _model_pre_hook(model_ref, module, args, kwargs):
     if use_cache is False:
         return None
     if pkv is None or (type(pkv) is DynamicCache and pkv.get_seq_length() == 0):
-        kwargs["past_key_values"] = KVCache(model)
+        set_cache(kwargs, KVCache(model))
         return args, kwargs
     return None
 
@@ -202,14 +203,14 @@ def _generate_checked(model_ref, generate, *args, **kwargs):
 
 
 def _attn_pre_hook(module, args, kwargs):
-    pkv = kwargs.get("past_key_values")
+    pkv = get_cache(kwargs)
     module._kvkit_store = pkv.layers[module.layer_idx] if isinstance(pkv, KVCache) else None
     return None
 
 
-#: transformers releases kvkit's cache and attention hooks are written for: 5.24 passes the cache to attention
-#: as ``cache=`` and calls ``cache.update(key, value, layer_idx, kwargs=...)``, which kvkit does not handle yet
-TRANSFORMERS_SUPPORTED = ("5.0", "5.24")
+#: transformers releases kvkit's cache and attention hooks are written for (5.24 renamed the cache argument:
+#: :mod:`kvkit.compat`)
+TRANSFORMERS_SUPPORTED = ("5.0", "5.25")
 
 
 def check_transformers(version: str | None = None) -> None:
@@ -223,8 +224,9 @@ def check_transformers(version: str | None = None) -> None:
     low, high = TRANSFORMERS_SUPPORTED
     if not Version(low) <= Version(version) < Version(high):
         raise RuntimeError(
-            f"kvkit supports transformers >= {low}, < {high}; this environment has {version} (5.24 changed the "
-            f"attention layers' cache API). Install a supported one: pip install 'transformers>={low},<{high}'"
+            f"kvkit supports transformers >= {low}, < {high}; this environment has {version} (a release can change "
+            f"the attention layers' cache API, as 5.24 did). Install a supported one: "
+            f"pip install 'transformers>={low},<{high}'"
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvkit.cache import KVCache
+from kvkit.compat import cache_kw
 from kvkit.patch import check_context
 
 
@@ -47,6 +48,6 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask[:, : start + e]
             kwargs["position_ids"] = positions[:, start + s : start + e]
-        out = model(input_ids=input_ids[:, s:e], past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        out = model(input_ids=input_ids[:, s:e], **cache_kw(cache), use_cache=True, logits_to_keep=1, **kwargs)
         logits = out.logits[:, -1]
     return cache, logits

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvkit.compat import cache_kw, output_cache
+
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 #: every architecture of the support matrix (``kvkit doctor --matrix``)
 MATRIX_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -68,9 +70,9 @@ def greedy(model, ids, steps: int, attention_mask=None, cache=None):
     # as generate() does: with a padding mask, RoPE positions count real tokens only (a left-padded row
     # sees the same positions as its prompt alone; policies that quantise post-RoPE keys depend on it)
     posf = (lambda m: (m.long().cumsum(-1) - 1).clamp(min=0)) if mask is not None else None
-    out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+    out = model(input_ids=ids, attention_mask=mask, **cache_kw(cache), use_cache=True,
                 position_ids=None if mask is None else posf(mask))
-    cache = out.past_key_values
+    cache = output_cache(out)
     logits = [out.logits[:, -1]]
     toks = []
     for _ in range(steps):
@@ -78,7 +80,7 @@ def greedy(model, ids, steps: int, attention_mask=None, cache=None):
         toks.append(nxt)
         if mask is not None:
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-        out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True,
+        out = model(input_ids=nxt, attention_mask=mask, **cache_kw(cache), use_cache=True,
                     position_ids=None if mask is None else posf(mask)[:, -1:])
         logits.append(out.logits[:, -1])
     return torch.cat(toks, dim=1), logits, cache

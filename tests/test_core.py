@@ -273,3 +273,49 @@ def test_full_store_appends_in_place_and_crops_exactly():
     assert torch.equal(k, rk)
     store.reset()
     assert store.get_seq_length() == 0 and not store._bufs
+
+
+def test_cache_argument_of_the_installed_transformers(recwarn):
+    """transformers 5.24 renamed the cache argument (past_key_values -> cache): kvkit's hooks accept either name,
+    its own forwards pass the installed release's (no deprecation warning from kvkit code), and a patched model
+    swaps in a KVCache under the name the caller used."""
+    import warnings
+
+    import transformers
+    from packaging.version import Version
+
+    from kvkit.compat import CACHE_ARG, cache_kw, get_cache, output_cache, set_cache
+    from kvkit.evals.shared_prefill import record_prefill, replay_prefill
+
+    new = Version(transformers.__version__).release >= (5, 24)
+    assert CACHE_ARG == ("cache" if new else "past_key_values")
+    kw = {"past_key_values": 1}
+    set_cache(kw, 2)
+    assert kw == {"past_key_values": 2} and get_cache(kw) == 2
+    kw = {}
+    set_cache(kw, 3)
+    assert kw == {CACHE_ARG: 3} and get_cache({"cache": None, "past_key_values": 4}) == 4
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    kvkit.patch(model, "streaming", budget=12, sink=2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # transformers' deprecation of the old name
+            cache = kvkit.KVCache(model)
+            out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
+            assert output_cache(out) is cache and cache.get_seq_length() == 24
+            out = model(input_ids=ids, use_cache=True)  # no cache given: the hook swaps one in
+            assert isinstance(output_cache(out), kvkit.KVCache)
+            g = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+            assert isinstance(output_cache(g), kvkit.KVCache)
+            rec = record_prefill(model, ids)
+            assert len(rec.calls) == model.config.num_hidden_layers
+            assert replay_prefill(model, rec).get_seq_length() == 24
+        # the old name still works on a release that renamed it (with transformers' own warning)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cache = kvkit.KVCache(model)
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 24
+    finally:
+        kvkit.unpatch(model)

@@ -20,6 +20,8 @@ import random
 import time
 from dataclasses import dataclass
 
+from kvkit.compat import cache_kw
+
 WORDS = (
     "amber anchor apricot arrow aspen badger basalt beacon birch bison bramble bronze cactus canyon cedar "
     "cobalt comet copper coral cricket crimson dagger delta dune ember falcon fennel fjord garnet glacier "
@@ -167,10 +169,10 @@ def answer_logprob(model, tokenizer, s: NeedleSample, rec, question_aware: bool 
         cache = replay_prefill(model, rec, cache=kvkit.KVCache(model))  # positions follow the cache's length
     total = 0.0
     with torch.no_grad():
-        logits = model(q.to(model.device), past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(q.to(model.device), **cache_kw(cache), use_cache=True).logits[:, -1]
         for t in ans.tolist():
             total += float(torch.log_softmax(logits.float(), dim=-1)[0, t])
-            logits = model(torch.tensor([[t]], device=model.device), past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(torch.tensor([[t]], device=model.device), **cache_kw(cache), use_cache=True).logits[:, -1]
     return total / len(ans)
 
 

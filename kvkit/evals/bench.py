@@ -19,6 +19,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from kvkit.compat import cache_kw
+
 
 def _rss() -> int:
     try:
@@ -125,7 +127,7 @@ def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup
         with torch.no_grad():
             if warmup:  # kernels / allocator warm-up on a short prompt
                 c = kvkit.KVCache(model)
-                model(input_ids=ids[:, -64:], past_key_values=c, use_cache=True)
+                model(input_ids=ids[:, -64:], **cache_kw(c), use_cache=True)
                 del c
             mask = kw = None
             if attention_mask is not None:
@@ -138,7 +140,7 @@ def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup
                 if prefill_chunk:
                     cache, last = kvkit.prefill(model, ids, attention_mask=mask, chunk_size=prefill_chunk, cache=cache)
                 else:
-                    last = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    last = model(input_ids=ids, **cache_kw(cache), use_cache=True, logits_to_keep=1,
                                  **(kw or {})).logits[:, -1]
                 _sync(device)
                 prefill = time.perf_counter() - t0
@@ -155,7 +157,7 @@ def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup
                         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
                         pos = pos + 1
                         kw = dict(attention_mask=mask, position_ids=pos)
-                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True, **kw)
+                    out = model(input_ids=nxt, **cache_kw(cache), use_cache=True, **kw)
                     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 _sync(device)
                 decode = time.perf_counter() - t0
@@ -540,7 +542,7 @@ def _prefill_run(model, name, opts, ids, mask, rec=None, batch=None) -> _Run:
             else:
                 cache = kvkit.KVCache(model)
                 last = model(input_ids=ids_b, attention_mask=mask_b, position_ids=_positions(mask_b),
-                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                             **cache_kw(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
                 replayed = False
         dt = time.perf_counter() - t0
     finally:
@@ -559,7 +561,7 @@ def _decode_step(model, r: _Run) -> float:
     t0 = time.perf_counter()
     r.mask = torch.cat([r.mask, r.mask.new_ones(r.mask.shape[0], 1)], 1)
     r.pos = r.pos + 1
-    out = model(input_ids=r.nxt, attention_mask=r.mask, position_ids=r.pos, past_key_values=r.cache, use_cache=True)
+    out = model(input_ids=r.nxt, attention_mask=r.mask, position_ids=r.pos, **cache_kw(r.cache), use_cache=True)
     r.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     _sync(r.nxt.device)
     dt = time.perf_counter() - t0

@@ -10,6 +10,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvkit.compat import cache_kw
+
 # --------------------------------------------------------------------------------------------- I/O
 
 
@@ -195,7 +197,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
             elif ctx is not None:
                 n = ctx.shape[1]
                 cache, _ = kvkit.prefill(model, ids[:, :n], chunk_size=n, cache=cache)
-            kwargs["past_key_values"] = cache
+            kwargs.update(cache_kw(cache))
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

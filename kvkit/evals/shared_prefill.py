@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvkit.cache import KVCache
+from kvkit.compat import cache_kw
 
 
 #: policies whose prefill attention is exact full attention (the recorded inputs are valid for them)
@@ -81,11 +82,14 @@ class _RecordingCache(KVCache):
 
             layer.attend = attend  # instance attribute: only this cache's stores record
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx in self.calls:
             raise RuntimeError("record_prefill records one forward; the cache was updated twice for a layer")
-        self.calls[layer_idx] = LayerCall(key_states, value_states, None if cache_kwargs is None else dict(cache_kwargs))
-        return super().update(key_states, value_states, layer_idx, cache_kwargs)
+        # transformers < 5.24 pass cache_kwargs (a dict, positional, or nothing); 5.24 passes the attention's
+        # kwargs as kwargs=..., which no kvkit store reads and is not recorded
+        ck = args[0] if args else kwargs.get("cache_kwargs")
+        self.calls[layer_idx] = LayerCall(key_states, value_states, None if ck is None else dict(ck))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 @torch.no_grad()
@@ -103,7 +107,7 @@ def record_prefill(model, input_ids: torch.Tensor, **forward_kwargs) -> PrefillR
         raise ValueError("empty prompt: input_ids has no tokens")
     rec = _RecordingCache(model)
     t0 = time.perf_counter()
-    out = model(input_ids=input_ids, past_key_values=rec, use_cache=True, logits_to_keep=1, **forward_kwargs)
+    out = model(input_ids=input_ids, **cache_kw(rec), use_cache=True, logits_to_keep=1, **forward_kwargs)
     dt = time.perf_counter() - t0
     missing = [i for i, c in rec.calls.items() if c.query is None]
     if len(rec.calls) != len(rec.layers) or missing:

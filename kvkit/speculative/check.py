@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvkit.compat import cache_kw
+
 #: (draft policy, draft options, gamma), cycled over the prompts. Even prompts are needle questions,
 #: where a streaming window misses the needle (acceptance ~0.1), so retrieval drafts them; odd prompts
 #: are essay continuations, drafted by streaming windows. Every setting still rejects some drafts.
@@ -77,7 +79,7 @@ def plain_greedy(model, cache, ids: torch.Tensor, new_tokens: int) -> tuple[list
     toks, margins = [], []
     nxt = ids[:, -1:]
     for _ in range(new_tokens):
-        logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[0, -1].float()
+        logits = model(input_ids=nxt, **cache_kw(cache), use_cache=True).logits[0, -1].float()
         top = logits.topk(2).values
         margins.append(float(top[0] - top[1]))
         nxt = logits.argmax().view(1, 1).to(ids.device)

@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+from kvkit.compat import cache_kw
+
 
 def add_commands(subparsers) -> None:
     s = subparsers.add_parser("speculate", help="self-speculative decoding: acceptance rate and speedup vs plain")
@@ -73,7 +75,7 @@ def plain_decode(model, cache, ids, new_tokens: int, device, mask=None):
             if i == 1:
                 _sync(device)
                 t0 = time.perf_counter()
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=pos)
+            out = model(input_ids=nxt, **cache_kw(cache), use_cache=True, attention_mask=mask, position_ids=pos)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             for row, t in zip(toks, nxt[:, 0].tolist()):
                 row.append(t)

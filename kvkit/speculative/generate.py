@@ -40,6 +40,7 @@ from transformers.generation import (
 from transformers.utils import ModelOutput
 
 from kvkit.cache import KVCache
+from kvkit.compat import CACHE_ARG, cache_kw, get_cache
 from kvkit.speculative.draft import DraftCache, make_view
 from kvkit.speculative.forward import logits as forward_logits
 from kvkit.speculative.hierarchy import HierarchicalDraft
@@ -100,13 +101,25 @@ class SpeculativeStats:
         return d
 
 
-@dataclass
-class SpeculativeOutput(ModelOutput):
-    """``return_dict_in_generate=True``: the sequences, the target's cache and the stats."""
+if CACHE_ARG == "cache":  # transformers >= 5.24: outputs carry the cache as .cache (.past_key_values still reads it)
 
-    sequences: torch.LongTensor | None = None
-    past_key_values: object = None
-    stats: SpeculativeStats | None = None
+    @dataclass
+    class SpeculativeOutput(ModelOutput):
+        """``return_dict_in_generate=True``: the sequences, the target's cache and the stats."""
+
+        sequences: torch.LongTensor | None = None
+        cache: object = None
+        stats: SpeculativeStats | None = None
+
+else:
+
+    @dataclass
+    class SpeculativeOutput(ModelOutput):
+        """``return_dict_in_generate=True``: the sequences, the target's cache and the stats."""
+
+        sequences: torch.LongTensor | None = None
+        past_key_values: object = None
+        stats: SpeculativeStats | None = None
 
 
 @dataclass
@@ -131,7 +144,7 @@ class SelfDraft:
         cur = rows.last
         for j in range(k):
             lg = forward_logits(self.model, 1, input_ids=cur[:, None], position_ids=rows.positions(j + 1)[:, j:],
-                                past_key_values=self.cache)
+                                **cache_kw(self.cache))
             lg = rows.process(run.logits_processor, lg, torch.stack(toks, 1) if toks else None)[:, 0]  # [B, V]
             probs = lg.softmax(-1) if (run.do_sample or run.threshold is not None) else None
             cur = pick(probs if run.do_sample else lg, run.do_sample)
@@ -150,7 +163,7 @@ def verify(model, cache: KVCache, rows: Rows, drafts: torch.Tensor, windows, run
     T = x.shape[1]
     with cache.verification():
         lg = forward_logits(model, T, input_ids=x, position_ids=rows.positions(T),
-                            attention_mask=rows.mask(T, windows), past_key_values=cache)
+                            attention_mask=rows.mask(T, windows), **cache_kw(cache))
     return rows.process(run.logits_processor, lg, drafts)
 
 
@@ -403,7 +416,7 @@ def generate(
         if assistant is not None and getattr(assistant, "_kvkit_state", None) is None:
             kvkit.patch(assistant, "full")  # routing only: the assistant reads its own cache below
             patched_here.append(assistant)
-        cache, held = _target_cache(model, model_kwargs.get("past_key_values"), B, held_ok)
+        cache, held = _target_cache(model, get_cache(model_kwargs), B, held_ok)
         limit = None if model._kvkit_state.allow_beyond_context else context_limit(model)
         rows = Rows(prompt, mask, max_new_tokens, set(eos), stopping_criteria)
         run = _Run(logits_processor, do_sample, threshold, stats if stats is not None else SpeculativeStats())
@@ -416,7 +429,7 @@ def generate(
         _sync(model)
         t0 = time.perf_counter()
         lg = forward_logits(model, 1, input_ids=prompt[:, held:], attention_mask=None if rows.aligned else mask,
-                            position_ids=rows.prompt_pos[:, held:], past_key_values=cache)
+                            position_ids=rows.prompt_pos[:, held:], **cache_kw(cache))
         lg = rows.process(logits_processor, lg)[:, 0]
         rows.start(pick(lg.softmax(-1) if do_sample else lg, do_sample))
         if assistant is not None:
@@ -442,7 +455,7 @@ def generate(
         streamer.end()
     sequences = rows.sequences(input_ids, pad_id)
     if getattr(gc, "return_dict_in_generate", False):
-        return SpeculativeOutput(sequences=sequences, past_key_values=cache if B == 1 else None, stats=run.stats)
+        return SpeculativeOutput(sequences=sequences, **cache_kw(cache if B == 1 else None), stats=run.stats)
     return sequences
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from kvkit.compat import cache_kw
 from kvkit.policies.base import check_positive_int
 from kvkit.speculative.draft import DraftCache, mask_to_index
 from kvkit.speculative.forward import logits as forward_logits
@@ -74,7 +75,7 @@ class Assistant:
                 aligned: bool) -> None:
         forward_logits(self.model, 1, input_ids=prompt.to(self.model.device),
                        attention_mask=None if aligned else mask.to(self.model.device),
-                       position_ids=prompt_pos.to(self.model.device), past_key_values=self.cache)
+                       position_ids=prompt_pos.to(self.model.device), **cache_kw(self.cache))
         self.pos = token_pos.clone()
         self.next = token_pos.amax(dim=1) + 1
         self.compact()
@@ -118,7 +119,7 @@ class Assistant:
         for step in range(k):
             lg = forward_logits(self.model, 1, input_ids=x.to(self.model.device),
                                 position_ids=qpos.clamp(min=0).to(self.model.device),
-                                attention_mask=hole_mask(self.pos, qpos, self.windows), past_key_values=self.cache)
+                                attention_mask=hole_mask(self.pos, qpos, self.windows), **cache_kw(self.cache))
             self.pos = torch.cat([self.pos, qpos], dim=1)
             drafted = torch.stack(toks, 1) if toks else None
             lg = _process(run, lg, None if prefixes is None else [
@@ -190,7 +191,7 @@ class HierarchicalDraft:
             x = torch.cat([last[:, None], drafts], dim=1)
             pos = cur[:, None] + torch.arange(ka + 1, device=dev)
             self.cache.tail_pos = torch.cat([self.cache.tail_pos, pos], dim=1)
-            lg = forward_logits(self.model, ka + 1, input_ids=x, position_ids=pos, past_key_values=self.cache)
+            lg = forward_logits(self.model, ka + 1, input_ids=x, position_ids=pos, **cache_kw(self.cache))
             lg = _process(run, lg, None if emitted is None else [torch.cat([e, drafts[b].cpu()])
                                                                  for b, e in enumerate(emitted)])
             if run.do_sample:
