@@ -24,9 +24,9 @@ STYLE = {"duo": ("tab:blue", "o"), "tidal": ("tab:orange", "s"), "zipcache": ("t
          "shadowkv": ("tab:red", "^"), "cake": ("tab:purple", "v"), "chelsea": ("tab:brown", "P"),
          "snapkv": ("tab:pink", "X"), "streaming": ("tab:gray", "*")}
 MIN_SAMPLES = 13
-#: rows of settings kvkit no longer ships (the 12-step DuoAttention pattern, TidalDecode's first calibration): in
-#: the tables, not in the picture
-SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k"}
+#: rows of settings kvkit no longer ships (the 12-step DuoAttention pattern, TidalDecode's first calibration, Qwen's
+#: ZipCache before the code-needle calibration): in the tables, not in the picture
+SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache"}
 
 
 def load(path):
