@@ -28,6 +28,8 @@ if args.model == "default":
         ("duo054c200-4k", "duo", "~54% of KV removed, pattern calibrated 200 steps (shipped)", "agnostic", "bytes",
          "duo054-4k"),
         ("duo054-4k", "duo", "~54% of KV removed, 12-step pattern (shipped before)", "agnostic", "bytes", None),
+        ("tidalcode1380kv-4k", "tidal", "budget 1380, kv_head, layers [2, 8, 14, 20, 26] (code-needle calibration)",
+         "agnostic", "reads", "tidal1732kv-4k"),
         ("tidalrf1132kv-4k", "tidal", "budget 1132, kv_head, layers [2, 6, ..., 26] (read-fraction calibration)", "agnostic", "reads", "tidal1732kv-4k"),
         ("tidalcal1732kv-4k", "tidal", "budget 1732, kv_head, layers [2, 15, 21] (first calibration)",
          "agnostic", "reads", "tidal1732kv-4k"),
@@ -76,7 +78,9 @@ else:
     RUNS = [
         ("duo054", "duo", "~54% of KV removed, pattern calibrated 200 steps (shipped)", "agnostic", "bytes", None),
         ("streaming2048", "streaming", "budget 2048", "agnostic", "bytes", None),
-        ("snapkv2048", "snapkv", "budget 2048", "agnostic", "bytes", None),
+        ("snapkv2048cal", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
+         "snapkv2048"),
+        ("snapkv2048", "snapkv", "budget 2048, paper pooling", "agnostic", "bytes", None),
         ("cake2048", "cake", "budget 2048", "agnostic", "bytes", None),
         ("chelsea50", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
         ("zipcachecal", "zipcache", "calibrated with code needles: 4-bit keys, values 4/2-bit 60/40", "agnostic",
@@ -85,7 +89,9 @@ else:
         ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
         ("tidal1732kv", "tidal", "budget 1732, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake2048-qaware", "cake", "budget 2048", "question in prefill", "bytes", None),
-        ("snapkv2048-qaware", "snapkv", "budget 2048", "question in prefill", "bytes", None),
+        ("snapkv2048cal-qaware", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "question in prefill",
+         "bytes", "snapkv2048-qaware"),
+        ("snapkv2048-qaware", "snapkv", "budget 2048, paper pooling", "question in prefill", "bytes", None),
         ("duo081", "duo", "~81% of KV removed, pattern calibrated 200 steps", "agnostic", "bytes", None),
         ("streaming1024", "streaming", "budget 1024", "agnostic", "bytes", None),
         ("snapkv1024", "snapkv", "budget 1024", "agnostic", "bytes", None),
@@ -94,11 +100,13 @@ else:
         ("shadowkv512", "shadowkv", "budget 512, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
         ("tidal550kv", "tidal", "budget 550, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake1024-qaware", "cake", "budget 1024", "question in prefill", "bytes", None),
-        ("snapkv1024-qaware", "snapkv", "budget 1024", "question in prefill", "bytes", None),
+        ("snapkv1024cal-qaware", "snapkv", "budget 1024, calibrated pooling (kernel 61, avg)", "question in prefill",
+         "bytes", "snapkv1024-qaware"),
+        ("snapkv1024-qaware", "snapkv", "budget 1024, paper pooling", "question in prefill", "bytes", None),
     ]
 # tidal stores every byte and saves reads: (selection layers, model layers, budget) of each tidal run, for the
 # per-step read fraction at the run's prompt length (kvkit.calibrate.knobs.tidal_read_fraction; the first decode step)
-READS = {"tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
+READS = {"tidalcode1380kv-4k": ((2, 8, 14, 20, 26), 30, 1380), "tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
          "tidal1732kv-4k": ((2, 12), 30, 1732), "tidal550kv-4k": ((2, 12), 30, 550),
          "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper 4/2-bit 60/40",
@@ -106,7 +114,9 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper
          "chelsea25-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",
          "cake2048-4k-qaware": "paper kernel 5", "cake2048-4k": "taus (1, 1), kernel 5",
-         "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)", "zipcache": "paper 4/2-bit 60/40"}
+         "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)", "zipcache": "paper 4/2-bit 60/40",
+         "snapkv2048": "paper pooling (kernel 5, avg)", "snapkv2048-qaware": "paper pooling (kernel 5, avg)",
+         "snapkv1024-qaware": "paper pooling (kernel 5, avg)"}
 
 
 def rows(folder):
