@@ -28,7 +28,7 @@ if args.model == "default":
         ("duo054c200-4k", "duo", "~54% of KV removed, pattern calibrated 200 steps (shipped)", "agnostic", "bytes",
          "duo054-4k"),
         ("duo054-4k", "duo", "~54% of KV removed, 12-step pattern (shipped before)", "agnostic", "bytes", None),
-        ("tidalcode1380kv-4k", "tidal", "budget 1380, kv_head, layers [2, 8, 14, 20, 26] (code-needle calibration)",
+        ("tidalcode1380kv-4k", "tidal", "budget 1380, kv_head, layers [2, 8, 14, 20, 26] (code-needle calibration, rejected: not shipped)",
          "agnostic", "reads", "tidal1732kv-4k"),
         ("tidalrf1132kv-4k", "tidal", "budget 1132, kv_head, layers [2, 6, ..., 26] (read-fraction calibration)", "agnostic", "reads", "tidal1732kv-4k"),
         ("tidalcal1732kv-4k", "tidal", "budget 1732, kv_head, layers [2, 15, 21] (first calibration)",

@@ -25,8 +25,8 @@ STYLE = {"duo": ("tab:blue", "o"), "tidal": ("tab:orange", "s"), "zipcache": ("t
          "snapkv": ("tab:pink", "X"), "streaming": ("tab:gray", "*")}
 MIN_SAMPLES = 13
 #: rows of settings kvkit no longer ships (the 12-step DuoAttention pattern, TidalDecode's first calibration, Qwen's
-#: ZipCache before the code-needle calibration): in the tables, not in the picture
-SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache"}
+#: ZipCache before the code-needle calibration, SmolLM2's rejected code-needle tidal layout): in the tables, not in the picture
+SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalcode1380kv-4k"}
 
 
 def load(path):
