@@ -52,7 +52,9 @@ def _common(p, length: int, samples: int) -> None:
 
 
 def _values(p) -> None:
-    p.add_argument("--values", default="mixed", choices=["mixed", "number"],
+    from kvkit.calibrate.needles import VALUE_KINDS
+
+    p.add_argument("--values", default=VALUE_KINDS[0], choices=VALUE_KINDS,
                    help="needle values: 'mixed' (half of the samples hold UUID-shaped codes, which need every token "
                         "kept; default) or 'number' (7-digit numbers only, as calibrations before 2026-11-24)")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, make_dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
@@ -101,25 +101,15 @@ class SpeculativeStats:
         return d
 
 
-if CACHE_ARG == "cache":  # transformers >= 5.24: outputs carry the cache as .cache (.past_key_values still reads it)
-
-    @dataclass
-    class SpeculativeOutput(ModelOutput):
-        """``return_dict_in_generate=True``: the sequences, the target's cache and the stats."""
-
-        sequences: torch.LongTensor | None = None
-        cache: object = None
-        stats: SpeculativeStats | None = None
-
-else:
-
-    @dataclass
-    class SpeculativeOutput(ModelOutput):
-        """``return_dict_in_generate=True``: the sequences, the target's cache and the stats."""
-
-        sequences: torch.LongTensor | None = None
-        past_key_values: object = None
-        stats: SpeculativeStats | None = None
+#: ``return_dict_in_generate=True``: the sequences, the target's cache (under the installed transformers' name for it:
+#: ``cache`` from 5.24 on, where ``.past_key_values`` still reads it, ``past_key_values`` before) and the stats
+SpeculativeOutput = make_dataclass(
+    "SpeculativeOutput",
+    [("sequences", "torch.LongTensor | None", None), (CACHE_ARG, object, None), ("stats", "SpeculativeStats | None", None)],
+    bases=(ModelOutput,),
+)
+SpeculativeOutput.__module__ = __name__
+SpeculativeOutput.__doc__ = "``return_dict_in_generate=True``: the sequences, the target's cache and the stats."
 
 
 @dataclass
