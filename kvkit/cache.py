@@ -46,6 +46,9 @@ class KVCache(Cache):
                     f"(layer {info.layer_idx}); supported: full_attention, sliding_attention"
                 )
         super().__init__(layers=layers)
+        #: a policy's own scoring forward is running (KVzip's reconstruction): its tokens are rolled back
+        #: afterwards, so the context-length check and the policy's after-forward hook skip it
+        self.scoring_pass = False
 
     # ---- guards ------------------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

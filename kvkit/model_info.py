@@ -93,3 +93,13 @@ def inverse_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rot, rest = k[..., :dr], k[..., dr:]
     x = (rot * cos - rotate_half(rot) * sin) / (cos * cos + sin * sin)
     return x if dr == k.shape[-1] else torch.cat([x, rest], dim=-1)
+
+
+def context_limit(model) -> int | None:
+    """The model's trained context (``max_position_embeddings`` of its text config), or None if unknown."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = getattr(tc, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None

@@ -5,7 +5,8 @@
   padding masks would silently arrive as ``None``), then ``model.set_attn_implementation("kvkit")``;
 * a forward pre-hook on the base model swaps in a ``KVCache`` when ``generate()``/the caller gives
   none or an empty transformers cache;
-* a forward pre-hook on each attention module hands the attention function its layer store.
+* a forward pre-hook on each attention module hands the attention function its layer store;
+* a forward hook on the base model runs the policy's ``after_forward`` (KVzip's reconstruction pass).
 
 No forward is replaced and no modeling file is copied; ``unpatch`` removes the hooks and restores the
 previous attention implementation.
@@ -26,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvkit.attention import kvkit_attention
 from kvkit.cache import KVCache
 from kvkit.compat import get_cache, set_cache
+from kvkit.model_info import context_limit
 from kvkit.policies.base import Policy
 from kvkit.registry import get_policy
 
@@ -108,16 +110,6 @@ def _check_inputs(args, kwargs) -> None:
             raise ValueError("inputs_embeds contains NaN or inf values")
 
 
-def context_limit(model) -> int | None:
-    """The model's trained context (``max_position_embeddings`` of its text config), or None if unknown."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    n = getattr(tc, "max_position_embeddings", None)
-    return n if isinstance(n, int) and n > 0 else None
-
-
 def check_context(model, cached: int, new: int, where: str = "this forward") -> None:
     """Refuse ``cached + new`` tokens beyond the model's trained context, unless the patch allowed it (warn then).
 
@@ -174,7 +166,8 @@ def _model_pre_hook(model_ref, module, args, kwargs):
                 f"{want[0]} and {want[1]}): build it with kvkit.KVCache(model, ...) for the model you run"
             )
     cached = pkv.get_seq_length() if isinstance(pkv, Cache) else 0
-    check_context(model, cached, _new_tokens(args, kwargs))
+    if not getattr(pkv, "scoring_pass", False):  # a policy's scoring forward is rolled back (KVzip)
+        check_context(model, cached, _new_tokens(args, kwargs))
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
@@ -183,6 +176,16 @@ def _model_pre_hook(model_ref, module, args, kwargs):
     if pkv is None or (type(pkv) is DynamicCache and pkv.get_seq_length() == 0):
         set_cache(kwargs, KVCache(model))
         return args, kwargs
+    return None
+
+
+def _model_post_hook(module, args, kwargs, output):
+    """After a forward of the base model: the policy's ``after_forward`` (only policies that define one)."""
+    pkv = get_cache(kwargs)
+    if isinstance(pkv, KVCache) and type(pkv.policy).after_forward is not Policy.after_forward:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        pkv.policy.after_forward(module, pkv, ids if isinstance(ids, torch.Tensor) else None,
+                                 kwargs.get("attention_mask"))
     return None
 
 
@@ -253,6 +256,7 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, **options
     model.set_attn_implementation(ATTN_NAME)
     hook = functools.partial(_model_pre_hook, weakref.ref(model))
     state.handles.append(model.base_model.register_forward_pre_hook(hook, with_kwargs=True))
+    state.handles.append(model.base_model.register_forward_hook(_model_post_hook, with_kwargs=True))
     for m in _attention_modules(model):
         m._kvkit_store = None
         state.handles.append(m.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))

@@ -48,6 +48,10 @@ if args.model == "default":
         ("snapkv2048cal-4k", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
          "snapkv2048-4k"),
         ("snapkv2048-4k", "snapkv", "budget 2048, paper pooling", "agnostic", "bytes", None),
+        ("kvzip2048-4k", "kvzip", "budget 2048, context reconstruction, no instruction (default)", "agnostic",
+         "bytes", "kvzip2048i-4k"),
+        ("kvzip2048i-4k", "kvzip", "budget 2048, context reconstruction with the paper's instruction", "agnostic",
+         "bytes", None),
         ("snapkv2048cal-4k-qaware", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "question in prefill",
          "bytes", "snapkv2048-4k-qaware"),
         ("snapkv2048-4k-qaware", "snapkv", "budget 2048, paper pooling (kernel 5, avg)", "question in prefill", "bytes",
@@ -81,6 +85,10 @@ else:
         ("snapkv2048cal", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
          "snapkv2048"),
         ("snapkv2048", "snapkv", "budget 2048, paper pooling", "agnostic", "bytes", None),
+        ("kvzip2048", "kvzip", "budget 2048, context reconstruction, no instruction (default)", "agnostic", "bytes",
+         "kvzip2048i"),
+        ("kvzip2048i", "kvzip", "budget 2048, context reconstruction with the paper's instruction", "agnostic",
+         "bytes", None),
         ("cake2048", "cake", "budget 2048", "agnostic", "bytes", None),
         ("chelsea50", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
         ("zipcachecal", "zipcache", "calibrated with code needles: 4-bit keys, values 4/2-bit 60/40", "agnostic",
@@ -116,7 +124,8 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper
          "cake2048-4k-qaware": "paper kernel 5", "cake2048-4k": "taus (1, 1), kernel 5",
          "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)", "zipcache": "paper 4/2-bit 60/40",
          "snapkv2048": "paper pooling (kernel 5, avg)", "snapkv2048-qaware": "paper pooling (kernel 5, avg)",
-         "snapkv1024-qaware": "paper pooling (kernel 5, avg)"}
+         "snapkv1024-qaware": "paper pooling (kernel 5, avg)", "kvzip2048i-4k": "paper's instruction prompt",
+         "kvzip2048i": "paper's instruction prompt"}
 
 
 def rows(folder):

@@ -22,7 +22,7 @@ pol = root / "results" / "policies"
 PANELS = [(pol / "issue19.csv", "SmolLM2-135M-Instruct (default)"), (pol / "qwen05" / "table.csv", "Qwen2.5-Coder-0.5B-Instruct")]
 STYLE = {"duo": ("tab:blue", "o"), "tidal": ("tab:orange", "s"), "zipcache": ("tab:green", "D"),
          "shadowkv": ("tab:red", "^"), "cake": ("tab:purple", "v"), "chelsea": ("tab:brown", "P"),
-         "snapkv": ("tab:pink", "X"), "streaming": ("tab:gray", "*")}
+         "snapkv": ("tab:pink", "X"), "kvzip": ("tab:olive", "h"), "streaming": ("tab:gray", "*")}
 MIN_SAMPLES = 13
 #: rows of settings kvkit no longer ships (the 12-step DuoAttention pattern, TidalDecode's first calibration, Qwen's
 #: ZipCache before the code-needle calibration, SmolLM2's rejected code-needle tidal layout): in the tables, not in the picture

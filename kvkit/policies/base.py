@@ -45,6 +45,11 @@ class Policy:
         ``KVCache`` before its stores and handed to every store as ``info.shared``; None when not needed."""
         return None
 
+    def after_forward(self, base_model, cache, input_ids, attention_mask) -> None:
+        """Called by kvkit's hook after every forward of the patched base model that used a ``KVCache`` of this
+        policy (``input_ids`` / ``attention_mask`` as the forward received them, either may be None); e.g.
+        KVzip's reconstruction pass. Default: nothing."""
+
     def validate(self, config) -> None:
         """Raise ValueError when the policy cannot run on this model config."""
 

@@ -62,17 +62,26 @@ def causal_suffix_attention(query, keys, values, attention_mask, scaling):
         m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         if m.dim() != 4 or m.shape[-2:] != (T, n) or not torch.equal(m, causal.expand_as(m)):
             return None
+    return prefix_suffix_attention(query, keys, values, scaling)[0]
+
+
+def prefix_suffix_attention(query, keys, values, scaling):
+    """:func:`causal_suffix_attention` without its checks (CPU; every prefix key visible, causal suffix, no
+    padding): returns ``(out [B, T, Hq, D], lse [B, Hq, T] fp32)``. Also KVzip's reconstruction forward."""
+    B, Hq, T, D = query.shape
+    H, n = keys.shape[1], keys.shape[2]
     G = Hq // H
     q = query.reshape(B, H, G * T, D)  # query head h * G + g reads K/V head h; row g * T + t
     out_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, keys[:, :, : n - T], values[:, :, : n - T], scale=scaling)
     s = (q @ keys[:, :, n - T :].transpose(-1, -2)) * scaling  # [B, H, G*T, T]
-    s = s.masked_fill(~causal[:, n - T :].repeat(G, 1), float("-inf"))
+    causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
+    s = s.masked_fill(~causal.repeat(G, 1), float("-inf"))
     lse_s = s.logsumexp(-1)
     out_s = s.softmax(-1) @ values[:, :, n - T :]
     lse = torch.logaddexp(lse_p, lse_s)
     out = out_p * (lse_p - lse).exp().unsqueeze(-1) + out_s * (lse_s - lse).exp().unsqueeze(-1)
-    return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+    return out.view(B, Hq, T, D).transpose(1, 2).to(query.dtype), lse.float().reshape(B, Hq, T)
 
 
 def folded_masked_attention(query, keys, values, attention_mask, scaling):

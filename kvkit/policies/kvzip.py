@@ -1,0 +1,331 @@
+"""``kvzip``: KVzip (Kim et al., arXiv:2505.23416) -- question-agnostic eviction scored by context reconstruction.
+
+SnapKV and CAKE score the prompt with the attention of its last queries: with the question at the end of the
+prompt that is the question's attention, without it (a context compressed once and then asked several
+questions, kvkit's question-agnostic protocol) it is whatever the context's last sentence looks at. KVzip asks
+the model itself which KV pairs it needs to *reproduce* the context: after the exact prefill the context is fed
+again, chunk by chunk, on top of the cache (the model "repeats" it), and a pair's score is the largest attention
+any reconstruction query of its KV head's group pays it. The pairs nobody needs to repeat the context go first.
+
+How it runs here (a :class:`~kvkit.stores.scored.ScoredStore`): the prefill is exact and compresses nothing; when
+a multi-token forward leaves a layer above its ``budget``, kvkit's forward hook on the patched model
+(``Policy.after_forward``) feeds the tokens not yet scored again in chunks of ``chunk`` (each chunk preceded by the
+last ``overlap`` tokens of the previous one, as the reference does), each chunk a forward whose layers only record
+scores and which is rolled back exactly afterwards; then every layer keeps its ``budget`` best slots per KV head
+(the first ``sink`` tokens and the ``window`` newest always kept). Decoding appends; every ``tail`` tokens above
+the budget the same bound is restored, the slots added after the last reconstruction scored by the last
+``window`` decode queries' maximum attention (kvkit's extension; the reference compresses the context only).
+
+Departures from the reference, each a kvkit choice: the budget is uniform per KV head (the reference's default
+ranks all heads of all layers together; a per-head budget keeps kvkit's rectangular store and the byte count of
+SnapKV at the same ``budget``); by default the reconstruction has no instruction prompt: the repeated tokens follow
+the context directly and the model's copying (induction) heads attend to the pairs they repeat, which needs no
+tokenizer (``instruct=True`` adds the reference's "Repeat the previous context exactly." and the chat template's
+answer header); a slot's score is its probability in the model's own softmax over every held slot (the reference
+renormalises over the sinks, the chunk's own tokens and the repeat). Cost: about two prefills more (each chunk's
+queries attend to every held slot), paid once per compressed context.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from kvkit.compat import cache_kw
+from kvkit.model_info import context_limit
+from kvkit.policies.base import Policy, check_positive_int
+from kvkit.registry import register
+from kvkit.stores import LayerInfo
+from kvkit.stores.attend import attend_slots, prefix_suffix_attention
+from kvkit.stores.base import SlotStore, tensor_bytes
+from kvkit.stores.scored import ScoredStore, window_attention
+
+
+@dataclass
+class Pending:
+    """A cache's tokens not yet scored by a reconstruction (``KVzip.new_shared``)."""
+
+    ids: list = field(default_factory=list)  # [B, T] input ids of the multi-token forwards since the last one
+    masks: list = field(default_factory=list)  # [B, T] their attention-mask columns (1 = real token)
+    prompt: tuple | None = None  # instruct=True: the instruction / answer-header token ids, tokenized once
+
+
+@register("kvzip")
+@dataclass(frozen=True)
+class KVzip(Policy):
+    """KVzip context-reconstruction eviction, per KV head.
+
+    Parameters
+    ----------
+    budget : int
+        Slots kept per KV head (sinks and window included).
+    sink : int
+        First tokens always kept (reference: 4).
+    window : int
+        Newest tokens always kept; also the decode queries that score the tokens added after a reconstruction.
+    chunk : int
+        Tokens per reconstruction forward (reference: 2048; smaller bounds the scoring memory,
+        ``chunk x held slots`` fp32 per query head).
+    overlap : int
+        Tokens of the previous chunk repeated before each chunk (reference: 8).
+    tail : int
+        Decode tokens allowed above the budget before a bulk eviction (kvkit).
+    instruct : bool
+        Precede each repeated chunk with the reference's instruction ("Repeat the previous context exactly.", later
+        chunks "Repeat the part of the previous context exactly, starting with" + the overlap) and the chat
+        template's answer header, tokenized with the model's tokenizer (loaded offline from the config's path).
+        False (default): the chunk follows the context directly.
+    """
+
+    budget: int = 1024
+    sink: int = 4  # KVzip n_sink
+    window: int = 64
+    chunk: int = 512
+    overlap: int = 8  # KVzip prev_postfix_size
+    tail: int = 32
+    instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
+
+    description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
+    saves = "memory+reads"
+    test_options: ClassVar[dict] = dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4)
+    covering_options: ClassVar[dict | None] = dict(budget=4096)
+    #: the reconstruction is a model forward run from kvkit's hook after the prefill: a replayed prefill skips it
+    replayable: ClassVar[bool] = False
+    speculative_refusal: ClassVar[str | None] = (
+        "kvzip re-scores after every multi-token forward (a reconstruction pass), so a verification forward "
+        "would compress differently from one-token decoding")
+
+    def __post_init__(self):
+        for name in ("budget", "window", "chunk", "tail"):
+            check_positive_int("kvzip", name, getattr(self, name))
+        for name in ("sink", "overlap"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"kvzip: {name} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.instruct, bool):
+            raise ValueError(f"kvzip: instruct must be true or false, got {self.instruct!r}")
+        if self.window + self.sink >= self.budget:
+            raise ValueError(f"kvzip: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
+
+    def new_shared(self, infos):
+        return Pending()
+
+    def new_layer(self, info: LayerInfo):
+        return KVzipStore(info, self)
+
+    # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
+    @torch.no_grad()
+    def after_forward(self, base_model, cache, input_ids, attention_mask) -> None:
+        st: Pending = cache.shared
+        layers = [layer for layer in cache.layers if isinstance(layer, KVzipStore)]
+        if cache.scoring_pass or not layers or any(layer.verifying for layer in layers):
+            return
+        T = layers[0].last_forward_tokens
+        if T <= 1:  # decoding: scored by the decode queries at the next bulk eviction
+            return
+        if input_ids is None:
+            raise ValueError("kvzip reconstructs the context from its token ids: call the model with input_ids "
+                             "(inputs_embeds cannot be repeated)")
+        seen = layers[0].seen
+        full_mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+        if full_mask is not None and full_mask.shape[1] != seen:
+            full_mask = None
+        st.ids.append(input_ids[:, -T:])
+        st.masks.append(full_mask[:, -T:] if full_mask is not None else torch.ones_like(input_ids[:, -T:]))
+        if max(layer.num_slots() for layer in layers) <= self.budget:
+            return
+        ids, m = torch.cat(st.ids, dim=1), torch.cat(st.masks, dim=1)
+        st.ids.clear()
+        st.masks.clear()
+        ctx_mask = full_mask if full_mask is not None else torch.ones(ids.shape[0], seen, dtype=m.dtype,
+                                                                      device=ids.device)
+        real = ctx_mask.long().sum(-1, keepdim=True)  # [B, 1] real tokens of each row
+        limit = context_limit(base_model)
+        N = ids.shape[1]
+        # chunks cut from the end: a left-padded row is cut at the same real tokens as the row alone
+        ends = list(range(N, 0, -self.chunk))[::-1]
+        # other layers (sliding windows) cannot always roll back: they are restored from a copy after each chunk
+        others = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if not isinstance(layer, KVzipStore)}
+        cache.scoring_pass = True
+        for layer in layers:
+            layer.scoring, layer.acc = True, None
+        try:
+            for e in ends:
+                s = max(e - self.chunk - self.overlap, 0)
+                for layer in layers:  # the positions of the chunk's own tokens (the overlap is scored with its own)
+                    layer.score_range = (seen - N + max(e - self.chunk, 0), seen - N + e)
+                c_ids, c_mask = ids[:, s:e], m[:, s:e].to(ctx_mask.dtype)
+                if self.instruct:  # instruction (+ the overlap it starts with) + the chat's answer header + chunk
+                    first, nxt, suffix = self._instruction(base_model, st)
+                    lo = max(e - self.chunk, 0) - s  # own tokens start here
+                    parts = [(first if e == ends[0] else nxt), None, suffix, None]
+                    cols, masks = [], []
+                    for part, (a, b) in zip(parts, [(0, 0), (0, lo), (0, 0), (lo, e - s)]):
+                        if part is not None:
+                            cols.append(part.to(ids.device).expand(ids.shape[0], -1))
+                            masks.append(torch.ones_like(cols[-1], dtype=c_mask.dtype))
+                        else:
+                            cols.append(c_ids[:, a:b])
+                            masks.append(c_mask[:, a:b])
+                    c_ids, c_mask = torch.cat(cols, dim=1), torch.cat(masks, dim=1)
+                # padding to the end of the chunk: the real tokens of every row follow the context directly (a
+                # sliding-window layer would otherwise see padding instead of the context's last tokens)
+                order = torch.sort((c_mask == 0).to(torch.int8), dim=1, stable=True).indices
+                c_ids, c_mask = c_ids.gather(1, order), c_mask.gather(1, order)
+                pos = real + c_mask.long().cumsum(-1) - 1
+                if limit is not None:  # stay inside the trained positions (only the scores' RoPE shifts)
+                    pos = pos - (pos.amax(-1, keepdim=True) - (limit - 1)).clamp(min=0)
+                base_model(input_ids=c_ids, attention_mask=torch.cat([ctx_mask, c_mask], dim=1),
+                           position_ids=pos.clamp(min=0), use_cache=True, **cache_kw(cache))
+                for layer in layers:
+                    layer.rollback(c_ids.shape[1], ends_round=False)
+                for i, layer in others.items():
+                    cache.layers[i] = copy.deepcopy(layer)
+        finally:
+            for layer in layers:
+                layer.scoring = False
+            cache.scoring_pass = False
+        for layer in layers:
+            layer.finish_scoring()
+            layer.compress()
+            layer.committed = layer.seen
+
+
+    def _instruction(self, base_model, st: Pending):
+        """The reference's instruction token ids (first chunk, later chunks) and the chat template's answer header,
+        tokenized once per cache with the model's own tokenizer (from its config's path, offline)."""
+        if st.prompt is None:
+            from transformers import AutoTokenizer
+
+            path = getattr(base_model.config, "_name_or_path", "") or ""
+            try:
+                tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+                raise ValueError(f"kvzip: instruct=True needs the model's tokenizer, which could not be loaded from "
+                                 f"{path!r} ({type(e).__name__}); use instruct=False (no instruction)") from e
+            suffix = "\n"
+            if getattr(tok, "chat_template", None):
+                sep = "\n" + "#" * 12
+                text = tok.apply_chat_template([{"role": "user", "content": "context" + sep}], tokenize=False,
+                                               add_generation_prompt=True)
+                suffix = text.split(sep, 1)[1]
+            enc = lambda t: torch.tensor(tok.encode(t, add_special_tokens=False), dtype=torch.long)[None]  # noqa: E731
+            st.prompt = (enc(INSTRUCTION_FIRST), enc(INSTRUCTION_NEXT), enc(suffix))
+        return st.prompt
+
+
+#: KVzip's reconstruction instructions (``instruct=True``): the first chunk, and the later ones (followed by the
+#: last ``overlap`` tokens of the previous chunk)
+INSTRUCTION_FIRST = "\n\nRepeat the previous context exactly."
+INSTRUCTION_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+class KVzipStore(ScoredStore):
+    _batch_tensors = ScoredStore._batch_tensors + ("rscore",)
+
+    def __init__(self, info: LayerInfo, p: KVzip):
+        super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
+        self.rscore: torch.Tensor | None = None  # [B, H, n] reconstruction score per slot, -1 = not scored yet
+        self.scoring = False  # inside a reconstruction forward: record scores, never compress
+        self.acc: torch.Tensor | None = None  # [B, H, n] this reconstruction's maximum attention per held slot
+        self.score_range = (0, 0)  # positions of the tokens the running reconstruction chunk repeats
+        self.verifying = False
+        self.last_forward_tokens = 0
+
+    # ---- scores --------------------------------------------------------------------------------------------
+    def score(self) -> torch.Tensor:
+        s = self.rscore
+        unscored = s < 0
+        if self.obs is not None and bool(unscored.any()):  # added after the last reconstruction
+            q, qpos = self.observed()
+            s = torch.where(unscored, self._group_max(window_attention(q, self.keys, self.pos, qpos, self.scaling)), s)
+        return s
+
+    def _group_max(self, a: torch.Tensor) -> torch.Tensor:
+        """``a [B, Hq, w, n]`` -> the maximum over the queries and each KV head's group ``[B, H, n]``."""
+        B, Hq, _, n = a.shape
+        return a.amax(dim=2).view(B, self.keys.shape[1], Hq // self.keys.shape[1], n).amax(dim=2)
+
+    def should_compress(self) -> bool:
+        return not self.scoring and super().should_compress()
+
+    def on_prefill(self, query, module) -> None:
+        pass  # compression waits for the reconstruction (KVzip.after_forward)
+
+    def set_verifying(self, on: bool) -> None:
+        self.verifying = on
+
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        T = query.shape[2]
+        self.last_forward_tokens = T
+        if not self.scoring:
+            return super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        self.mark_padding(attention_mask, T)
+        qpos = torch.arange(self.seen - T, self.seen, device=query.device, dtype=torch.int32)
+        n = self.keys.shape[2]
+        if (query.device.type == "cpu" and n > T and query.shape[1] % self.keys.shape[1] == 0
+                and not bool((self.pos < 0).any())):  # no padding: unmasked prefix + causal repeat
+            out, lse = prefix_suffix_attention(query, self.keys, self.values, scaling)
+        else:
+            out, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True)
+        self._score_chunk(query.detach(), lse, T, scaling)
+        return out
+
+    def _score_chunk(self, query, lse, T, scaling) -> None:
+        """Each slot of the chunk being repeated (positions ``score_range``) takes the largest attention
+        probability a repeat query of its KV head's group pays it (the model's own softmax, over every held slot:
+        ``exp(q.k * scaling - lse)``); padding queries score nothing."""
+        lo, hi = self.score_range
+        B, Hq, _, D = query.shape
+        H, n = self.keys.shape[1], self.keys.shape[2]
+        C = min(hi - lo, n)
+        pos = self.pos  # [B, Hp, n], ascending per row and head before the repeat: the range is <= C consecutive slots
+        held = pos[..., : n - T].contiguous()  # the slots before the repeat (the repeat's padding is -1, unsorted)
+        start = torch.searchsorted(held, torch.full((*pos.shape[:2], 1), lo, dtype=pos.dtype, device=pos.device))
+        idx = (start + torch.arange(C, device=pos.device)).clamp(max=n - 1).expand(B, H, C)  # [B, H, C]
+        p_idx = pos.expand(B, H, n).gather(2, idx)
+        inside = (p_idx >= lo) & (p_idx < hi)
+        k = self.keys.gather(2, idx.unsqueeze(-1).expand(B, H, C, D)).float()
+        q = query.float().view(B, H, Hq // H, T, D)
+        logit = torch.einsum("bhgtd,bhcd->bhgtc", q, k) * scaling - lse.view(B, H, Hq // H, T, 1)
+        real_q = (self.pos[:, :1, -T:] >= 0).view(B, 1, 1, T, 1)  # padding queries of the repeat score nothing
+        prob = logit.exp().masked_fill(~real_q, 0.0).nan_to_num(0.0)
+        best = prob.amax(dim=(2, 3)).masked_fill(~inside, -1.0)  # [B, H, C]
+        if self.acc is None:
+            self.acc = torch.full((B, H, n - T), -1.0, device=self.keys.device)
+        self.acc.scatter_reduce_(2, idx.clamp(max=n - T - 1), best, reduce="amax")
+
+    def finish_scoring(self) -> None:
+        """The reconstruction is over: the slots it scored take their score (earlier scores stay)."""
+        if self.acc is not None:
+            self.rscore = torch.where((self.rscore < 0) & (self.acc >= 0), self.acc, self.rscore)
+            self.acc = None
+
+    # ---- the per-slot score follows the slots -----------------------------------------------------------------
+    def append(self, k, v) -> None:
+        super().append(k, v)
+        B, H, T = k.shape[0], self.keys.shape[1], k.shape[2]
+        new = torch.full((B, H, T), -1.0, device=k.device)
+        self.rscore = new if self.rscore is None else self._grow("rscore", self.rscore, new)
+
+    def keep_slots(self, idx: torch.Tensor) -> None:
+        kv_idx = idx.expand(idx.shape[0], self.keys.shape[1], idx.shape[-1]) if idx.shape[1] == 1 else idx
+        self.rscore = self.rscore.gather(2, kv_idx)
+        super().keep_slots(idx)
+
+    def _drop_last(self, n: int) -> None:
+        if self.scoring:  # the repeat is rolled back: its queries never entered the observed window
+            SlotStore._drop_last(self, n)
+        else:
+            super()._drop_last(n)
+        self.rscore = self.rscore[..., :-n]
+
+    def reset(self) -> None:
+        super().reset()
+        self.rscore = self.acc = None
+
+    def nbytes(self) -> int:
+        return super().nbytes() + tensor_bytes(self.rscore)
