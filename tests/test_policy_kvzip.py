@@ -187,3 +187,20 @@ def test_reconstruction_near_the_trained_context_stays_inside_it():
     assert cache.get_seq_length() == 60 and cache.num_slots()[0] == OPTS["budget"]
     repeats = [p for p in seen_pos[1:] if p is not None]
     assert len(repeats) == 6 and all(int(p.max()) <= 63 for p in repeats)
+
+
+def test_adaptive_shares_the_budget_across_layers():
+    """adaptive=True (the reference's global ranking, head-uniform within a layer): layers keep different numbers of
+    slots, about budget x layers in all, each at least sink + window + 1."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    kvkit.patch(model, "kvzip", **dict(OPTS, adaptive=True))
+    try:
+        with torch.no_grad():
+            cache = kvkit.KVCache(model)
+            model(input_ids=random_ids(60, seed=1), **kvkit.compat.cache_kw(cache), use_cache=True)
+    finally:
+        kvkit.unpatch(model)
+    slots = cache.num_slots()
+    assert len(set(slots)) > 1 and abs(sum(slots) - 4 * OPTS["budget"]) <= 4
+    assert min(slots) >= OPTS["sink"] + OPTS["window"] + 1
+    assert [st.budget for st in cache.layers] == slots  # decode-time evictions keep each layer's share

@@ -4,7 +4,7 @@
 # usage: bash benchmarks/policies/run_qwen05.sh half      # every policy at ~50% of the KV removed (tidal: of the reads)
 #        bash benchmarks/policies/run_qwen05.sh quarter   # ~75% removed
 #        bash benchmarks/policies/run_qwen05.sh qaware    # CAKE / SnapKV with the question in the prefill (own prefills)
-#        bash benchmarks/policies/run_qwen05.sh kvzip     # KVzip at budget 2048 (kvzipi: with the paper's instruction)
+#        bash benchmarks/policies/run_qwen05.sh kvzip     # KVzip at budgets 2048 and 1024 (kvzipi: 2048 with the paper's instruction)
 # half/quarter are question-agnostic (context compressed before the question), one shared exact prefill per sample
 # replayed into each policy. Prompts: `kvkit eval ruler --model qwen2.5-coder-0.5b --length 4096 --samples 3
 #   --dump-prompts results/policies/qwen05/ruler-4096-s3.jsonl`.
@@ -45,8 +45,10 @@ qaware)
     done
   done ;;
 kvzip)  # KVzip (not replayable: its reconstruction pass runs from the patched model's forward hook), own prefills
-  nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget 2048 --prompts $P --samples 3 \
-    --out $Q/kvzip2048 --resume ;;
+  for b in ${2:-2048 1024}; do
+    nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget $b --prompts $P --samples 3 \
+      --out $Q/kvzip$b --resume
+  done ;;
 kvzipi)  # the same with the paper's instruction prompt
   nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget 2048 --opt instruct=true --prompts $P \
     --samples 3 --out $Q/kvzip2048i --resume ;;

@@ -78,6 +78,10 @@ class KVzip(Policy):
         chunks "Repeat the part of the previous context exactly, starting with" + the overlap) and the chat
         template's answer header, tokenized with the model's tokenizer (loaded offline from the config's path).
         False (default): the chunk follows the context directly.
+    adaptive : bool
+        Rank the scores of all layers together, as the reference does: each layer keeps per KV head the number of
+        its slots above the global threshold, so layers share ``budget x layers`` (heads within a layer stay
+        uniform, kvkit's rectangular store). False (default): every layer keeps ``budget``.
     """
 
     budget: int = 1024
@@ -87,6 +91,7 @@ class KVzip(Policy):
     overlap: int = 8  # KVzip prev_postfix_size
     tail: int = 32
     instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
+    adaptive: bool = False  # the reference ranks all layers together: per-layer budgets (mean = budget)
 
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
     saves = "memory+reads"
@@ -105,8 +110,9 @@ class KVzip(Policy):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"kvzip: {name} must be an integer >= 0, got {v!r}")
-        if not isinstance(self.instruct, bool):
-            raise ValueError(f"kvzip: instruct must be true or false, got {self.instruct!r}")
+        for name in ("instruct", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"kvzip: {name} must be true or false, got {getattr(self, name)!r}")
         if self.window + self.sink >= self.budget:
             raise ValueError(f"kvzip: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
 
@@ -133,6 +139,9 @@ class KVzip(Policy):
         full_mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
         if full_mask is not None and full_mask.shape[1] != seen:
             full_mask = None
+        if st.ids and st.ids[0].shape[0] != input_ids.shape[0]:  # the batch was expanded (beams): those tokens
+            st.ids.clear()  # are no longer repeatable row for row; they keep the decode queries' scores
+            st.masks.clear()
         st.ids.append(input_ids[:, -T:])
         st.masks.append(full_mask[:, -T:] if full_mask is not None else torch.ones_like(input_ids[:, -T:]))
         if max(layer.num_slots() for layer in layers) <= self.budget:
@@ -190,8 +199,30 @@ class KVzip(Policy):
             cache.scoring_pass = False
         for layer in layers:
             layer.finish_scoring()
+        if self.adaptive:
+            self._layer_budgets(layers)
+        for layer in layers:
             layer.compress()
             layer.committed = layer.seen
+
+    def _layer_budgets(self, layers) -> None:
+        """``adaptive``: the reference ranks the scores of all layers together; here the slots above the global
+        threshold (the ``budget x KV heads x layers`` best, protected slots first) are counted per layer and each
+        layer keeps that many per KV head (the mean over its heads and rows; at least sink + window + 1), so the
+        cache holds about as many slots as with a uniform budget, distributed where the reconstruction needs them."""
+        scores = []
+        for layer in layers:
+            sc = layer.score().float()
+            sc = sc.masked_fill(layer.protected().expand_as(sc), float("inf"))
+            scores.append(sc.masked_fill(layer.pos.expand_as(sc) < 0, float("-inf")))
+        total = sum(self.budget * sc.shape[0] * sc.shape[1] for sc in scores)
+        flat = torch.cat([sc.flatten() for sc in scores])
+        if flat.numel() <= total:
+            return
+        threshold = flat.topk(total).values[-1]
+        for layer, sc in zip(layers, scores):
+            n = int(round(float((sc >= threshold).sum(-1).float().mean())))
+            layer.budget = min(max(n, self.sink + self.window + 1), layer.num_slots())
 
 
     def _instruction(self, base_model, st: Pending):
