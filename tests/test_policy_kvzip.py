@@ -7,7 +7,7 @@ import kvkit
 from kvkit.policies.kvzip import KVzipStore
 from kvkit.testing import random_ids, tiny_model
 
-OPTS = dict(budget=20, window=4, sink=2, chunk=10, overlap=3, tail=4)
+OPTS = dict(budget=20, window=4, sink=2, chunk=10, overlap=3, tail=4, adaptive=False)
 
 
 def _reference_scores(model, ids, chunk, overlap):
@@ -190,10 +190,10 @@ def test_reconstruction_near_the_trained_context_stays_inside_it():
 
 
 def test_adaptive_shares_the_budget_across_layers():
-    """adaptive=True (the reference's global ranking, head-uniform within a layer): layers keep different numbers of
-    slots, about budget x layers in all, each at least sink + window + 1."""
+    """adaptive (the default; the reference's global ranking, head-uniform within a layer): layers keep different
+    numbers of slots, about budget x layers in all, each at least sink + window + 1."""
     model = tiny_model("llama", num_hidden_layers=4)
-    kvkit.patch(model, "kvzip", **dict(OPTS, adaptive=True))
+    kvkit.patch(model, "kvzip", **{k: v for k, v in OPTS.items() if k != "adaptive"})  # the default
     try:
         with torch.no_grad():
             cache = kvkit.KVCache(model)

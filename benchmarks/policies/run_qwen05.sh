@@ -4,7 +4,7 @@
 # usage: bash benchmarks/policies/run_qwen05.sh half      # every policy at ~50% of the KV removed (tidal: of the reads)
 #        bash benchmarks/policies/run_qwen05.sh quarter   # ~75% removed
 #        bash benchmarks/policies/run_qwen05.sh qaware    # CAKE / SnapKV with the question in the prefill (own prefills)
-#        bash benchmarks/policies/run_qwen05.sh kvzip     # KVzip at budgets 2048 and 1024 (kvzipi: 2048 with the paper's instruction)
+#        bash benchmarks/policies/run_qwen05.sh kvzip     # KVzip at budgets 2048 and 1024 (kvzipa: adaptive, kvzipi: instruction)
 # half/quarter are question-agnostic (context compressed before the question), one shared exact prefill per sample
 # replayed into each policy. Prompts: `kvkit eval ruler --model qwen2.5-coder-0.5b --length 4096 --samples 3
 #   --dump-prompts results/policies/qwen05/ruler-4096-s3.jsonl`.
@@ -49,8 +49,11 @@ kvzip)  # KVzip (not replayable: its reconstruction pass runs from the patched m
     nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget $b --prompts $P --samples 3 \
       --out $Q/kvzip$b --resume
   done ;;
+kvzipa)  # budget 2048 on average, layers ranked together (the paper's global ranking, head-uniform per layer)
+  nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget 2048 --opt adaptive=true --prompts $P \
+    --samples 3 --out $Q/kvzip2048a --resume ;;
 kvzipi)  # the same with the paper's instruction prompt
   nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget 2048 --opt instruct=true --prompts $P \
     --samples 3 --out $Q/kvzip2048i --resume ;;
-*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipi}" >&2; exit 2 ;;
+*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi}" >&2; exit 2 ;;
 esac

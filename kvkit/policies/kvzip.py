@@ -12,13 +12,14 @@ a multi-token forward leaves a layer above its ``budget``, kvkit's forward hook 
 (``Policy.after_forward``) feeds the tokens not yet scored again in chunks of ``chunk`` (each chunk preceded by the
 last ``overlap`` tokens of the previous one, as the reference does), each chunk a forward whose layers only record
 scores and which is rolled back exactly afterwards; then every layer keeps its ``budget`` best slots per KV head
-(the first ``sink`` tokens and the ``window`` newest always kept). Decoding appends; every ``tail`` tokens above
+(the first ``sink`` tokens and the ``window`` newest always kept; with ``adaptive`` each layer its share). Decoding appends; every ``tail`` tokens above
 the budget the same bound is restored, the slots added after the last reconstruction scored by the last
 ``window`` decode queries' maximum attention (kvkit's extension; the reference compresses the context only).
 
-Departures from the reference, each a kvkit choice: the budget is uniform per KV head (the reference's default
-ranks all heads of all layers together; a per-head budget keeps kvkit's rectangular store and the byte count of
-SnapKV at the same ``budget``); by default the reconstruction has no instruction prompt: the repeated tokens follow
+Departures from the reference, each a kvkit choice: the reference ranks all heads of all layers together; kvkit
+ranks all layers together (``adaptive``, the default: each layer keeps, per KV head, its slots above the global
+threshold) but keeps the heads of a layer uniform (kvkit's rectangular store; ``adaptive=False``: every layer keeps
+``budget``, SnapKV's layout at the same bytes); by default the reconstruction has no instruction prompt: the repeated tokens follow
 the context directly and the model's copying (induction) heads attend to the pairs they repeat, which needs no
 tokenizer (``instruct=True`` adds the reference's "Repeat the previous context exactly." and the chat template's
 answer header); a slot's score is its probability in the model's own softmax over every held slot (the reference
@@ -81,7 +82,8 @@ class KVzip(Policy):
     adaptive : bool
         Rank the scores of all layers together, as the reference does: each layer keeps per KV head the number of
         its slots above the global threshold, so layers share ``budget x layers`` (heads within a layer stay
-        uniform, kvkit's rectangular store). False (default): every layer keeps ``budget``.
+        uniform, kvkit's rectangular store). Default True (on RULER it kept the multikey needles that a uniform
+        budget lost on Qwen2.5-Coder-0.5B: results/policies/README.md). False: every layer keeps ``budget``.
     """
 
     budget: int = 1024
@@ -91,7 +93,7 @@ class KVzip(Policy):
     overlap: int = 8  # KVzip prev_postfix_size
     tail: int = 32
     instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
-    adaptive: bool = False  # the reference ranks all layers together: per-layer budgets (mean = budget)
+    adaptive: bool = True  # the reference ranks all layers together: per-layer budgets (mean = budget)
 
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
     saves = "memory+reads"
@@ -206,24 +208,28 @@ class KVzip(Policy):
             layer.committed = layer.seen
 
     def _layer_budgets(self, layers) -> None:
-        """``adaptive``: the reference ranks the scores of all layers together; here the slots above the global
-        threshold (the ``budget x KV heads x layers`` best, protected slots first) are counted per layer and each
-        layer keeps that many per KV head (the mean over its heads and rows; at least sink + window + 1), so the
-        cache holds about as many slots as with a uniform budget, distributed where the reconstruction needs them."""
+        """``adaptive``: the reference ranks the scores of all layers together; here, per row, the slots above its
+        global threshold (its ``budget x KV heads x layers`` best, protected slots first) are counted per layer and
+        the layer keeps that many per KV head (the mean over its heads; at least sink + window + 1), so a row holds
+        about as many slots as with a uniform budget, distributed where its reconstruction needs them. Rows of a
+        batch share a layer's slot count (the largest share); a row's slots beyond its own share are retired
+        (never read, evicted first), so every row keeps exactly what it keeps alone."""
         scores = []
         for layer in layers:
             sc = layer.score().float()
             sc = sc.masked_fill(layer.protected().expand_as(sc), float("inf"))
             scores.append(sc.masked_fill(layer.pos.expand_as(sc) < 0, float("-inf")))
-        total = sum(self.budget * sc.shape[0] * sc.shape[1] for sc in scores)
-        flat = torch.cat([sc.flatten() for sc in scores])
-        if flat.numel() <= total:
+        B = scores[0].shape[0]
+        total = sum(self.budget * sc.shape[1] for sc in scores)  # per row
+        flat = torch.cat([sc.reshape(B, -1) for sc in scores], dim=1)  # [B, all slots of all layers]
+        if flat.shape[1] <= total:
             return
-        threshold = flat.topk(total).values[-1]
+        threshold = flat.topk(total, dim=1).values[:, -1:]  # [B, 1] each row's own
         for layer, sc in zip(layers, scores):
-            n = int(round(float((sc >= threshold).sum(-1).float().mean())))
-            layer.budget = min(max(n, self.sink + self.window + 1), layer.num_slots())
-
+            share = (sc >= threshold.view(B, 1, 1)).sum(-1).float().mean(-1).round().long()  # [B]
+            share = share.clamp(min=self.sink + self.window + 1, max=layer.num_slots())
+            layer.row_budget = share
+            layer.budget = int(share.max())
 
     def _instruction(self, base_model, st: Pending):
         """The reference's instruction token ids (first chunk, later chunks) and the chat template's answer header,
@@ -255,7 +261,7 @@ INSTRUCTION_NEXT = "\n\nRepeat the part of the previous context exactly, startin
 
 
 class KVzipStore(ScoredStore):
-    _batch_tensors = ScoredStore._batch_tensors + ("rscore",)
+    _batch_tensors = ScoredStore._batch_tensors + ("rscore", "row_budget")
 
     def __init__(self, info: LayerInfo, p: KVzip):
         super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
@@ -263,6 +269,7 @@ class KVzipStore(ScoredStore):
         self.scoring = False  # inside a reconstruction forward: record scores, never compress
         self.acc: torch.Tensor | None = None  # [B, H, n] this reconstruction's maximum attention per held slot
         self.score_range = (0, 0)  # positions of the tokens the running reconstruction chunk repeats
+        self.row_budget: torch.Tensor | None = None  # [B] adaptive: each row's share of this layer (budget = max)
         self.verifying = False
         self.last_forward_tokens = 0
 
@@ -279,6 +286,21 @@ class KVzipStore(ScoredStore):
         """``a [B, Hq, w, n]`` -> the maximum over the queries and each KV head's group ``[B, H, n]``."""
         B, Hq, _, n = a.shape
         return a.amax(dim=2).view(B, self.keys.shape[1], Hq // self.keys.shape[1], n).amax(dim=2)
+
+    def compress(self) -> None:
+        super().compress()
+        rb = self.row_budget
+        if rb is None or bool((rb >= self.keys.shape[-2]).all()):
+            return
+        # rows whose share is below the layer's slot count: their lowest-ranked slots are retired (position -1:
+        # never read, evicted first), so the row reads exactly the slots it keeps alone
+        sc = self.score().float()
+        sc = sc.masked_fill(self.protected().expand_as(sc), float("inf"))
+        pos = self.pos.expand_as(sc)
+        sc = sc.masked_fill(pos < 0, float("-inf"))
+        rank = sc.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        dead = rank >= rb.view(-1, 1, 1)
+        self.pos = torch.where(dead, torch.full_like(pos, -1), pos).contiguous()
 
     def should_compress(self) -> bool:
         return not self.scoring and super().should_compress()
@@ -356,7 +378,7 @@ class KVzipStore(ScoredStore):
 
     def reset(self) -> None:
         super().reset()
-        self.rscore = self.acc = None
+        self.rscore = self.acc = self.row_budget = None
 
     def nbytes(self) -> int:
         return super().nbytes() + tensor_bytes(self.rscore)
