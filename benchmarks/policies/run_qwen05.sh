@@ -44,16 +44,17 @@ qaware)
       done
     done
   done ;;
-kvzip)  # KVzip (not replayable: its reconstruction pass runs from the patched model's forward hook), own prefills
+kvzip)  # KVzip with a uniform budget per layer (not replayable: its reconstruction pass runs from the patched
+  # model's forward hook), own prefills; ran before adaptive became the default, hence adaptive=false
   for b in ${2:-2048 1024}; do
-    nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget $b --prompts $P --samples 3 \
-      --out $Q/kvzip$b --resume
+    nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget $b --opt adaptive=false --prompts $P \
+      --samples 3 --out $Q/kvzip$b --resume
   done ;;
-kvzipa)  # budget 2048 on average, layers ranked together (the paper's global ranking, head-uniform per layer)
+kvzipa)  # the default: budget 2048 on average, layers ranked together (the paper's ranking, head-uniform per layer)
   nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget 2048 --opt adaptive=true --prompts $P \
     --samples 3 --out $Q/kvzip2048a --resume ;;
-kvzipi)  # the same with the paper's instruction prompt
-  nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget 2048 --opt instruct=true --prompts $P \
+kvzipi)  # uniform budget with the paper's instruction prompt
+  nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget 2048 --opt instruct=true,adaptive=false --prompts $P \
     --samples 3 --out $Q/kvzip2048i --resume ;;
 *) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi}" >&2; exit 2 ;;
 esac
