@@ -214,11 +214,7 @@ class KVzip(Policy):
         about as many slots as with a uniform budget, distributed where its reconstruction needs them. Rows of a
         batch share a layer's slot count (the largest share); a row's slots beyond its own share are retired
         (never read, evicted first), so every row keeps exactly what it keeps alone."""
-        scores = []
-        for layer in layers:
-            sc = layer.score().float()
-            sc = sc.masked_fill(layer.protected().expand_as(sc), float("inf"))
-            scores.append(sc.masked_fill(layer.pos.expand_as(sc) < 0, float("-inf")))
+        scores = [layer.priority() for layer in layers]
         B = scores[0].shape[0]
         total = sum(self.budget * sc.shape[1] for sc in scores)  # per row
         flat = torch.cat([sc.reshape(B, -1) for sc in scores], dim=1)  # [B, all slots of all layers]
@@ -294,10 +290,8 @@ class KVzipStore(ScoredStore):
             return
         # rows whose share is below the layer's slot count: their lowest-ranked slots are retired (position -1:
         # never read, evicted first), so the row reads exactly the slots it keeps alone
-        sc = self.score().float()
-        sc = sc.masked_fill(self.protected().expand_as(sc), float("inf"))
+        sc = self.priority()
         pos = self.pos.expand_as(sc)
-        sc = sc.masked_fill(pos < 0, float("-inf"))
         rank = sc.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         dead = rank >= rb.view(-1, 1, 1)
         self.pos = torch.where(dead, torch.full_like(pos, -1), pos).contiguous()

@@ -87,12 +87,16 @@ class ScoredStore(SlotStore):
     def compress(self) -> None:
         if self.keys.shape[-2] <= self.budget:
             return
+        self.evict_by_score(self.priority(), self.budget)
+
+    def priority(self) -> torch.Tensor:
+        """``[B, 1|H, n]`` the eviction order: ``score()`` with protected slots ``+inf`` and padding ``-inf``."""
         score = self.score().float()
         prot = self.protected()
         if prot.shape[1] != score.shape[1]:
             prot = prot.expand(-1, max(prot.shape[1], score.shape[1]), -1)
             score = score.expand_as(prot)
-        self.evict_by_score(score.masked_fill(prot, float("inf")), self.budget)
+        return score.masked_fill(prot, float("inf")).masked_fill(self.pos.expand_as(score) < 0, float("-inf"))
 
     def reserve(self, n: int) -> None:
         if self.keys is not None and self.keys.shape[-2] + n >= self.budget + self.tail:
