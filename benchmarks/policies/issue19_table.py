@@ -78,6 +78,21 @@ if args.model == "default":
          "bytes", "snapkv1024-4k-qaware"),
         ("snapkv1024-4k-qaware", "snapkv", "budget 1024, paper pooling", "question in prefill", "bytes", None),
         ("../ruler/streaming1024-4k", "streaming", "budget 1024", "agnostic", "bytes", None),
+        # run on a lent H100 (benchmarks/gpu/ruler_gpu.sh): the same samples give the same predictions as on the CPU
+        # (results/policies/h100/parity.md), so these rows sit in the same table
+        ("h100/cake2048cal-4k-qaware-s10", "cake", "budget 2048, calibrated taus (2, 2) and pool kernel 15, 10 per task (H100)",
+         "question in prefill", "bytes", "cake2048-4k-qaware"),
+        ("h100/snapkv1024cal-4k-qaware-s10", "snapkv", "budget 1024, calibrated pooling (kernel 61, avg), 10 per task (H100)",
+         "question in prefill", "bytes", None),
+        ("h100/tidalrf566kv-4k", "tidal", "budget 566, kv_head, layers [2, 6, ..., 26] (read-fraction calibration) (H100)",
+         "agnostic", "reads", "tidal550kv-4k"),
+        ("h100/cake1024cal-4k-qaware", "cake", "budget 1024, calibrated taus (2, 2) and pool kernel 15 (H100)",
+         "question in prefill", "bytes", "cake1024-4k-qaware"),
+        ("h100/kvzip1024a-4k", "kvzip", "budget 1024 on average, adaptive (the default) (H100)", "agnostic", "bytes",
+         "kvzip1024-4k"),
+        ("h100/snapkv512cal-4k-qaware", "snapkv", "budget 512, calibrated pooling (kernel 61, avg) (H100)",
+         "question in prefill", "bytes", None),
+        ("h100/kvzip512a-4k", "kvzip", "budget 512 on average, adaptive (the default) (H100)", "agnostic", "bytes", None),
     ]
 else:
     pol = root / "results" / "policies" / "qwen05"
@@ -124,6 +139,7 @@ else:
 # per-step read fraction at the run's prompt length (kvkit.calibrate.knobs.tidal_read_fraction; the first decode step)
 READS = {"tidalcode1380kv-4k": ((2, 8, 14, 20, 26), 30, 1380), "tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
          "tidal1732kv-4k": ((2, 12), 30, 1732), "tidal550kv-4k": ((2, 12), 30, 550),
+         "h100/tidalrf566kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 566),
          "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
@@ -133,7 +149,9 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper
          "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)", "zipcache": "paper 4/2-bit 60/40",
          "snapkv2048": "paper pooling (kernel 5, avg)", "snapkv2048-qaware": "paper pooling (kernel 5, avg)",
          "snapkv1024-qaware": "paper pooling (kernel 5, avg)", "kvzip2048i-4k": "paper's instruction prompt",
-         "kvzip2048i": "paper's instruction prompt"}
+         "kvzip2048i": "paper's instruction prompt",
+         "tidal550kv-4k": "paper layout (layers 2 + 12)", "cake1024-4k-qaware": "taus (1, 1), kernel 5",
+         "kvzip1024-4k": "uniform per layer"}
 
 
 def rows(folder):

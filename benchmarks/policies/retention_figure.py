@@ -26,7 +26,9 @@ STYLE = {"duo": ("tab:blue", "o"), "tidal": ("tab:orange", "s"), "zipcache": ("t
 MIN_SAMPLES = 13
 #: rows of settings kvkit no longer ships (the 12-step DuoAttention pattern, TidalDecode's first calibration, Qwen's
 #: ZipCache before the code-needle calibration, SmolLM2's rejected code-needle tidal layout): in the tables, not in the picture
-SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalcode1380kv-4k"}
+SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalcode1380kv-4k",
+              # their 65 samples are part of the 130-sample H100 rows (h100/...-s10), drawn instead
+              "cake2048cal-4k-qaware", "snapkv1024cal-4k-qaware"}
 
 
 def load(path):
@@ -51,12 +53,22 @@ for ax, (path, title) in zip(axes, PANELS):
         seen.add(p)
         ax.scatter([x], [y], s=70, marker=marker, color=color if not aware else "none", edgecolors=color,
                    linewidths=1.6, label=label, zorder=3)
-        dy = 3
-        while any(abs(x - px) < 0.12 and abs((y + dy / 260) - (py + pdy / 260)) < 0.03 for px, py, pdy in placed):
-            dy -= 8  # a label already sits here: move this one down a line
-        placed.append((x, y, dy))
-        ax.annotate(f"{r['run'].replace('../ruler/', '').replace('-4k', '')} ({r['samples']})", (x, y),
-                    textcoords="offset points", xytext=(5, dy), fontsize=6.5, color=color)
+        # the first free spot among a few next to the marker (right, then left of it); crowded: overlap
+        text = f"{r['run'].replace('../ruler/', '').replace('h100/', '').replace('-4k', '')} ({r['samples']})"
+        w = 0.0105 * len(text)  # label width in x units at fontsize 6.5 on this axis
+        spots = [(5, 3), (5, -9), (-5, 3), (-5, -9), (5, 14), (-5, 14), (5, -20), (-5, -20)]
+        for dx, dy in spots:
+            x0 = x + dx / 600 - (w if dx < 0 else 0)
+            box = (x0, x0 + w, y + dy / 260, y + dy / 260 + 0.03)
+            if not any(b[0] < box[1] and box[0] < b[1] and b[2] < box[3] and box[2] < b[3] for b in placed):
+                break
+        else:
+            dx, dy = spots[0]
+            x0 = x + dx / 600
+            box = (x0, x0 + w, y + dy / 260, y + dy / 260 + 0.03)
+        placed.append(box)
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=6.5, color=color,
+                    ha="right" if dx < 0 else "left")
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.axhline(0.95, color="tab:green", lw=0.6, ls=":")
     ax.set_title(title, fontsize=11)
@@ -65,7 +77,7 @@ for ax, (path, title) in zip(axes, PANELS):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
 axes[0].set_ylabel("RULER-4K retention (score / full's, same samples)")
-axes[0].set_ylim(-0.02, 1.15)
+axes[0].set_ylim(-0.02, 1.2)
 fig.suptitle("kvkit policies: accuracy kept vs KV kept (filled: question-agnostic, hollow: question in prefill; "
              "(n) = samples)", fontsize=10)
 fig.tight_layout()

@@ -217,12 +217,13 @@ class KVzip(Policy):
         scores = [layer.priority() for layer in layers]
         B = scores[0].shape[0]
         total = sum(self.budget * sc.shape[1] for sc in scores)  # per row
-        flat = torch.cat([sc.reshape(B, -1) for sc in scores], dim=1)  # [B, all slots of all layers]
+        home = scores[0].device  # layers may sit on several devices (device_map): rank on the first layer's
+        flat = torch.cat([sc.reshape(B, -1).to(home) for sc in scores], dim=1)  # [B, all slots of all layers]
         if flat.shape[1] <= total:
             return
         threshold = flat.topk(total, dim=1).values[:, -1:]  # [B, 1] each row's own
         for layer, sc in zip(layers, scores):
-            share = (sc >= threshold.view(B, 1, 1)).sum(-1).float().mean(-1).round().long()  # [B]
+            share = (sc >= threshold.view(B, 1, 1).to(sc.device)).sum(-1).float().mean(-1).round().long()  # [B]
             share = share.clamp(min=self.sink + self.window + 1, max=layer.num_slots())
             layer.row_budget = share
             layer.budget = int(share.max())
