@@ -160,6 +160,14 @@ def test_calibrate_cake_sweeps_the_taus(monkeypatch):
     assert all((sp[2]["tau1"], sp[2]["tau2"], sp[2]["budget"]) == (0.5, 0.5, 128) for sp in stage2)
     assert opts == {"tau1": 0.5, "tau2": 0.5, "pool_kernel": 31} and ev["pooling"]["paper_kernel"] == 5
     assert ev["pooling"]["needles_answered_by_full"] == "1/1"  # the sweep's shared evidence fields are kept
+    # a trailing-window candidate (kvkit's) is a (kernel, "trailing") entry; when it wins, the file records it
+    seen.clear()
+    opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, kernels=(5, 15, (31, "trailing")),
+                                    log=lambda m: None)
+    stage2 = [sp for sp in seen if "pool_kernel" in sp[2]]
+    assert stage2[-1][0] == "kernel 31 trailing" and stage2[-1][2]["pool_window"] == "trailing"
+    assert "pool_window" not in stage2[0][2]
+    assert opts == {"tau1": 0.5, "tau2": 0.5, "pool_kernel": 31, "pool_window": "trailing"}
 
 
 def test_calibrated_snapkv_pooling_found_from_config(caldir):
@@ -170,13 +178,28 @@ def test_calibrated_snapkv_pooling_found_from_config(caldir):
     _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="max")})
     snap = kvkit.registry.policy_class("snapkv")
     cfg = model.config
-    assert snap(budget=16, window=4).settings(cfg) == (9, "max")
-    assert snap(budget=16, window=4, calibrated=False).settings(cfg) == (5, "avg")
-    assert snap(budget=16, window=4, kernel=3).settings(cfg) == (3, "avg")  # the user's kernel is never mixed
+    assert snap(budget=16, window=4).settings(cfg) == (9, "max", "centered")
+    assert snap(budget=16, window=4, calibrated=False).settings(cfg) == (5, "avg", "centered")
+    assert snap(budget=16, window=4, kernel=3).settings(cfg) == (3, "avg", "centered")  # never mixed
     kvkit.patch(model, "snapkv", budget=16, window=4)
     stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, SnapKVStore)]
     assert stores and {(st.kernel, st.pooling) for st in stores} == {(9, "max")}
     greedy(model, _ids(40), 3)
+    kvkit.unpatch(model)
+    # a calibrated trailing window (kvkit's) reaches the stores; the user's pool_window alone disables the file
+    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=31, pooling="avg", pool_window="trailing")})
+    store._CACHE.clear()
+    assert snap(budget=16, window=4).settings(cfg) == (31, "avg", "trailing")
+    assert snap(budget=16, window=4, pool_window="centered").settings(cfg) == (5, "avg", "centered")
+    kvkit.patch(model, "snapkv", budget=16, window=4)
+    stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, SnapKVStore)]
+    assert {st.pool_window for st in stores} == {"trailing"}
+    kvkit.unpatch(model)
+    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=31, pool_window="sideways")})
+    store._CACHE.clear()
+    with pytest.raises(store.CalibrationError, match="pool_window must be one of"):
+        kvkit.patch(model, "snapkv", budget=16, window=4)
+        kvkit.KVCache(model)
     kvkit.unpatch(model)
     _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="median")})
     store._CACHE.clear()
@@ -212,6 +235,17 @@ def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
     assert seen["specs"][0][0] == "5,avg" and all(sp[2]["budget"] == 128 for sp in seen["specs"])
     assert opts == {"kernel": 31, "pooling": "avg"}  # 31,avg and 9,max tie on needles and log-prob: order
     assert ev["per_pooling"]["15,avg"] == {"answered": 2, "of": 3, "answer_logprob": -0.6}
+    labels = [sp[0] for sp in seen["specs"]]
+    assert "61,avg,trailing" in labels and seen["specs"][labels.index("61,avg,trailing")][2]["pool_window"] == "trailing"
+    # the trailing window wins when it answers more: the options record pool_window
+    def fake_trailing_wins(model, tok, data, specs, log=print, margin=False, question_aware=False):
+        return {"full": [1, 1, 1], "predictions": {},
+                **{s[0]: ([1, 1, 1] if s[0] == "15,avg,trailing" else [1, 0, 0]) for s in specs}}
+
+    monkeypatch.setattr(needles, "score_policies", fake_trailing_wins)
+    opts, _ = knobs.calibrate_snapkv(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
+                                     candidates=((5, "avg"), (31, "avg"), (15, "avg", "trailing")), log=lambda m: None)
+    assert opts == {"kernel": 15, "pooling": "avg", "pool_window": "trailing"}
     with pytest.raises(ValueError, match="budget_fraction"):
         knobs.calibrate_snapkv(None, None, budget_fraction=1.5)
 

@@ -25,7 +25,7 @@ def _capture(monkeypatch):
     return seen
 
 
-def _reference_scores(q, k, scaling, kernel, pooling, budget, window):
+def _reference_scores(q, k, scaling, kernel, pooling, budget, window, pool_window="centered"):
     """SnapKV's selection written out: softmax of the last ``window`` queries over every prompt key (causal),
     summed over the window, pooled along the keys, averaged over each KV head's query group; the window's own
     tokens kept, the best ``budget - window`` of the others. Returns the scores ``[H, S]``."""
@@ -37,25 +37,30 @@ def _reference_scores(q, k, scaling, kernel, pooling, budget, window):
     qpos = torch.arange(S - window, S)[:, None]
     s = s.masked_fill(torch.arange(S)[None, :] > qpos, float("-inf"))
     a = torch.softmax(s, -1).sum(2)  # [1, Hq, S]
-    if pooling == "avg":
+    if pool_window == "trailing":  # token j: the kernel tokens ending at j (zeros before the first)
+        z = torch.cat([torch.zeros(*a.shape[:-1], kernel - 1), a], dim=-1)
+        win = torch.stack([z[..., j : j + kernel] for j in range(S)], dim=-2)  # [1, Hq, S, kernel]
+        a = win.mean(-1) if pooling == "avg" else win.amax(-1)
+    elif pooling == "avg":
         a = F.avg_pool1d(a, kernel, stride=1, padding=kernel // 2)
     else:
         a = F.max_pool1d(a, kernel, stride=1, padding=kernel // 2)
     return a.view(1, H, g, S).mean(2)[0]  # [H, S]
 
 
-@pytest.mark.parametrize("kernel, pooling", [(3, "avg"), (7, "max")])
-def test_prefill_keeps_what_the_reference_selection_keeps(monkeypatch, kernel, pooling):
+@pytest.mark.parametrize("kernel, pooling, pool_window", [(3, "avg", "centered"), (7, "max", "centered"),
+                                                         (5, "avg", "trailing"), (3, "max", "trailing")])
+def test_prefill_keeps_what_the_reference_selection_keeps(monkeypatch, kernel, pooling, pool_window):
     model = tiny_model("llama", num_hidden_layers=2)  # GQA: 4 query heads over 2 KV heads
     seen = _capture(monkeypatch)
-    kvkit.patch(model, "snapkv", budget=BUDGET, window=WINDOW, kernel=kernel, pooling=pooling)
+    kvkit.patch(model, "snapkv", budget=BUDGET, window=WINDOW, kernel=kernel, pooling=pooling, pool_window=pool_window)
     try:
         with torch.no_grad():
             out = model(random_ids(60), use_cache=True)
         cache = out.past_key_values
         for li, st in enumerate(cache.layers):
             q, k, scaling = seen[li]
-            score = _reference_scores(q, k, scaling, kernel, pooling, BUDGET, WINDOW)
+            score = _reference_scores(q, k, scaling, kernel, pooling, BUDGET, WINDOW, pool_window)
             S = q.shape[2]
             for h in range(st.pos.shape[1]):
                 got = sorted(st.pos[0, h].tolist())
@@ -79,6 +84,20 @@ def test_max_pooling_keeps_the_neighbours_of_an_attended_token():
     assert av[8:13].tolist() == pytest.approx([0.2] * 5)
 
 
+def test_trailing_window_gives_the_tokens_after_an_attended_token_its_score():
+    """The trailing window (kvkit) reaches kernel - 1 tokens forward and none back: a needle's value after the
+    key the question attends to is kept whole by a kernel as long as the value, where the centered window
+    (the reference's) spends half its reach on the tokens before the key."""
+    from kvkit.stores.scored import pool_group
+
+    x = torch.zeros(1, 2, 21)
+    x[..., 10] = 1.0
+    tr = pool_group(x, 5, 1, mode="avg", window="trailing")[0, 0]
+    assert tr[10:15].tolist() == pytest.approx([0.2] * 5) and tr[:10].sum() == 0 and tr[15:].sum() == 0
+    trm = pool_group(x, 5, 1, mode="max", window="trailing")[0, 0]
+    assert trm[10:15].tolist() == [1.0] * 5 and trm[:10].sum() == 0 and trm[15:].sum() == 0
+
+
 def test_options_refused_with_what_to_do():
     with pytest.raises(ValueError, match="pooling must be 'avg' or 'max'"):
         kvkit.registry.policy_class("snapkv")(pooling="median")
@@ -88,5 +107,7 @@ def test_options_refused_with_what_to_do():
         kvkit.registry.policy_class("snapkv")(kernel=0)
     with pytest.raises(ValueError, match="calibrated must be true or false"):
         kvkit.registry.policy_class("snapkv")(calibrated="yes")
+    with pytest.raises(ValueError, match="pool_window must be one of centered, trailing"):
+        kvkit.registry.policy_class("snapkv")(pool_window="forward")
     # the paper's setting when nothing is calibrated for the model
-    assert kvkit.registry.policy_class("snapkv")().settings(tiny_model("llama", num_hidden_layers=2).config) == (5, "avg")
+    assert kvkit.registry.policy_class("snapkv")().settings(tiny_model("llama", num_hidden_layers=2).config) == (5, "avg", "centered")

@@ -97,13 +97,14 @@ def _add_knob_commands(sub) -> None:
         "each candidate (tau1, tau2) decodes them from one shared prefill per sample; the pair answering most "
         "needles is kept (ties: the paper's). Then, at those taus and with the question in the prefill, the "
         "indicator's pooling kernel (--kernels).")
-    c.add_argument("--kernels", default="5,15,21,31,41,61",
-                   help="pooling kernels (odd) for the second, question-aware stage at the chosen taus; '' skips it")
+    c.add_argument("--kernels", default="5,15,21,31,41,61,15t,31t,61t",
+                   help="pooling kernels (odd; a 't' suffix: kvkit's trailing window, the token and the kernel - 1 "
+                        "before it) for the second, question-aware stage at the chosen taus; '' skips it")
     _sweep_parser(
         sub, "snapkv", "SnapKV pooling kernel (and avg/max) from a question-aware needle sweep",
         "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text, the question in the prefill (SnapKV's "
         "setting), half of them with the value a dozen words after its key; SnapKV at --budget-fraction of the "
-        "context with each candidate pooling (kernel 5 avg = the paper's, wider avg, max) decodes them; the one "
+        "context with each candidate pooling (kernel 5 avg = the paper's, wider avg, max, and kvkit's trailing window) decodes them; the one "
         "answering most needles is kept (ties: the answers' teacher-forced log-probability, then the paper's first).")
     z = sub.add_parser("zipcache", help="ZipCache bit widths: the cheapest that keeps calibration needles",
                        description="Candidate (high_ratio, high_bits, low_bits, key_bits) settings in order of "
@@ -140,12 +141,20 @@ def cmd_calibrate_knob(args) -> int:
                                          selection=args.selection,
                                          seed=args.seed, values=args.values, log=log)
     elif args.knob == "cake":
-        try:
-            kernels = tuple(int(k) for k in args.kernels.split(",") if k.strip())
-        except ValueError:
-            raise SystemExit(f"--kernels: expected odd integers separated by commas, got {args.kernels!r}") from None
-        if any(k <= 0 or k % 2 == 0 for k in kernels):
-            raise SystemExit(f"--kernels: every kernel must be a positive odd integer, got {args.kernels!r}")
+        kernels = []
+        for item in (k.strip() for k in args.kernels.split(",")):
+            if not item:
+                continue
+            trailing = item.endswith("t")
+            try:
+                k = int(item[:-1] if trailing else item)
+            except ValueError:
+                raise SystemExit(f"--kernels: expected odd integers (a 't' suffix: trailing window) separated by "
+                                 f"commas, got {args.kernels!r}") from None
+            if k <= 0 or k % 2 == 0:
+                raise SystemExit(f"--kernels: every kernel must be a positive odd integer, got {args.kernels!r}")
+            kernels.append((k, "trailing") if trailing else k)
+        kernels = tuple(kernels)
         opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,
                                         budget_fraction=args.budget_fraction, seed=args.seed, kernels=kernels,
                                         values=args.values, log=log)

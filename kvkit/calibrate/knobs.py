@@ -295,7 +295,8 @@ def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 8, s
 CAKE_TAUS = [(1.0, 1.0), (0.5, 0.5), (2.0, 2.0), (1.0, 2.0), (2.0, 1.0), (1.6, 0.4), (0.5, 2.0), (2.0, 0.5), (4.0, 4.0)]
 
 
-CAKE_KERNELS = (5, 15, 21, 31, 41, 61)
+#: the indicator's pooling candidates: kernels with the paper's centered window, then (kernel, "trailing") (kvkit)
+CAKE_KERNELS = (5, 15, 21, 31, 41, 61, (15, "trailing"), (31, "trailing"), (61, "trailing"))
 
 
 def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.5,
@@ -320,18 +321,24 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
     t1, t2 = cands[best]
     pool = None
     if kernels:  # stage 2: the pooling kernel, question-aware, at the chosen taus
-        pspecs = [(f"kernel {k}", "cake", dict(budget=budget, tau1=t1, tau2=t2, pool_kernel=k)) for k in kernels]
+        pspecs = []
+        for cand in kernels:  # a kernel (centered) or (kernel, pool_window)
+            k, win = (cand, "centered") if isinstance(cand, int) else cand
+            pspecs.append((f"kernel {k}" + ("" if win == "centered" else f" {win}"), "cake",
+                           dict(budget=budget, tau1=t1, tau2=t2, pool_kernel=k,
+                                **({} if win == "centered" else {"pool_window": win}))))
         pbest, ptable, pev = pooling_sweep(model, tokenizer, pspecs, length, samples, seed=seed, values=values,
                                            log=log)
         pool = {
             "criterion": f"most needles answered at budget {budget} of ~{length} tokens with taus ({t1}, {t2}), "
                          "question in the prefill (CAKE's protocol); ties: the higher mean teacher-forced "
-                         "log-probability of the answers, then the smaller kernel",
+                         "log-probability of the answers, then the candidate order (centered kernels, smallest first, then trailing)",
             "per_kernel": ptable,
             "paper_kernel": 5,
             **pev,
         }
         kernel = pspecs[pbest][2]["pool_kernel"]
+        window = pspecs[pbest][2].get("pool_window")
     evidence = {
         "criterion": f"most needles answered at budget {budget} of ~{length} tokens, context compressed before the "
                      "question; ties: the paper's taus, then the candidate order",
@@ -345,16 +352,25 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
     }
     if pool is not None:
         evidence["pooling"] = pool
-        return {"tau1": t1, "tau2": t2, "pool_kernel": kernel}, evidence
+        out = {"tau1": t1, "tau2": t2, "pool_kernel": kernel}
+        if window:
+            out["pool_window"] = window
+        return out, evidence
     return {"tau1": t1, "tau2": t2}, evidence
 
 
 # ---- SnapKV: the pooling kernel that keeps whole answers ----------------------------------------------------
 
-#: (kernel, pooling) candidates: the paper's first, then wider average pooling, then max pooling (kernel 9
+#: (kernel, pooling[, pool_window]) candidates: the paper's first, then wider average pooling, then max pooling (kernel 9
 #: was dropped: at ~2K tokens it answered 3 of 6 needles on SmolLM2-135M, where 15 and wider answered 6).
 SNAPKV_POOLING = ((5, "avg"), (15, "avg"), (21, "avg"), (31, "avg"), (41, "avg"), (61, "avg"),
-                  (15, "max"), (21, "max"), (31, "max"))
+                  (15, "max"), (21, "max"), (31, "max"),
+                  # kvkit: the trailing window (a token pooled with the kernel - 1 before it; see POOL_WINDOWS)
+                  (15, "avg", "trailing"), (31, "avg", "trailing"), (61, "avg", "trailing"))
+
+
+def _pool_label(kernel: int, pooling: str, window: str = "centered") -> str:
+    return f"{kernel},{pooling}" + ("" if window == "centered" else f",{window}")
 
 
 def pooling_sweep(model, tokenizer, specs, length: int, samples: int, seed: int = 0, values: str = "mixed",
@@ -388,14 +404,18 @@ def pooling_sweep(model, tokenizer, specs, length: int, samples: int, seed: int 
 def calibrate_snapkv(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.5,
                      seed: int = 0, candidates=SNAPKV_POOLING, values: str = "mixed",
                      log=print) -> tuple[dict, dict]:
-    """The pooling (kernel, avg|max) with which SnapKV at ``budget = budget_fraction * length`` answers the most
+    """The pooling (kernel, avg|max, centered|trailing window) with which SnapKV at ``budget = budget_fraction * length`` answers the most
     calibration needles, the question in the prefill (SnapKV's setting: the observation window is the question),
     by :func:`pooling_sweep` (ties: log-probability, then the paper's (5, avg) first, narrower kernels first)."""
     t0 = time.perf_counter()
     if not 0 < budget_fraction < 1:
         raise ValueError(f"snapkv calibration: budget_fraction must be in (0, 1); got {budget_fraction}")
     budget = max(2, int(budget_fraction * length))
-    specs = [(f"{k},{pool}", "snapkv", dict(budget=budget, kernel=k, pooling=pool)) for k, pool in candidates]
+    specs = []
+    for cand in candidates:  # (kernel, pooling) or (kernel, pooling, pool_window)
+        k, pool, win = (*cand, "centered")[:3]
+        opts = dict(budget=budget, kernel=k, pooling=pool, **({} if win == "centered" else {"pool_window": win}))
+        specs.append((_pool_label(k, pool, win), "snapkv", opts))
     best, table, pev = pooling_sweep(model, tokenizer, specs, length, samples, seed=seed, values=values, log=log)
     chosen = specs[best][2]
     evidence = {
@@ -406,4 +426,7 @@ def calibrate_snapkv(model, tokenizer, length: int = 2048, samples: int = 8, bud
         **pev,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    return {"kernel": chosen["kernel"], "pooling": chosen["pooling"]}, evidence
+    out = {"kernel": chosen["kernel"], "pooling": chosen["pooling"]}
+    if "pool_window" in chosen:
+        out["pool_window"] = chosen["pool_window"]
+    return out, evidence

@@ -45,8 +45,8 @@ CALIBRATED_OPTIONS: dict[str, tuple[str, ...]] = {
     "tidal": ("select_layers", "reselect_layer"),
     "shadowkv": ("rank",),
     "zipcache": ("high_ratio", "high_bits", "low_bits", "key_bits"),
-    "cake": ("tau1", "tau2", "pool_kernel"),
-    "snapkv": ("kernel", "pooling"),
+    "cake": ("tau1", "tau2", "pool_kernel", "pool_window"),
+    "snapkv": ("kernel", "pooling", "pool_window"),
 }
 
 #: The config fields that identify a model (all must be equal; a file may omit the optional ones).

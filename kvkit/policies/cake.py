@@ -8,8 +8,9 @@ never the full ``S x S`` matrix):
   and ``V`` = the variance across window queries summed over heads and keys, both on the non-window
   keys;
 * **eviction indicator** per key: mean over window queries of ``A`` + ``gamma`` x their variance,
-  avg-pooled along the keys (kernel 5 in the paper; per model, see ``pool_kernel``), averaged over the query
-  heads of each KV group;
+  avg-pooled along the keys (kernel 5 in the paper, centered; per model, see ``pool_kernel``; kvkit's
+  ``pool_window="trailing"`` pools a key with the ``kernel - 1`` keys before it instead), averaged over the
+  query heads of each KV group;
   the window's own keys always stay;
 * **cascading allocation**: the total evictable budget ``B = (budget - window) * L`` is shared among
   the layers ``l <= m`` whose prefill has run, ``P_l / sum_{k<=m} P_k`` each (integers, capped at the
@@ -47,7 +48,7 @@ from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
-from kvkit.stores.scored import pool_group, window_attention
+from kvkit.stores.scored import POOL_WINDOWS, pool_group, window_attention
 
 #: CAKE's tau1/tau2 at cache size 1024 (paper / reference config): name fragment -> (tau1, tau2)
 TAU_TABLE = {
@@ -105,6 +106,10 @@ class Cake(Policy):
         Average-pooling kernel of the indicator along the keys (5 in the paper; padding kernel // 2). None: the
         model's calibrated kernel (``kvkit calibrate cake``, question-aware: with one token per digit a 7-digit
         value outgrows the paper's kernel), else 5.
+    pool_window : str or None
+        ``"centered"`` (the paper: ``kernel // 2`` tokens on each side) or ``"trailing"`` (kvkit: the token and
+        the ``kernel - 1`` before it, so the tokens after an attended one inherit its score). None: calibrated,
+        else centered.
     tau1, tau2 : float or None
         Temperatures of the layer preference ``H^(1/tau1) * V^(1/tau2)``; None: the paper's per-model
         values (``TAU_TABLE``), (1.0, 1.0) for other models.
@@ -121,6 +126,7 @@ class Cake(Policy):
     window: int = 32  # CAKE S_w
     gamma: float = 200.0  # CAKE gamma
     pool_kernel: int | None = None  # None: calibrated, else CAKE's avg-pool kernel size 5
+    pool_window: str | None = None  # None: calibrated, else CAKE's centered window (kvkit: "trailing")
     tau1: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
@@ -148,6 +154,8 @@ class Cake(Policy):
             )
         if self.pool_kernel is not None and self.pool_kernel % 2 == 0:
             raise ValueError(f"cake: pool_kernel must be odd (padding kernel // 2 keeps the length), got {self.pool_kernel}")
+        if self.pool_window is not None and self.pool_window not in POOL_WINDOWS:
+            raise ValueError(f"cake: pool_window must be one of {', '.join(POOL_WINDOWS)}, got {self.pool_window!r}")
         if self.tail is not None and self.tail > self.window:
             raise ValueError(
                 f"cake: tail ({self.tail}) must be at most window ({self.window}) so every scored token was seen by "
@@ -218,6 +226,7 @@ class CakeStore(SlotStore):
         super().__init__(info)
         self.budget, self.window, self.gamma = policy.budget, policy.window, policy.gamma
         self.kernel = policy.pool_kernel if policy.pool_kernel is not None else 5
+        self.pool_window = policy.pool_window or "centered"
         self.tail = policy.tail if policy.tail is not None else policy.window
         self.tau1, self.tau2 = tau1, tau2
         self.score: torch.Tensor | None = None  # [B, H, n] prefill indicator (+inf window, -inf dead)
@@ -284,7 +293,7 @@ class CakeStore(SlotStore):
         return window_attention(qw, self.keys, self.pos, qpos, self.scaling)
 
     def _pool_group(self, x: torch.Tensor) -> torch.Tensor:
-        return pool_group(x, self.kernel, self.keys.shape[1])
+        return pool_group(x, self.kernel, self.keys.shape[1], window=self.pool_window)
 
     def on_prefill(self, query, module) -> None:
         B, Hq, S, D = query.shape

@@ -10,8 +10,12 @@ prompt the window is the question (the paper's setting).
 The pooling kernel is per model (kvkit, ``kvkit calibrate snapkv``): the window's queries attend to the *start*
 of the answer (the first digit of a number), and pooling is what keeps the tokens after it. The paper's kernel 5
 covers a number Llama-3 writes in 3 tokens; tokenizers that write one token per digit (SmolLM2, Qwen2.5) need a
-wider one. With ``kernel`` and ``pooling`` left at None the model's calibrated values apply
-(:mod:`kvkit.calibrate.store`), else the paper's (5, avg); ``calibrated=False`` always gives the paper's.
+wider one. kvkit adds a ``trailing`` pooling window (``pool_window``): a token pools its own score with the
+``kernel - 1`` tokens *before* it, so the whole value after the key the window attends to inherits the key's
+score, where the reference's centered window spends half its reach on tokens before the key (a UUID's last
+tokens were dropped with centered kernel 61 on SmolLM2). With ``kernel``, ``pooling`` and ``pool_window`` left at
+None the model's calibrated values apply (:mod:`kvkit.calibrate.store`), else the paper's (5, avg, centered);
+``calibrated=False`` always gives the paper's.
 Decoding (kvkit's extension, the paper compresses the prompt only): new tokens are appended and, every ``tail``
 tokens above the budget, the same scoring with the last ``window`` decode queries evicts again, so memory stays
 at most ``budget + tail`` slots per KV head. All of it is a :class:`~kvkit.stores.scored.ScoredStore`.
@@ -25,7 +29,7 @@ from typing import ClassVar
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
-from kvkit.stores.scored import ScoredStore, pool_group, window_attention
+from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
 
 
 @register("snapkv")
@@ -43,19 +47,24 @@ class SnapKV(Policy):
         Pooling kernel along the keys, odd (reference: 5). None: the model's calibrated kernel, else 5.
     pooling : str or None
         ``"avg"`` (reference default) or ``"max"`` (the reference's other option). None: calibrated, else avg.
+    pool_window : str or None
+        ``"centered"`` (the reference: ``kernel // 2`` tokens on each side) or ``"trailing"`` (kvkit: a token's
+        window is itself and the ``kernel - 1`` tokens before it, so a whole answer after the token the window
+        attends to inherits its score). None: calibrated, else centered.
     sink : int
         First tokens always kept (0 in the paper; kvkit option).
     tail : int
         Decode tokens allowed above the budget before a bulk eviction (kvkit).
     calibrated : bool
-        True (default): ``kernel`` / ``pooling`` left at None take the model's calibration when one is found from
-        its config. False: the paper's kernel 5 with average pooling.
+        True (default): ``kernel`` / ``pooling`` / ``pool_window`` left at None take the model's calibration when
+        one is found from its config. False: the paper's kernel 5, average pooling, centered.
     """
 
     budget: int = 1024  # SnapKV max_capacity_prompt (paper sweeps 1024-4096)
     window: int = 64  # SnapKV reference window_size
     kernel: int | None = None  # None: calibrated, else the SnapKV reference's kernel_size 5
     pooling: str | None = None  # None: calibrated, else the reference's avgpool
+    pool_window: str | None = None  # None: calibrated, else the reference's centered window (kvkit: "trailing")
     sink: int = 0  # not in the paper
     tail: int = 32  # kvkit: bulk decode eviction
     calibrated: bool = True  # kvkit: the model's calibrated kernel / pooling; False = the paper's (5, avg)
@@ -73,6 +82,8 @@ class SnapKV(Policy):
         if self.pooling is not None and self.pooling not in ("avg", "max"):
             raise ValueError(f"snapkv: pooling must be 'avg' or 'max' (the reference's avgpool / maxpool), got "
                              f"{self.pooling!r}")
+        if self.pool_window is not None and self.pool_window not in POOL_WINDOWS:
+            raise ValueError(f"snapkv: pool_window must be one of {', '.join(POOL_WINDOWS)}, got {self.pool_window!r}")
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"snapkv: calibrated must be true or false, got {self.calibrated!r}")
         if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
@@ -82,23 +93,24 @@ class SnapKV(Policy):
         if self.kernel is not None and self.kernel % 2 == 0:
             raise ValueError(f"snapkv: kernel must be odd (padding kernel // 2 keeps the length), got {self.kernel}")
 
-    def settings(self, config) -> tuple[int, str]:
-        """``(kernel, pooling)`` for a model: the options given, else its calibration, else the paper's (5, avg)."""
+    def settings(self, config) -> tuple[int, str, str]:
+        """``(kernel, pooling, pool_window)`` for a model: the options given, else its calibration, else the
+        paper's (5, avg, centered)."""
         from kvkit.calibrate.store import resolve
 
         p = resolve(self, config)
-        return (p.kernel if p.kernel is not None else 5), (p.pooling or "avg")
+        return (p.kernel if p.kernel is not None else 5), (p.pooling or "avg"), (p.pool_window or "centered")
 
     def new_layer(self, info: LayerInfo):
         return SnapKVStore(info, self, *self.settings(info.config))
 
 
 class SnapKVStore(ScoredStore):
-    def __init__(self, info: LayerInfo, p: SnapKV, kernel: int, pooling: str):
+    def __init__(self, info: LayerInfo, p: SnapKV, kernel: int, pooling: str, pool_window: str = "centered"):
         super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
-        self.kernel, self.pooling = kernel, pooling
+        self.kernel, self.pooling, self.pool_window = kernel, pooling, pool_window
 
     def score(self):
         q, qpos = self.observed()
         a = window_attention(q, self.keys, self.pos, qpos, self.scaling).sum(dim=2)  # [B, Hq, n]
-        return pool_group(a, self.kernel, self.keys.shape[1], mode=self.pooling)  # [B, H, n]
+        return pool_group(a, self.kernel, self.keys.shape[1], mode=self.pooling, window=self.pool_window)  # [B, H, n]

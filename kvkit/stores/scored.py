@@ -41,13 +41,23 @@ def window_attention(q_obs, keys, pos, qpos, scaling) -> torch.Tensor:
     return torch.nan_to_num(a, nan=0.0).view(B, Hq, w, n)
 
 
-def pool_group(x: torch.Tensor, kernel: int, num_kv_heads: int, mode: str = "avg") -> torch.Tensor:
-    """``x [B, Hq, m]`` pooled along keys (``kernel``, stride 1, same length) and averaged over each KV head's
-    query group: ``[B, H, m]``."""
+#: where the pooling window of a token lies: ``centered`` (the SnapKV / CAKE references: ``kernel // 2`` slots on
+#: each side) or ``trailing`` (kvkit: the token and the ``kernel - 1`` slots before it, so the tokens that follow an
+#: attended one -- a needle's value after its key -- inherit its score; twice the forward reach of the same kernel)
+POOL_WINDOWS = ("centered", "trailing")
+
+
+def pool_group(x: torch.Tensor, kernel: int, num_kv_heads: int, mode: str = "avg",
+               window: str = "centered") -> torch.Tensor:
+    """``x [B, Hq, m]`` pooled along keys (``kernel``, stride 1, same length; ``window`` of :data:`POOL_WINDOWS`;
+    zeros beyond the ends, counted by the average) and averaged over each KV head's query group: ``[B, H, m]``."""
     B, Hq, m = x.shape
     if m > 0 and kernel > 1:
         pool = F.avg_pool1d if mode == "avg" else F.max_pool1d
-        x = pool(x, kernel_size=kernel, padding=kernel // 2, stride=1)
+        if window == "trailing":
+            x = pool(F.pad(x, (kernel - 1, 0)), kernel_size=kernel, stride=1)
+        else:
+            x = pool(x, kernel_size=kernel, padding=kernel // 2, stride=1)
     return x.view(B, num_kv_heads, Hq // num_kv_heads, m).mean(dim=2)
 
 
