@@ -28,7 +28,9 @@ MIN_SAMPLES = 13
 #: ZipCache before the code-needle calibration, SmolLM2's rejected code-needle tidal layout): in the tables, not in the picture
 SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalcode1380kv-4k",
               # their 65 samples are part of the 130-sample H100 rows (h100/...-s10), drawn instead
-              "cake2048cal-4k-qaware", "snapkv1024cal-4k-qaware"}
+              "cake2048cal-4k-qaware", "snapkv1024cal-4k-qaware",
+              # the centered pooling window, replaced by the calibrated trailing window at the same budget (*tr*)
+              "snapkv2048cal-4k-qaware", "h100/snapkv1024cal-4k-qaware-s10", "h100/cake2048cal-4k-qaware-s10"}
 
 
 def load(path):
@@ -77,7 +79,7 @@ for ax, (path, title) in zip(axes, PANELS):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
 axes[0].set_ylabel("RULER-4K retention (score / full's, same samples)")
-axes[0].set_ylim(-0.02, 1.2)
+axes[0].set_ylim(-0.02, 1.3)
 fig.suptitle("kvkit policies: accuracy kept vs KV kept (filled: question-agnostic, hollow: question in prefill; "
              "(n) = samples)", fontsize=10)
 fig.tight_layout()
