@@ -195,18 +195,14 @@ def test_calibrated_snapkv_pooling_found_from_config(caldir):
     stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, SnapKVStore)]
     assert {st.pool_window for st in stores} == {"trailing"}
     kvkit.unpatch(model)
-    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=31, pool_window="sideways")})
-    store._CACHE.clear()
-    with pytest.raises(store.CalibrationError, match="pool_window must be one of"):
-        kvkit.patch(model, "snapkv", budget=16, window=4)
-        kvkit.KVCache(model)
-    kvkit.unpatch(model)
-    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="median")})
-    store._CACHE.clear()
-    with pytest.raises(store.CalibrationError, match="pooling must be 'avg' or 'max'"):
-        kvkit.patch(model, "snapkv", budget=16, window=4)
-        kvkit.KVCache(model)
-    kvkit.unpatch(model)
+    for bad, why in [(dict(kernel=31, pool_window="sideways"), "pool_window must be one of"),
+                     (dict(kernel=9, pooling="median"), "pooling must be 'avg' or 'max'")]:
+        _write(caldir / "tiny.json", model, {"snapkv": _section(**bad)})
+        store._CACHE.clear()
+        with pytest.raises(store.CalibrationError, match=why):
+            kvkit.patch(model, "snapkv", budget=16, window=4)
+            kvkit.KVCache(model)
+        kvkit.unpatch(model)
 
 
 def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
