@@ -48,6 +48,10 @@ if args.model == "default":
         ("snapkv2048cal-4k", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
          "snapkv2048-4k"),
         ("snapkv2048-4k", "snapkv", "budget 2048, paper pooling", "agnostic", "bytes", None),
+        ("snapkv2048tr-4k", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg, trailing window: kvkit)", "agnostic",
+         "bytes", "snapkv2048cal-4k"),
+        ("cake2048tr-4k", "cake", "budget 2048, calibrated: kernel 61, trailing window (kvkit), taus (1, 1)", "agnostic",
+         "bytes", "cake2048cal-4k"),
         ("kvzip2048-4k", "kvzip", "budget 2048, uniform per layer, no instruction", "agnostic",
          "bytes", "kvzip2048i-4k"),
         ("kvzip2048i-4k", "kvzip", "budget 2048, uniform per layer, the paper's instruction", "agnostic",
@@ -96,6 +100,8 @@ if args.model == "default":
          "question in prefill", "bytes", "cake1024-4k-qaware"),
         ("h100/kvzip1024a-4k", "kvzip", "budget 1024 on average, adaptive (the default) (H100)", "agnostic", "bytes",
          "kvzip1024-4k"),
+        ("snapkv512tr-4k-qaware", "snapkv", "budget 512, calibrated pooling (kernel 61, avg, trailing window: kvkit)",
+         "question in prefill", "bytes", "h100/snapkv512cal-4k-qaware"),
         ("h100/snapkv512cal-4k-qaware", "snapkv", "budget 512, calibrated pooling (kernel 61, avg) (H100)",
          "question in prefill", "bytes", None),
         ("h100/kvzip512a-4k", "kvzip", "budget 512 on average, adaptive (the default) (H100)", "agnostic", "bytes", None),
@@ -157,7 +163,9 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper
          "snapkv1024-qaware": "paper pooling (kernel 5, avg)", "kvzip2048i-4k": "paper's instruction prompt",
          "kvzip2048i": "paper's instruction prompt",
          "tidal550kv-4k": "paper layout (layers 2 + 12)", "cake1024-4k-qaware": "taus (1, 1), kernel 5",
-         "kvzip1024-4k": "uniform per layer"}
+         "kvzip1024-4k": "uniform per layer", "snapkv2048cal-4k": "centered window (kernel 61)",
+         "cake2048cal-4k": "taus (2, 2), centered kernel 15",
+         "h100/snapkv512cal-4k-qaware": "centered window (kernel 61)"}
 
 
 def rows(folder):
