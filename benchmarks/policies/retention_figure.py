@@ -30,7 +30,8 @@ SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalc
               # their 65 samples are part of the 130-sample H100 rows (h100/...-s10), drawn instead
               "cake2048cal-4k-qaware", "snapkv1024cal-4k-qaware",
               # the centered pooling window, replaced by the calibrated trailing window at the same budget (*tr*)
-              "snapkv2048cal-4k-qaware", "h100/snapkv1024cal-4k-qaware-s10", "h100/cake2048cal-4k-qaware-s10"}
+              "snapkv2048cal-4k-qaware", "h100/snapkv1024cal-4k-qaware-s10", "h100/cake2048cal-4k-qaware-s10",
+              "h100/snapkv512cal-4k-qaware", "snapkv2048cal-4k", "cake2048cal-4k"}
 
 
 def load(path):
