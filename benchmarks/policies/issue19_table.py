@@ -130,6 +130,8 @@ else:
         ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
         ("tidal1732kv", "tidal", "budget 1732, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake2048-qaware", "cake", "budget 2048", "question in prefill", "bytes", None),
+        ("snapkv2048tr-qaware", "snapkv", "budget 2048, kernel 61 avg, trailing window (given as options: Qwen's calibration is centered)",
+         "question in prefill", "bytes", "snapkv2048cal-qaware"),
         ("snapkv2048cal-qaware", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "question in prefill",
          "bytes", "snapkv2048-qaware"),
         ("snapkv2048-qaware", "snapkv", "budget 2048, paper pooling", "question in prefill", "bytes", None),
@@ -165,7 +167,8 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper
          "tidal550kv-4k": "paper layout (layers 2 + 12)", "cake1024-4k-qaware": "taus (1, 1), kernel 5",
          "kvzip1024-4k": "uniform per layer", "snapkv2048cal-4k": "centered window (kernel 61)",
          "cake2048cal-4k": "taus (2, 2), centered kernel 15",
-         "h100/snapkv512cal-4k-qaware": "centered window (kernel 61)"}
+         "h100/snapkv512cal-4k-qaware": "centered window (kernel 61)",
+         "snapkv2048cal-qaware": "centered window (calibrated kernel 61)"}
 
 
 def rows(folder):
