@@ -34,6 +34,20 @@ SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalc
               "h100/snapkv512cal-4k-qaware", "snapkv2048cal-4k", "cake2048cal-4k"}
 
 
+#: label offsets (points) tried in order next to a marker: right of it, then left, then further up / down
+SPOTS = [(5, 3), (5, -9), (-5, 3), (-5, -9), (5, 14), (-5, 14), (5, -20), (-5, -20)]
+
+
+def label_box(x, y, w, dx, dy):
+    """A label's extent in data units (x0, x1, y0, y1) at offset (dx, dy) points from the marker at (x, y)."""
+    x0 = x + dx / 600 - (w if dx < 0 else 0)
+    return (x0, x0 + w, y + dy / 260, y + dy / 260 + 0.03)
+
+
+def free(box, placed):
+    return not any(b[0] < box[1] and box[0] < b[1] and b[2] < box[3] and box[2] < b[3] for b in placed)
+
+
 def load(path):
     if not path.exists():
         return []
@@ -59,17 +73,8 @@ for ax, (path, title) in zip(axes, PANELS):
         # the first free spot among a few next to the marker (right, then left of it); crowded: overlap
         text = f"{r['run'].replace('../ruler/', '').replace('h100/', '').replace('-4k', '')} ({r['samples']})"
         w = 0.0105 * len(text)  # label width in x units at fontsize 6.5 on this axis
-        spots = [(5, 3), (5, -9), (-5, 3), (-5, -9), (5, 14), (-5, 14), (5, -20), (-5, -20)]
-        for dx, dy in spots:
-            x0 = x + dx / 600 - (w if dx < 0 else 0)
-            box = (x0, x0 + w, y + dy / 260, y + dy / 260 + 0.03)
-            if not any(b[0] < box[1] and box[0] < b[1] and b[2] < box[3] and box[2] < b[3] for b in placed):
-                break
-        else:
-            dx, dy = spots[0]
-            x0 = x + dx / 600
-            box = (x0, x0 + w, y + dy / 260, y + dy / 260 + 0.03)
-        placed.append(box)
+        dx, dy = next((s for s in SPOTS if free(label_box(x, y, w, *s), placed)), SPOTS[0])
+        placed.append(label_box(x, y, w, dx, dy))
         ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=6.5, color=color,
                     ha="right" if dx < 0 else "left")
     ax.axhline(1.0, color="black", lw=0.8, ls="--")

@@ -97,9 +97,10 @@ def _add_knob_commands(sub) -> None:
         "each candidate (tau1, tau2) decodes them from one shared prefill per sample; the pair answering most "
         "needles is kept (ties: the paper's). Then, at those taus and with the question in the prefill, the "
         "indicator's pooling kernel (--kernels).")
-    c.add_argument("--kernels", default="5,15,21,31,41,61,15t,31t,61t",
+    c.add_argument("--kernels", default=None,
                    help="pooling kernels (odd; a 't' suffix: kvkit's trailing window, the token and the kernel - 1 "
-                        "before it) for the second, question-aware stage at the chosen taus; '' skips it")
+                        "before it) for the second, question-aware stage at the chosen taus; '' skips it (default: "
+                        "kvkit.calibrate.knobs.CAKE_KERNELS, the paper's 5 and wider, centered and trailing)")
     _sweep_parser(
         sub, "snapkv", "SnapKV pooling kernel (and avg/max) from a question-aware needle sweep",
         "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text, the question in the prefill (SnapKV's "
@@ -112,6 +113,24 @@ def _add_knob_commands(sub) -> None:
     _common(z, 2048, 8)
     _values(z)
     z.set_defaults(func=cmd_calibrate_knob, knob="zipcache")
+
+
+def _parse_kernels(text: str) -> tuple:
+    """``--kernels``: odd kernels separated by commas, a ``t`` suffix for kvkit's trailing window ("31t")."""
+    kernels = []
+    for item in (k.strip() for k in text.split(",")):
+        if not item:
+            continue
+        trailing = item.endswith("t")
+        try:
+            k = int(item[:-1] if trailing else item)
+        except ValueError:
+            raise SystemExit(f"--kernels: expected odd integers (a 't' suffix: trailing window) separated by "
+                             f"commas, got {text!r}") from None
+        if k <= 0 or k % 2 == 0:
+            raise SystemExit(f"--kernels: every kernel must be a positive odd integer, got {text!r}")
+        kernels.append((k, "trailing") if trailing else k)
+    return tuple(kernels)
 
 
 def cmd_calibrate_knob(args) -> int:
@@ -141,20 +160,7 @@ def cmd_calibrate_knob(args) -> int:
                                          selection=args.selection,
                                          seed=args.seed, values=args.values, log=log)
     elif args.knob == "cake":
-        kernels = []
-        for item in (k.strip() for k in args.kernels.split(",")):
-            if not item:
-                continue
-            trailing = item.endswith("t")
-            try:
-                k = int(item[:-1] if trailing else item)
-            except ValueError:
-                raise SystemExit(f"--kernels: expected odd integers (a 't' suffix: trailing window) separated by "
-                                 f"commas, got {args.kernels!r}") from None
-            if k <= 0 or k % 2 == 0:
-                raise SystemExit(f"--kernels: every kernel must be a positive odd integer, got {args.kernels!r}")
-            kernels.append((k, "trailing") if trailing else k)
-        kernels = tuple(kernels)
+        kernels = knobs.CAKE_KERNELS if args.kernels is None else _parse_kernels(args.kernels)
         opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,
                                         budget_fraction=args.budget_fraction, seed=args.seed, kernels=kernels,
                                         values=args.values, log=log)

@@ -291,6 +291,17 @@ def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 8, s
     return dict(chosen), evidence
 
 
+# ---- pooling candidates (CAKE's and SnapKV's calibrations) -------------------------------------------------
+def _window_option(window: str) -> dict:
+    """A pooling candidate's ``pool_window`` option: none for the papers' centered window (files stay as before)."""
+    return {} if window == "centered" else {"pool_window": window}
+
+
+def _picked(options: dict, names) -> dict:
+    """The calibrated options of the chosen candidate (``names`` it sets, in order)."""
+    return {k: options[k] for k in names if k in options}
+
+
 # ---- CAKE: the layer-preference temperatures from a needle sweep --------------------------------------------
 CAKE_TAUS = [(1.0, 1.0), (0.5, 0.5), (2.0, 2.0), (1.0, 2.0), (2.0, 1.0), (1.6, 0.4), (0.5, 2.0), (2.0, 0.5), (4.0, 4.0)]
 
@@ -325,8 +336,7 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
         for cand in kernels:  # a kernel (centered) or (kernel, pool_window)
             k, win = (cand, "centered") if isinstance(cand, int) else cand
             pspecs.append((f"kernel {k}" + ("" if win == "centered" else f" {win}"), "cake",
-                           dict(budget=budget, tau1=t1, tau2=t2, pool_kernel=k,
-                                **({} if win == "centered" else {"pool_window": win}))))
+                           dict(budget=budget, tau1=t1, tau2=t2, pool_kernel=k, **_window_option(win))))
         pbest, ptable, pev = pooling_sweep(model, tokenizer, pspecs, length, samples, seed=seed, values=values,
                                            log=log)
         pool = {
@@ -337,8 +347,7 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
             "paper_kernel": 5,
             **pev,
         }
-        kernel = pspecs[pbest][2]["pool_kernel"]
-        window = pspecs[pbest][2].get("pool_window")
+        chosen = pspecs[pbest][2]
     evidence = {
         "criterion": f"most needles answered at budget {budget} of ~{length} tokens, context compressed before the "
                      "question; ties: the paper's taus, then the candidate order",
@@ -352,10 +361,7 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
     }
     if pool is not None:
         evidence["pooling"] = pool
-        out = {"tau1": t1, "tau2": t2, "pool_kernel": kernel}
-        if window:
-            out["pool_window"] = window
-        return out, evidence
+        return {"tau1": t1, "tau2": t2, **_picked(chosen, ("pool_kernel", "pool_window"))}, evidence
     return {"tau1": t1, "tau2": t2}, evidence
 
 
@@ -371,6 +377,7 @@ SNAPKV_POOLING = ((5, "avg"), (15, "avg"), (21, "avg"), (31, "avg"), (41, "avg")
 
 def _pool_label(kernel: int, pooling: str, window: str = "centered") -> str:
     return f"{kernel},{pooling}" + ("" if window == "centered" else f",{window}")
+
 
 
 def pooling_sweep(model, tokenizer, specs, length: int, samples: int, seed: int = 0, values: str = "mixed",
@@ -414,8 +421,8 @@ def calibrate_snapkv(model, tokenizer, length: int = 2048, samples: int = 8, bud
     specs = []
     for cand in candidates:  # (kernel, pooling) or (kernel, pooling, pool_window)
         k, pool, win = (*cand, "centered")[:3]
-        opts = dict(budget=budget, kernel=k, pooling=pool, **({} if win == "centered" else {"pool_window": win}))
-        specs.append((_pool_label(k, pool, win), "snapkv", opts))
+        specs.append((_pool_label(k, pool, win), "snapkv", dict(budget=budget, kernel=k, pooling=pool,
+                                                                **_window_option(win))))
     best, table, pev = pooling_sweep(model, tokenizer, specs, length, samples, seed=seed, values=values, log=log)
     chosen = specs[best][2]
     evidence = {
@@ -426,7 +433,4 @@ def calibrate_snapkv(model, tokenizer, length: int = 2048, samples: int = 8, bud
         **pev,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    out = {"kernel": chosen["kernel"], "pooling": chosen["pooling"]}
-    if "pool_window" in chosen:
-        out["pool_window"] = chosen["pool_window"]
-    return out, evidence
+    return _picked(chosen, ("kernel", "pooling", "pool_window")), evidence

@@ -68,6 +68,13 @@ def check_positive_int(policy: str, name: str, value, allow_none: bool = False) 
         raise ValueError(f"{policy}: {name} must be a positive integer, got {value!r}")
 
 
+def check_choice(policy: str, name: str, value, choices, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value not in choices:
+        raise ValueError(f"{policy}: {name} must be one of {', '.join(choices)}, got {value!r}")
+
+
 def check_fraction(policy: str, name: str, value, low_open=True, high_closed=True) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = ok and (value > 0 if low_open else value >= 0) and (value <= 1 if high_closed else value < 1)

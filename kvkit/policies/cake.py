@@ -44,7 +44,7 @@ from typing import ClassVar
 
 import torch
 
-from kvkit.policies.base import Policy, check_positive_int
+from kvkit.policies.base import Policy, check_choice, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -154,8 +154,7 @@ class Cake(Policy):
             )
         if self.pool_kernel is not None and self.pool_kernel % 2 == 0:
             raise ValueError(f"cake: pool_kernel must be odd (padding kernel // 2 keeps the length), got {self.pool_kernel}")
-        if self.pool_window is not None and self.pool_window not in POOL_WINDOWS:
-            raise ValueError(f"cake: pool_window must be one of {', '.join(POOL_WINDOWS)}, got {self.pool_window!r}")
+        check_choice("cake", "pool_window", self.pool_window, POOL_WINDOWS)
         if self.tail is not None and self.tail > self.window:
             raise ValueError(
                 f"cake: tail ({self.tail}) must be at most window ({self.window}) so every scored token was seen by "

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvkit.policies.base import Policy, check_positive_int
+from kvkit.policies.base import Policy, check_choice, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
@@ -82,8 +82,7 @@ class SnapKV(Policy):
         if self.pooling is not None and self.pooling not in ("avg", "max"):
             raise ValueError(f"snapkv: pooling must be 'avg' or 'max' (the reference's avgpool / maxpool), got "
                              f"{self.pooling!r}")
-        if self.pool_window is not None and self.pool_window not in POOL_WINDOWS:
-            raise ValueError(f"snapkv: pool_window must be one of {', '.join(POOL_WINDOWS)}, got {self.pool_window!r}")
+        check_choice("snapkv", "pool_window", self.pool_window, POOL_WINDOWS)
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"snapkv: calibrated must be true or false, got {self.calibrated!r}")
         if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
