@@ -520,3 +520,16 @@ def test_run_config_records_the_calibration_and_resume_refuses_another(caldir, t
     old = {k: v for k, v in cfg.items() if k != "calibration"}
     RunDir(tmp_path / "old", old)
     RunDir(tmp_path / "old", cfg, resume=True)  # made before the field was recorded
+
+
+def test_bad_kernels_refused_before_the_model_loads(monkeypatch):
+    """``kvkit calibrate cake --kernels`` with a malformed list stops with what to write, before minutes of loading."""
+    from kvkit.calibrate import cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before --kernels was checked")
+
+    monkeypatch.setattr("kvkit.models.load", no_load)
+    for bad, match in (("4", "positive odd"), ("5,x", "expected odd integers"), ("31q", "expected odd integers")):
+        with pytest.raises(SystemExit, match=match):
+            cli.main_calibrate(["cake", "--kernels", bad])

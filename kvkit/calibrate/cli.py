@@ -142,6 +142,11 @@ def cmd_calibrate_knob(args) -> int:
     from kvkit.calibrate import knobs, store
     from kvkit.models import load, resolve_name
 
+    kernels = None  # checked before the model loads: a typo costs no minutes
+    if getattr(args, "kernels", None) is not None:
+        if args.knob != "cake":
+            raise SystemExit(f"--kernels applies to `kvkit calibrate cake` only (not {args.knob})")
+        kernels = _parse_kernels(args.kernels)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", flush=True)
@@ -160,7 +165,7 @@ def cmd_calibrate_knob(args) -> int:
                                          selection=args.selection,
                                          seed=args.seed, values=args.values, log=log)
     elif args.knob == "cake":
-        kernels = knobs.CAKE_KERNELS if args.kernels is None else _parse_kernels(args.kernels)
+        kernels = knobs.CAKE_KERNELS if kernels is None else kernels
         opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,
                                         budget_fraction=args.budget_fraction, seed=args.seed, kernels=kernels,
                                         values=args.values, log=log)
@@ -185,6 +190,11 @@ def cmd_calibrate_duo(args) -> int:
     from kvkit.calibrate.duo import calibrate
     from kvkit.models import load, resolve_name
 
+    kernels = None  # checked before the model loads: a typo costs no minutes
+    if getattr(args, "kernels", None) is not None:
+        if args.knob != "cake":
+            raise SystemExit(f"--kernels applies to `kvkit calibrate cake` only (not {args.knob})")
+        kernels = _parse_kernels(args.kernels)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", flush=True)

@@ -55,7 +55,7 @@ from typing import ClassVar
 import torch
 
 from kvkit.kernels import decode_cpu, sparse_decode, use_triton
-from kvkit.policies.base import Policy, check_positive_int
+from kvkit.policies.base import Policy, check_choice, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 
@@ -110,10 +110,8 @@ class Tidal(Policy):
     def __post_init__(self):
         check_positive_int("tidal", "budget", self.budget)
         check_positive_int("tidal", "reselect_layer", self.reselect_layer, allow_none=True)
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"tidal: selection must be one of {', '.join(SELECTIONS)}; got {self.selection!r}")
-        if self.kv_reduce not in REDUCTIONS:
-            raise ValueError(f"tidal: kv_reduce must be one of {', '.join(REDUCTIONS)}; got {self.kv_reduce!r}")
+        check_choice("tidal", "selection", self.selection, SELECTIONS, allow_none=False)
+        check_choice("tidal", "kv_reduce", self.kv_reduce, REDUCTIONS, allow_none=False)
         if self.select_layers is not None:
             layers = self.select_layers
             ok = isinstance(layers, (list, tuple)) and len(layers) > 0 and all(
