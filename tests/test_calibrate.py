@@ -246,6 +246,75 @@ def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
         knobs.calibrate_snapkv(None, None, budget_fraction=1.5)
 
 
+def test_calibrated_chelsea_protection_found_from_config(caldir):
+    """Chelsea's chunk size and protection score: the calibration when protect > 0 and none of them is given; the
+    paper's matching (protect 0) and calibrated=False take kvkit's fallbacks (64-token chunks, kernel 7 max centered);
+    a malformed section is refused when the model is patched."""
+    from kvkit.policies.chelsea import ChelseaStore
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    _write(caldir / "tiny.json", model, {"chelsea": _section(chunk_size=16, protect_kernel=5, protect_pooling="avg",
+                                                              protect_window="trailing")})
+    chel = kvkit.registry.policy_class("chelsea")
+    cfg = model.config
+
+    def got(**kw):
+        p = chel(**kw).settings(cfg)
+        return p.chunk_size, p.protect_kernel, p.protect_pooling, p.protect_window
+
+    assert got(ratio=0.5, protect=0.25) == (16, 5, "avg", "trailing")
+    assert got(ratio=0.5) == (64, 7, "max", "centered")  # the paper's matching: no protection to calibrate
+    assert got(ratio=0.5, protect=0.25, calibrated=False) == (64, 7, "max", "centered")
+    assert got(ratio=0.5, protect=0.25, chunk_size=32) == (32, 7, "max", "centered")  # never mixed
+    kvkit.patch(model, "chelsea", ratio=0.5, protect=0.25, window=4, sink=2)
+    stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, ChelseaStore)]
+    assert stores and {(st.p.chunk_size, st.p.protect_kernel, st.p.protect_window) for st in stores} == {
+        (16, 5, "trailing")}
+    greedy(model, _ids(60), 3)
+    kvkit.unpatch(model)
+    from kvkit.evals.common import calibration_used
+
+    assert calibration_used(model, "chelsea", {"ratio": 0.5}) is None
+    assert calibration_used(model, "chelsea", {"ratio": 0.5, "protect": 0.25})["options"]["chunk_size"] == 16
+    for bad, why in [(dict(chunk_size=16, protect_window="sideways"), "protect_window must be one of"),
+                     (dict(protect_kernel=4), "protect_kernel must be a positive odd integer"),
+                     (dict(chunk_size=2), r"do not combine.*use protect < ratio"),
+                     (dict(ratio=0.5), "may set only")]:
+        _write(caldir / "tiny.json", model, {"chelsea": _section(**bad)})
+        store._CACHE.clear()
+        with pytest.raises(store.CalibrationError, match=why):
+            kvkit.patch(model, "chelsea", ratio=0.5, protect=0.25)
+            kvkit.KVCache(model)
+        kvkit.unpatch(model)
+
+
+def test_calibrate_chelsea_sweeps_the_protection_question_aware(monkeypatch):
+    """The sweep runs Chelsea at ratio = budget_fraction with protect 0.8 x ratio, the question in the prefill, and
+    records the winner's chunk size and protection pooling (ties: log-probability, then kvkit's fallback first)."""
+    from kvkit.calibrate import knobs, needles
+
+    seen = {}
+
+    def fake_score(model, tok, data, specs, log=print, margin=False, question_aware=False):
+        seen.update(specs=specs, question_aware=question_aware)
+        win = "chunk 128, 31,max,trailing"
+        return {"full": [1, 1, 1], "predictions": {}, **{s[0]: ([1, 1, 1] if s[0] == win else [1, 0, 0]) for s in specs},
+                "logprob": {"full": [-0.1] * 3, **{s[0]: [-1.0] for s in specs}}}
+
+    monkeypatch.setattr(needles, "score_policies", fake_score)
+    monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0, far=False, values="mixed": [None] * 3)
+    opts, ev = knobs.calibrate_chelsea(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
+                                       log=lambda m: None)
+    assert seen["question_aware"]
+    assert seen["specs"][0][0] == "chunk 64, 7,max" and all(
+        sp[2]["ratio"] == 0.5 and sp[2]["protect"] == 0.4 for sp in seen["specs"])
+    assert opts == {"chunk_size": 128, "protect_kernel": 31, "protect_pooling": "max", "protect_window": "trailing"}
+    assert ev["per_setting"]["chunk 128, 31,max,trailing"]["answered"] == 3
+    kvkit.registry.policy_class("chelsea")(ratio=0.5, protect=0.4, **opts)  # the options it records are valid
+    with pytest.raises(ValueError, match="budget_fraction"):
+        knobs.calibrate_chelsea(None, None, budget_fraction=0)
+
+
 @pytest.mark.parametrize("content, why", [
     ("{not json", "not valid JSON"),
     ('[1, 2]', "expected a JSON object"),
@@ -483,14 +552,14 @@ def test_calibration_cli_passes_the_needle_values(monkeypatch, tmp_path):
             return {"x": 1}, {"seconds": 0.0}
         return f
 
-    for name in ("tidal", "zipcache", "cake", "snapkv"):
+    for name in ("tidal", "zipcache", "cake", "snapkv", "chelsea"):
         monkeypatch.setattr(knobs, f"calibrate_{name}", fake(name))
     model = tiny_model("llama", num_hidden_layers=4)
     monkeypatch.setattr("kvkit.models.load", lambda name, device="cpu": (model, None))
     monkeypatch.setattr("kvkit.models.resolve_name", lambda name: "tiny")
     written = []
     monkeypatch.setattr(store, "write_section", lambda path, ident, knob, opts, command, ev: written.append(command) or path)
-    for name in ("tidal", "zipcache", "cake", "snapkv"):
+    for name in ("tidal", "zipcache", "cake", "snapkv", "chelsea"):
         cli.main_calibrate([name, "--out", str(tmp_path / "c.json")])
         assert got[name] == "mixed"
         cli.main_calibrate([name, "--out", str(tmp_path / "c.json"), "--values", "number"])

@@ -97,7 +97,9 @@ def test_chunked_prefill_matches_mechanics():
 
 
 @pytest.mark.parametrize("bad", [dict(ratio=0), dict(ratio=1.5), dict(ratio=-0.1), dict(ratio="half"),
-                                 dict(chunk_size=0), dict(window=-1), dict(size_bias="yes")])
+                                 dict(chunk_size=0), dict(window=-1), dict(size_bias="yes"),
+                                 dict(protect_kernel=4), dict(protect_kernel=0), dict(protect_pooling="mean"),
+                                 dict(protect_window="left")])
 def test_bad_options(bad):
     with pytest.raises(ValueError, match="chelsea"):
         kvkit.get_policy("chelsea", **bad)
@@ -176,3 +178,51 @@ def test_protect_selects_by_attention(monkeypatch):
         Chelsea(ratio=0.25, protect=0.25, chunk_size=8)
     with pytest.raises(ValueError, match="protect"):
         Chelsea(protect=1.5)
+
+
+@pytest.mark.parametrize("kernel,pooling,window", [(7, "max", "centered"), (5, "avg", "trailing"), (3, "max", "trailing")])
+def test_protection_score_pooling_matches_reference(monkeypatch, kernel, pooling, window):
+    """The protection score: observation-window attention summed over the window's queries, pooled along the tokens
+    with ``protect_kernel`` / ``protect_pooling`` / ``protect_window`` (trailing: the token and the kernel - 1
+    before it; zeros beyond the ends), averaged over each KV head's query group -- written out here."""
+    seen = []
+    on_prefill = ChelseaStore.on_prefill
+
+    def spy(self, query, module):
+        if not seen:
+            seen.append((query.clone(), self.keys.clone(), self.pos.clone(), self.seen))
+        on_prefill(self, query, module)
+        if len(seen) == 1:
+            seen.append(self.score.clone() if self.score is not None else None)
+
+    monkeypatch.setattr(ChelseaStore, "on_prefill", spy)
+    monkeypatch.setattr(ChelseaStore, "compress", lambda self: None)  # keep the scored slots in place
+    model = tiny_model("llama")
+    kvkit.patch(model, "chelsea", ratio=0.5, protect=0.25, protect_kernel=kernel, protect_pooling=pooling,
+                protect_window=window, **SMALL)
+    cache = kvkit.KVCache(model)
+    with torch.no_grad():
+        model(input_ids=_ids(30), past_key_values=cache, use_cache=True)
+    kvkit.unpatch(model)
+    (query, keys, pos, n_seen), score = seen
+    B, Hq, T, D = query.shape
+    H, n = keys.shape[1], keys.shape[2]
+    w = SMALL["window"]
+    q = query[:, :, -w:].float()
+    att = torch.zeros(B, Hq, n)
+    for hq in range(Hq):
+        for i in range(w):
+            qp = n_seen - w + i
+            s = (keys[:, hq // (Hq // H)].float() @ q[:, hq, i].unsqueeze(-1)).squeeze(-1) * D**-0.5
+            s = s.masked_fill(pos[:, 0] > qp, float("-inf"))
+            att[:, hq] += torch.softmax(s, -1)
+    ref = torch.zeros(B, Hq, n)
+    for j in range(n):
+        lo, hi = (j - kernel + 1, j + 1) if window == "trailing" else (j - kernel // 2, j + kernel // 2 + 1)
+        part = att[..., max(0, lo): min(n, hi)]
+        if pooling == "max":
+            ref[..., j] = part.amax(-1).clamp(min=0)
+        else:
+            ref[..., j] = part.sum(-1) / kernel
+    ref = ref.view(B, H, Hq // H, n).mean(2)
+    torch.testing.assert_close(score, ref, rtol=1e-5, atol=1e-6)

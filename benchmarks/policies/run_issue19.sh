@@ -3,6 +3,7 @@
 # usage: bash benchmarks/policies/run_issue19.sh agnostic   # one shared-prefill sweep (question-agnostic)
 #        bash benchmarks/policies/run_issue19.sh qaware     # SnapKV with the question in the prefill (own prefills),
 #                                                           # budgets interleaved sample-by-sample (index-major)
+#        bash benchmarks/policies/run_issue19.sh chelsea-qaware  # Chelsea with protect, the question in the prefill
 # The calibrated tidal / zipcache / shadowkv runs use no options: the policy reads the model's shipped
 # calibration (kvkit/data/calibration/<model>.json); CAL="shadowkv" (a subset) or CAL="" limits them,
 # SNAP=0 leaves the SnapKV runs out (sixth session: one sweep SNAP=1 CAL=shadowkv, one SNAP=0 CAL="tidal zipcache";
@@ -40,5 +41,21 @@ qaware)
       done
     done
   done ;;
-*) echo "usage: $0 {agnostic|qaware}" >&2; exit 2 ;;
+chelsea-qaware)
+  # thirteenth session: Chelsea with the question in the prefill. protect 0.4 keeps 26 of each chunk's 32 slots exact
+  # (the most attended by the question); with protect > 0 the chunk size and the protection's pooling come from the
+  # model's `kvkit calibrate chelsea` (chelsea50p40cal); CHQ="fallback" adds protect 0.4 with kvkit's fallback
+  # (64-token chunks, kernel 7 max centered: chelsea50p40), CHQ="paper" the paper's matching (protect 0)
+  for n in 1 2 3 4 5; do
+    nice -n 5 .venv/bin/kvkit eval ruler --model default --policy chelsea --opt ratio=0.5,protect=0.4 \
+      --full-prompt-prefill --prompts $P --samples $n --out results/policies/chelsea50p40cal-4k-qaware --resume
+    case ${CHQ:-} in
+    fallback) nice -n 5 .venv/bin/kvkit eval ruler --model default --policy chelsea \
+      --opt ratio=0.5,protect=0.4,calibrated=false --full-prompt-prefill --prompts $P --samples $n \
+      --out results/policies/chelsea50p40-4k-qaware --resume ;;
+    paper) nice -n 5 .venv/bin/kvkit eval ruler --model default --policy chelsea --opt ratio=0.5 --full-prompt-prefill \
+      --prompts $P --samples $n --out results/policies/chelsea50-4k-qaware --resume ;;
+    esac
+  done ;;
+*) echo "usage: $0 {agnostic|qaware|chelsea-qaware}" >&2; exit 2 ;;
 esac

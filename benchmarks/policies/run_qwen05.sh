@@ -56,5 +56,13 @@ kvzipa)  # the default: budget 2048 on average, layers ranked together (the pape
 kvzipi)  # uniform budget with the paper's instruction prompt
   nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy kvzip --budget 2048 --opt instruct=true,adaptive=false --prompts $P \
     --samples 3 --out $Q/kvzip2048i --resume ;;
-*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi}" >&2; exit 2 ;;
+chelsea-qaware)  # thirteenth session: Chelsea with protect 0.4 (kvkit) and the model's `kvkit calibrate chelsea`
+  # protection (chunk size, pooling), the question in the prefill; CHQ="paper" adds the paper's matching (protect 0)
+  for n in 1 2 3; do
+    nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea --opt ratio=0.5,protect=0.4 --full-prompt-prefill \
+      --prompts $P --samples $n --out $Q/chelsea50p40cal-qaware --resume
+    [ "${CHQ:-}" = paper ] && nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea --opt ratio=0.5 \
+      --full-prompt-prefill --prompts $P --samples $n --out $Q/chelsea50-qaware --resume
+  done ;;
+*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware}" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
 """``kvkit calibrate duo``: learn a DuoAttention head pattern for a model and write it as JSON (or TSV).
-``kvkit calibrate shadowkv|tidal|cake|snapkv|zipcache``: a per-model knob, written as one section of the model's
+``kvkit calibrate shadowkv|tidal|cake|snapkv|chelsea|zipcache``: a per-model knob, written as one section of the model's
 calibration file (:mod:`kvkit.calibrate.store`), which the policy then finds from the model's config."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 
 def add_commands(subparsers) -> None:
-    cal = subparsers.add_parser("calibrate", help="per-model calibration of a policy (duo, shadowkv, tidal, cake, snapkv, zipcache)")
+    cal = subparsers.add_parser("calibrate", help="per-model calibration of a policy (duo, shadowkv, tidal, cake, snapkv, chelsea, zipcache)")
     sub = cal.add_subparsers(dest="calibrate_policy", required=True)
     d = sub.add_parser(
         "duo",
@@ -107,6 +107,14 @@ def _add_knob_commands(sub) -> None:
         "setting), half of them with the value a dozen words after its key; SnapKV at --budget-fraction of the "
         "context with each candidate pooling (kernel 5 avg = the paper's, wider avg, max, and kvkit's trailing window) decodes them; the one "
         "answering most needles is kept (ties: the answers' teacher-forced log-probability, then the paper's first).")
+    _sweep_parser(
+        sub, "chelsea", "Chelsea chunk size and protection score from a question-aware needle sweep",
+        "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text, the question in the prefill, "
+        "half of them with the value a dozen words after its key; Chelsea at ratio --budget-fraction with protect = "
+        "0.8 x ratio (kvkit: the highest-attention tokens of each chunk kept exact) and each candidate chunk size and "
+        "protection pooling (kernel, max/avg, centered/trailing) decodes them; the one answering most needles is kept "
+        "(ties: the answers' teacher-forced log-probability, then kvkit's fallback, 64-token chunks with kernel 7 max "
+        "centered, first).")
     z = sub.add_parser("zipcache", help="ZipCache bit widths: the cheapest that keeps calibration needles",
                        description="Candidate (high_ratio, high_bits, low_bits, key_bits) settings in order of "
                        "bytes; the first that answers every needle the full cache answers is kept.")
@@ -169,6 +177,10 @@ def cmd_calibrate_knob(args) -> int:
         opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,
                                         budget_fraction=args.budget_fraction, seed=args.seed, kernels=kernels,
                                         values=args.values, log=log)
+    elif args.knob == "chelsea":
+        opts, ev = knobs.calibrate_chelsea(model, tok, length=args.length, samples=args.samples,
+                                           budget_fraction=args.budget_fraction, seed=args.seed,
+                                           values=args.values, log=log)
     elif args.knob == "snapkv":
         opts, ev = knobs.calibrate_snapkv(model, tok, length=args.length, samples=args.samples,
                                           budget_fraction=args.budget_fraction, seed=args.seed,
@@ -190,11 +202,6 @@ def cmd_calibrate_duo(args) -> int:
     from kvkit.calibrate.duo import calibrate
     from kvkit.models import load, resolve_name
 
-    kernels = None  # checked before the model loads: a typo costs no minutes
-    if getattr(args, "kernels", None) is not None:
-        if args.knob != "cake":
-            raise SystemExit(f"--kernels applies to `kvkit calibrate cake` only (not {args.knob})")
-        kernels = _parse_kernels(args.kernels)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", flush=True)

@@ -47,6 +47,7 @@ CALIBRATED_OPTIONS: dict[str, tuple[str, ...]] = {
     "zipcache": ("high_ratio", "high_bits", "low_bits", "key_bits"),
     "cake": ("tau1", "tau2", "pool_kernel", "pool_window"),
     "snapkv": ("kernel", "pooling", "pool_window"),
+    "chelsea": ("chunk_size", "protect_kernel", "protect_pooling", "protect_window"),
 }
 
 #: The config fields that identify a model (all must be equal; a file may omit the optional ones).
@@ -217,7 +218,7 @@ def lookup(config, policy: str) -> tuple[dict, Path] | None:
 def resolve(policy, config):
     """The policy with its calibrated options filled in for this model (itself when nothing applies)."""
     group = CALIBRATED_OPTIONS.get(policy.name)
-    if not group or not getattr(policy, "calibrated", False):
+    if not group or not getattr(policy, "calibrated", False) or not policy.uses_calibration():
         return policy
     defaults = {f.name: f.default for f in dataclasses.fields(policy)}
     if any(getattr(policy, k) != defaults.get(k) for k in group):

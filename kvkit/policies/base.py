@@ -53,6 +53,11 @@ class Policy:
     def validate(self, config) -> None:
         """Raise ValueError when the policy cannot run on this model config."""
 
+    def uses_calibration(self) -> bool:
+        """Whether a per-model calibration (:mod:`kvkit.calibrate.store`) may fill this policy's calibrated options
+        (with ``calibrated`` True and none of them given); e.g. Chelsea's only with ``protect`` > 0."""
+        return True
+
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 

@@ -20,11 +20,14 @@ arrived (on the committed tokens only, so ``crop`` of the newest tokens stays ex
 Beyond the paper (kvkit, ``protect``, off by default): the tokens the prompt's last ``window`` queries attend to
 most are kept exact. On RULER the paper's matching merges a needle's digit keys first (they are each other's
 nearest neighbours), which loses the answer; with ``protect = f`` the ``ceil(f * chunk_size)`` slots of each chunk
-with the highest observation-window attention (SnapKV's score: summed over the window's queries and over each KV
-head's query group, max-pooled over 7 neighbouring tokens) are taken out of the matching and the rest merges
-down to ``ceil(ratio * chunk_size) - ceil(f * chunk_size)`` slots, so a chunk still keeps exactly
-``ceil(ratio * chunk_size)`` slots (same memory). Scores come from the prefill; chunks of generated tokens
-(merged during decoding) have no score and protect their earliest tokens.
+with the highest observation-window attention (SnapKV's score: summed over the window's queries, pooled along the
+tokens -- ``protect_kernel`` / ``protect_pooling`` / ``protect_window`` -- and averaged over each KV head's query
+group) are taken out of the matching and the rest merges down to ``ceil(ratio * chunk_size) - ceil(f *
+chunk_size)`` slots, so a chunk still keeps exactly ``ceil(ratio * chunk_size)`` slots (same memory). Scores come
+from the prefill; chunks of generated tokens (merged during decoding) have no score and protect their earliest
+tokens. It pays when the window is the question (the question in the prefill): the chunk size and the pooling are
+then per-model calibrated options (``kvkit calibrate chelsea``, used only when ``protect`` > 0); the fallbacks are
+64-token chunks and SnapKV's max-pooled kernel 7, centered.
 
 Slot positions (for causal masking): a centroid's position is the position of its latest member.
 Only committed tokens older than the recent window are merged, so every centroid lies strictly in
@@ -37,6 +40,7 @@ before the next merge). Each slot costs keys + values + an int32 position and an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -45,10 +49,11 @@ import torch
 import torch.nn.functional as F
 
 from kvkit.kernels import merge_attn, weighted_decode
-from kvkit.policies.base import Policy, check_fraction, check_positive_int
+from kvkit.policies.base import Policy, check_choice, check_fraction, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 from kvkit.stores import tensor_bytes as _tensor_bytes
+from kvkit.stores.scored import POOL_WINDOWS
 
 
 @register("chelsea")
@@ -61,8 +66,9 @@ class Chelsea(Policy):
     ratio : float
         Fraction of the slots a merged chunk keeps, in (0, 1] (0.2: the paper's 80% KV reduction;
         1.0 merges nothing).
-    chunk_size : int
-        Tokens per chunk (64: kvkit's default; the paper clusters within fixed-size chunks).
+    chunk_size : int or None
+        Tokens per chunk (the paper clusters within fixed-size chunks and gives no size). None: the model's
+        calibrated size (``kvkit calibrate chelsea``), else 64 (kvkit's default: a few sentences).
     sink : int
         First tokens of each row never merged (attention sinks; kvkit, not the paper).
     window : int
@@ -75,17 +81,35 @@ class Chelsea(Policy):
     protect : float
         Fraction of each chunk kept exact by observation-window attention (kvkit, beyond the paper;
         0 = the paper). Must stay below ``ratio``.
+    protect_kernel : int or None
+        Pooling width of the protection score along the tokens (odd). None: calibrated, else 7 (SnapKV's kernel).
+    protect_pooling : str or None
+        "max" or "avg" pooling of the protection score. None: calibrated, else "max".
+    protect_window : str or None
+        "centered" (SnapKV's pooling: kernel // 2 tokens on each side) or "trailing" (kvkit: the token and the
+        kernel - 1 before it, so the tokens right after an attended one are protected too: a whole number or UUID).
+        None: calibrated, else "centered".
+    calibrated : bool
+        True (default): with ``protect`` > 0, ``chunk_size`` and the ``protect_*`` options left at None take the
+        model's calibration (``kvkit calibrate chelsea``, :mod:`kvkit.calibrate.store`: chosen on needles with the
+        question in the prefill), else the fallbacks above. False, or ``protect`` 0 (the paper's matching): the
+        fallbacks.
     """
 
     ratio: float = 0.2  # Chelsea: up to 80% KV memory reduction
-    chunk_size: int = 64  # kvkit default: a chunk the size of a few sentences
+    chunk_size: int | None = None  # None: calibrated, else CHUNK (kvkit: a chunk the size of a few sentences)
     sink: int = 4  # StreamingLLM's 4 sink tokens, kept exact
     window: int = 32  # recent tokens kept exact
     merge_interval: int = 64  # one chunk of new tokens between merges
     size_bias: bool = True  # measured: see results/chelsea/README.md
     protect: float = 0.0  # kvkit: 0 = the paper's matching over every slot of a chunk
+    protect_kernel: int | None = None  # None: calibrated, else SnapKV's paper kernel 7 (max-pooled)
+    protect_pooling: str | None = None  # None: calibrated, else "max"
+    protect_window: str | None = None  # None: calibrated, else SnapKV's centered window ("trailing": kvkit)
+    calibrated: bool = True  # kvkit: the model's calibrated chunk_size / protect_*; False = the fallbacks
 
-    PROTECT_POOL: ClassVar[int] = 7  # max-pool of the protection score over neighbouring tokens (SnapKV's kernel)
+    CHUNK: ClassVar[int] = 64  # fallback chunk_size
+    PROTECT_POOL: ClassVar[tuple] = (7, "max", "centered")  # fallback protect_kernel / pooling / window
 
     description = "Chelsea: chunked soft-matching merge of similar keys/values into sized centroids (2506.11418)"
     saves = "memory+reads"
@@ -94,7 +118,7 @@ class Chelsea(Policy):
 
     def __post_init__(self):
         check_fraction("chelsea", "ratio", self.ratio)
-        check_positive_int("chelsea", "chunk_size", self.chunk_size)
+        check_positive_int("chelsea", "chunk_size", self.chunk_size, allow_none=True)
         check_positive_int("chelsea", "merge_interval", self.merge_interval)
         for name in ("sink", "window"):
             val = getattr(self, name)
@@ -104,23 +128,53 @@ class Chelsea(Policy):
             raise ValueError(f"chelsea: size_bias must be True or False, got {self.size_bias!r}")
         if isinstance(self.protect, bool) or not isinstance(self.protect, (int, float)) or not 0 <= self.protect < 1:
             raise ValueError(f"chelsea: protect must be a fraction in [0, 1), got {self.protect!r}")
+        k = self.protect_kernel
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0):
+            raise ValueError(f"chelsea: protect_kernel must be a positive odd integer, got {k!r}")
+        check_choice("chelsea", "protect_pooling", self.protect_pooling, ("max", "avg"))
+        check_choice("chelsea", "protect_window", self.protect_window, POOL_WINDOWS)
+        if not isinstance(self.calibrated, bool):
+            raise ValueError(f"chelsea: calibrated must be true or false, got {self.calibrated!r}")
         if self.protect and self.protected_per_chunk >= self.kept_per_chunk:
             raise ValueError(
-                f"chelsea: protect ({self.protect}) keeps {self.protected_per_chunk} of each {self.chunk_size}-token "
+                f"chelsea: protect ({self.protect}) keeps {self.protected_per_chunk} of each {self.chunk}-token "
                 f"chunk exact, but the chunk keeps only {self.kept_per_chunk} slots (ratio {self.ratio}): "
                 "use protect < ratio"
             )
 
     @property
+    def chunk(self) -> int:
+        """The chunk size in effect (the fallback when ``chunk_size`` is None and no calibration filled it)."""
+        return self.chunk_size if self.chunk_size is not None else self.CHUNK
+
+    @property
     def kept_per_chunk(self) -> int:
-        return max(1, math.ceil(self.ratio * self.chunk_size - 1e-9))
+        return max(1, math.ceil(self.ratio * self.chunk - 1e-9))
 
     @property
     def protected_per_chunk(self) -> int:
-        return math.ceil(self.protect * self.chunk_size - 1e-9) if self.protect else 0
+        return math.ceil(self.protect * self.chunk - 1e-9) if self.protect else 0
+
+    def settings(self, config) -> Chelsea:
+        """This policy for the model of ``config``: calibrated options filled in (when ``calibrated``, ``protect`` > 0
+        -- the calibration is of the protection -- and none of them was given), then the fallbacks; every field
+        concrete."""
+        from kvkit.calibrate.store import resolve
+
+        p = resolve(self, config)
+        k, pool, win = self.PROTECT_POOL
+        return dataclasses.replace(
+            p, chunk_size=p.chunk, protect_kernel=p.protect_kernel if p.protect_kernel is not None else k,
+            protect_pooling=p.protect_pooling or pool, protect_window=p.protect_window or win)
+
+    def uses_calibration(self) -> bool:
+        return bool(self.protect)  # the calibration is of the protection: the paper's matching takes none
+
+    def validate(self, config) -> None:
+        self.settings(config)  # a calibration that does not combine with the options fails at patch time
 
     def new_layer(self, info: LayerInfo):
-        return ChelseaStore(info, self)
+        return ChelseaStore(info, self.settings(info.config))
 
 
 def _rows(x, idx):
@@ -233,7 +287,8 @@ class ChelseaStore(SlotStore):
             qpos = torch.arange(self.seen - w, self.seen, device=query.device)
             scaling = getattr(module, "scaling", None) or self.info.head_dim**-0.5
             a = window_attention(query[:, :, -w:], self.keys, self.pos, qpos, scaling).sum(dim=2)  # [B, Hq, n]
-            self.score = pool_group(a, Chelsea.PROTECT_POOL, self.keys.shape[1], mode="max")
+            self.score = pool_group(a, self.p.protect_kernel, self.keys.shape[1], mode=self.p.protect_pooling,
+                                    window=self.p.protect_window)
         self.compress()
 
     def should_compress(self) -> bool:
