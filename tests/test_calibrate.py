@@ -43,6 +43,17 @@ def _section(**options):
     return {"options": options, "command": "test", "date": "2026-11-23"}
 
 
+def _refused(caldir, model, policy, options, cases):
+    """Each (section options, message) written as ``policy``'s calibration is refused when the model is patched."""
+    for bad, why in cases:
+        _write(caldir / "tiny.json", model, {policy: _section(**bad)})
+        store._CACHE.clear()
+        with pytest.raises(store.CalibrationError, match=why):
+            kvkit.patch(model, policy, **options)
+            kvkit.KVCache(model)
+        kvkit.unpatch(model)
+
+
 def _ids(n, seed=3):
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
@@ -195,14 +206,9 @@ def test_calibrated_snapkv_pooling_found_from_config(caldir):
     stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, SnapKVStore)]
     assert {st.pool_window for st in stores} == {"trailing"}
     kvkit.unpatch(model)
-    for bad, why in [(dict(kernel=31, pool_window="sideways"), "pool_window must be one of"),
-                     (dict(kernel=9, pooling="median"), "pooling must be 'avg' or 'max'")]:
-        _write(caldir / "tiny.json", model, {"snapkv": _section(**bad)})
-        store._CACHE.clear()
-        with pytest.raises(store.CalibrationError, match=why):
-            kvkit.patch(model, "snapkv", budget=16, window=4)
-            kvkit.KVCache(model)
-        kvkit.unpatch(model)
+    _refused(caldir, model, "snapkv", dict(budget=16, window=4), [
+        (dict(kernel=31, pool_window="sideways"), "pool_window must be one of"),
+        (dict(kernel=9, pooling="median"), "pooling must be 'avg' or 'max'")])
 
 
 def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
@@ -276,16 +282,11 @@ def test_calibrated_chelsea_protection_found_from_config(caldir):
 
     assert calibration_used(model, "chelsea", {"ratio": 0.5}) is None
     assert calibration_used(model, "chelsea", {"ratio": 0.5, "protect": 0.25})["options"]["chunk_size"] == 16
-    for bad, why in [(dict(chunk_size=16, protect_window="sideways"), "protect_window must be one of"),
-                     (dict(protect_kernel=4), "protect_kernel must be a positive odd integer"),
-                     (dict(chunk_size=2), r"do not combine.*use protect < ratio"),
-                     (dict(ratio=0.5), "may set only")]:
-        _write(caldir / "tiny.json", model, {"chelsea": _section(**bad)})
-        store._CACHE.clear()
-        with pytest.raises(store.CalibrationError, match=why):
-            kvkit.patch(model, "chelsea", ratio=0.5, protect=0.25)
-            kvkit.KVCache(model)
-        kvkit.unpatch(model)
+    _refused(caldir, model, "chelsea", dict(ratio=0.5, protect=0.25), [
+        (dict(chunk_size=16, protect_window="sideways"), "protect_window must be one of"),
+        (dict(protect_kernel=4), "protect_kernel must be a positive odd integer"),
+        (dict(chunk_size=2), r"do not combine.*use protect < ratio"),
+        (dict(ratio=0.5), "may set only")])
 
 
 def test_calibrate_chelsea_sweeps_the_protection_question_aware(monkeypatch):

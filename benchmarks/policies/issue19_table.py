@@ -70,11 +70,12 @@ if args.model == "default":
          "bytes", "cake2048-4k-qaware"),
         ("cake2048-4k-qaware", "cake", "budget 2048, calibrated taus (2, 2), paper kernel 5", "question in prefill",
          "bytes", None),
-        ("chelsea50p40-4k-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit, beyond the paper)", "question in prefill",
-         "bytes", "chelsea50-4k-qaware"),
-        ("chelsea50p25-4k-qaware", "chelsea", "ratio 0.5, protect 0.25 (kvkit, beyond the paper)", "question in prefill",
-         "bytes", "chelsea50-4k-qaware"),
-        ("chelsea50-4k-qaware", "chelsea", "ratio 0.5 (the paper's matching)", "question in prefill", "bytes", None),
+        ("chelsea50p40cal-4k-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit), calibrated protection: chunk 128, "
+         "kernel 61 avg trailing", "question in prefill", "bytes", "chelsea50p40-4k-qaware"),
+        ("chelsea50p40-4k-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit), fallback protection: chunk 64, kernel 7 "
+         "max centered", "question in prefill", "bytes", "chelsea50-4k-qaware"),
+        ("chelsea50-4k-qaware", "chelsea", "ratio 0.5, the paper's matching (protect 0)", "question in prefill", "bytes",
+         None),
         ("../ruler/streaming2048-4k", "streaming", "budget 2048", "agnostic", "bytes", None),
         ("duo081c200-4k", "duo", "~81% of KV removed, pattern calibrated 200 steps", "agnostic", "bytes", "duo081-4k"),
         ("duo081-4k", "duo", "~81% of KV removed, 12-step pattern", "agnostic", "bytes", None),
@@ -129,6 +130,10 @@ else:
          "agnostic", "bytes", None),
         ("cake2048", "cake", "budget 2048", "agnostic", "bytes", None),
         ("chelsea50", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
+        ("chelsea50p40cal-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit), calibrated protection",
+         "question in prefill", "bytes", "chelsea50-qaware"),
+        ("chelsea50-qaware", "chelsea", "ratio 0.5, the paper's matching (protect 0)", "question in prefill", "bytes",
+         None),
         ("zipcachecal", "zipcache", "calibrated with code needles: 4-bit keys, values 4/2-bit 60/40", "agnostic",
          "bytes", "zipcache"),
         ("zipcache", "zipcache", "paper 4/2-bit 60/40 (number-needle calibration = paper)", "agnostic", "bytes", None),
@@ -173,7 +178,9 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper
          "kvzip1024-4k": "uniform per layer", "snapkv2048cal-4k": "centered window (kernel 61)",
          "cake2048cal-4k": "taus (2, 2), centered kernel 15",
          "h100/snapkv512cal-4k-qaware": "centered window (kernel 61)",
-         "snapkv2048cal-qaware": "centered window (calibrated kernel 61)"}
+         "snapkv2048cal-qaware": "centered window (calibrated kernel 61)",
+         "chelsea50-4k-qaware": "paper matching (protect 0)", "chelsea50-qaware": "paper matching (protect 0)",
+         "chelsea50p40-4k-qaware": "fallback protection (chunk 64, kernel 7 max centered)"}
 
 
 def rows(folder):

@@ -31,7 +31,9 @@ SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalc
               "cake2048cal-4k-qaware", "snapkv1024cal-4k-qaware",
               # the centered pooling window, replaced by the calibrated trailing window at the same budget (*tr*)
               "snapkv2048cal-4k-qaware", "h100/snapkv1024cal-4k-qaware-s10", "h100/cake2048cal-4k-qaware-s10",
-              "h100/snapkv512cal-4k-qaware", "snapkv2048cal-4k", "cake2048cal-4k"}
+              "h100/snapkv512cal-4k-qaware", "snapkv2048cal-4k", "cake2048cal-4k",
+              # Chelsea's protection with kvkit's fallback pooling, replaced by the calibrated protection (*cal*)
+              "chelsea50p40-4k-qaware"}
 
 
 #: label offsets (points) tried in order next to a marker: right of it, then left, then further up / down
