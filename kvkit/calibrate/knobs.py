@@ -121,23 +121,30 @@ def tidal_candidates(num_layers: int) -> list[tuple[int, ...]]:
     return out
 
 
-def tidal_read_fraction(layout, num_layers: int, held: int, budget: int) -> float:
+def tidal_read_fraction(layout, num_layers: int, held: int, budget: int, select_attention: str = "full") -> float:
     """K/V read per decode step by tidal with ``layout`` as selection layers, as a fraction of full attention's,
-    at ``held`` tokens: the layers before the first selection layer and the selection layers read everything,
-    the others ``budget + 1`` rows (kv_head selection)."""
-    full = layout[0] + len(layout)
-    reuse = num_layers - full
-    return (full + reuse * min(1.0, (budget + 1) / held)) / num_layers
+    at ``held`` tokens: the layers before the first selection layer read everything, the reuse layers ``budget + 1``
+    rows (kv_head selection), the selection layers everything (``select_attention="full"``, the paper) or every key
+    and ``budget + 1`` values ("selected")."""
+    f = min(1.0, (budget + 1) / held)
+    sel = 1.0 if select_attention == "full" else 0.5 + 0.5 * f
+    reuse = num_layers - layout[0] - len(layout)
+    return (layout[0] + len(layout) * sel + reuse * f) / num_layers
 
 
-def tidal_budget_for(layout, num_layers: int, held: int, read_fraction: float) -> int | None:
+def tidal_budget_for(layout, num_layers: int, held: int, read_fraction: float,
+                     select_attention: str = "full") -> int | None:
     """The largest budget whose decode reads stay within ``read_fraction`` of full attention's at ``held``
     tokens (None: the layout's full-read layers alone exceed it, or no reuse layer is left)."""
-    full = layout[0] + len(layout)
-    reuse = num_layers - full
+    S = len(layout)
+    reuse = num_layers - layout[0] - S
     if reuse <= 0:
         return None
-    b = int((read_fraction * num_layers - full) * held / reuse) - 1
+    if select_attention == "full":
+        f = (read_fraction * num_layers - layout[0] - S) / reuse
+    else:
+        f = (read_fraction * num_layers - layout[0] - 0.5 * S) / (0.5 * S + reuse)
+    b = int(f * held) - 1
     return b if b >= 16 else None
 
 

@@ -66,6 +66,7 @@ MAX_SPARSE_CHUNK = 16  # longer multi-token forwards (chunked prefill) run exact
 GATHER_BYTES = 1 << 21  # torch path: gathered K/V per block of batch rows (cache-sized)
 SELECTIONS = ("q_head", "kv_head")
 REDUCTIONS = ("max", "sum")
+SELECT_ATTENTION = ("full", "selected")
 
 
 @register("tidal")
@@ -89,6 +90,11 @@ class Tidal(Policy):
     select_layers : sequence of int or None
         All selection layers, strictly increasing (e.g. ``[2, 12, 15, 18, 21]``); replaces layer 2 +
         ``reselect_layer`` (give one or the other). Layers before the first one read everything.
+    select_attention : str
+        "full" (default, the paper): a selection layer attends over every token (it reads every K and V row).
+        "selected" (kvkit, beyond the paper): a selection layer reads every key to rank the tokens, then attends
+        over its own selection plus the current token, reading only those value rows (about half a full read at a
+        small budget), so the same read budget affords a larger ``budget``.
     calibrated : bool
         True (default): when neither ``reselect_layer`` nor ``select_layers`` is given, use the model's
         calibrated selection layers (``kvkit calibrate tidal``; shipped for the bundled models, found from
@@ -100,6 +106,7 @@ class Tidal(Policy):
     selection: str = "q_head"  # TidalDecode selects per query head; "kv_head" is the GQA variant
     kv_reduce: str = "max"  # kvkit: group reduction for selection="kv_head"
     select_layers: tuple | None = None  # kvkit: explicit selection layers (per-model tuning, issue 19)
+    select_attention: str = "full"  # TidalDecode: selection layers attend fully; "selected": kvkit
     calibrated: bool = True  # kvkit: the model's calibrated select_layers when none given; False = paper layout
 
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
@@ -112,6 +119,7 @@ class Tidal(Policy):
         check_positive_int("tidal", "reselect_layer", self.reselect_layer, allow_none=True)
         check_choice("tidal", "selection", self.selection, SELECTIONS, allow_none=False)
         check_choice("tidal", "kv_reduce", self.kv_reduce, REDUCTIONS, allow_none=False)
+        check_choice("tidal", "select_attention", self.select_attention, SELECT_ATTENTION, allow_none=False)
         if self.select_layers is not None:
             layers = self.select_layers
             ok = isinstance(layers, (list, tuple)) and len(layers) > 0 and all(
@@ -201,6 +209,7 @@ class TidalStore(SlotStore):
         self.budget = policy.budget
         self.per_kv_head = policy.selection == "kv_head"
         self.kv_reduce = policy.kv_reduce
+        self.attend_selected = policy.select_attention == "selected"
         layers = policy.selection_layers(info.num_layers)
         i = info.layer_idx
         self.role = "full" if i < layers[0] else "select" if i in layers else "reuse"
@@ -254,7 +263,6 @@ class TidalStore(SlotStore):
         p = torch.softmax(s, dim=-1)
         if not plain:
             p = torch.nan_to_num(p, nan=0.0)
-        out = torch.matmul(p, self.values.float())  # [B, H, G*T, D]
         p5 = p.view(B, H, G, T, n)
         if plain:  # candidates: every slot before the current token's (the last one)
             if self.per_kv_head:
@@ -287,8 +295,23 @@ class TidalStore(SlotStore):
                 valid = None
         sel = self.info.shared
         sel.seen, sel.T, sel.idx, sel.valid, sel.on = self.seen, T, idx, valid, {}
-        self.last_read = self.last_full_read
-        return out.view(B, H, G, T, D).reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+        if not self.attend_selected:
+            self.last_read = self.last_full_read
+            out = torch.matmul(p, self.values.float())  # [B, H, G*T, Dv]
+            return out.view(B, H, G, T, -1).reshape(B, Hq, T, -1).transpose(1, 2).to(query.dtype)
+        # attention over the selection only, from the scores already computed: every key read, the selected values
+        Gs, L, Dv = Hs // H, idx.shape[-1], self.values.shape[-1]
+        i5 = idx.view(B, H, Gs, T, L)
+        w = s5.gather(-1, i5.expand(B, H, G, T, L))
+        if valid is not None:
+            w = w.masked_fill(~valid.view(B, H, Gs, T, L).expand(B, H, G, T, L), float("-inf"))
+        w = torch.nan_to_num(torch.softmax(w, dim=-1), nan=0.0)
+        v = self.values.gather(2, i5.reshape(B, H, Gs * T * L, 1).expand(B, H, Gs * T * L, Dv))
+        v = v.view(B, H, Gs, T, L, Dv).float()
+        out = torch.einsum("bhgtl,bhgtld->bhgtd", w, v.expand(B, H, G, T, L, Dv))
+        self.last_read = B * H * n * self.keys.shape[-1] * self.keys.element_size() + \
+            idx.numel() * Dv * self.values.element_size()
+        return out.reshape(B, Hq, T, Dv).transpose(1, 2).to(query.dtype)
 
     def _reuse(self, query, sel, scaling):
         """Attention over the selected rows plus the current token only; returns ``[B, T, Hq, D]``."""
