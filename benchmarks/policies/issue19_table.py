@@ -30,6 +30,8 @@ if args.model == "default":
         ("duo054-4k", "duo", "~54% of KV removed, 12-step pattern (shipped before)", "agnostic", "bytes", None),
         ("tidalcode1380kv-4k", "tidal", "budget 1380, kv_head, layers [2, 8, 14, 20, 26] (code-needle calibration, rejected: not shipped)",
          "agnostic", "reads", "tidal1732kv-4k"),
+        ("tidalsel1537kv-4k", "tidal", "budget 1537, kv_head, layers [2, 6, ..., 26], select_attention=selected "
+         "(kvkit: selection layers read every key, only the selected values)", "agnostic", "reads", "tidalrf1132kv-4k"),
         ("tidalrf1132kv-4k", "tidal", "budget 1132, kv_head, layers [2, 6, ..., 26] (read-fraction calibration)", "agnostic", "reads", "tidal1732kv-4k"),
         ("tidalcal1732kv-4k", "tidal", "budget 1732, kv_head, layers [2, 15, 21] (first calibration)",
          "agnostic", "reads", "tidal1732kv-4k"),
@@ -130,7 +132,8 @@ else:
          "agnostic", "bytes", None),
         ("cake2048", "cake", "budget 2048", "agnostic", "bytes", None),
         ("chelsea50", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
-        ("chelsea50p40cal-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit), calibrated protection",
+        ("chelsea50p40cal-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit), calibrated protection: chunk 256, "
+         "kernel 31 max trailing",
          "question in prefill", "bytes", "chelsea50-qaware"),
         ("chelsea50-qaware", "chelsea", "ratio 0.5, the paper's matching (protect 0)", "question in prefill", "bytes",
          None),
@@ -161,11 +164,13 @@ else:
     ]
 # tidal stores every byte and saves reads: (selection layers, model layers, budget) of each tidal run, for the
 # per-step read fraction at the run's prompt length (kvkit.calibrate.knobs.tidal_read_fraction; the first decode step)
-READS = {"tidalcode1380kv-4k": ((2, 8, 14, 20, 26), 30, 1380), "tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
+READS = {"tidalsel1537kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1537, "selected"),
+         "tidalcode1380kv-4k": ((2, 8, 14, 20, 26), 30, 1380), "tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
          "tidal1732kv-4k": ((2, 12), 30, 1732), "tidal550kv-4k": ((2, 12), 30, 550),
          "h100/tidalrf566kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 566),
          "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
-PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)", "zipcache-4k": "paper 4/2-bit 60/40",
+PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
+         "tidalrf1132kv-4k": "selection layers attend fully (the paper), budget 1132", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
          "chelsea25-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",
@@ -222,8 +227,9 @@ for folder, policy, setting, protocol, saves, paper in RUNS:
     if folder in READS:
         from kvkit.calibrate.knobs import tidal_read_fraction
 
-        layout, n_layers, budget = READS[folder]
-        reads = statistics.mean(tidal_read_fraction(layout, n_layers, rs[i]["prompt_tokens"] + 1, budget) for i in ids)
+        layout, n_layers, budget, *attend = READS[folder]
+        reads = statistics.mean(tidal_read_fraction(layout, n_layers, rs[i]["prompt_tokens"] + 1, budget, *attend)
+                                for i in ids)
     row = dict(run=folder, policy=policy, setting=setting, protocol=protocol, samples=len(ids),
                tasks=len(per_task), min_per_task=min(per_task.values()) if len(per_task) == 13 else 0,
                average=round(a, 2), full_same=round(f, 2), retention=round(a / f, 3) if f else None,
