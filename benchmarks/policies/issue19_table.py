@@ -47,6 +47,8 @@ if args.model == "default":
         ("chelsea50-4k", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
         ("chelsea50p25-4k", "chelsea", "ratio 0.5, protect 0.25 (kvkit, beyond the paper)", "agnostic", "bytes",
          "chelsea50-4k"),
+        ("chelsea50p40cal-4k", "chelsea", "ratio 0.5, protect 0.4 (kvkit), calibrated protection: chunk 128, kernel 61 "
+         "avg trailing", "agnostic", "bytes", "chelsea50-4k"),
         ("snapkv2048cal-4k", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
          "snapkv2048-4k"),
         ("snapkv2048-4k", "snapkv", "budget 2048, paper pooling", "agnostic", "bytes", None),

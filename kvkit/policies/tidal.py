@@ -94,7 +94,9 @@ class Tidal(Policy):
         "full" (default, the paper): a selection layer attends over every token (it reads every K and V row).
         "selected" (kvkit, beyond the paper): a selection layer reads every key to rank the tokens, then attends
         over its own selection plus the current token, reading only those value rows (about half a full read at a
-        small budget), so the same read budget affords a larger ``budget``.
+        small budget), so the same read budget affords a larger ``budget``. Measured on the default model (RULER-4K,
+        65 samples, reads 0.50 of full's): 0.78 retention at budget 1537 vs 0.87 with full selection layers at budget
+        1132: the selection layers' exact attention is worth more than the larger budget; not the default.
     calibrated : bool
         True (default): when neither ``reselect_layer`` nor ``select_layers`` is given, use the model's
         calibrated selection layers (``kvkit calibrate tidal``; shipped for the bundled models, found from
