@@ -317,7 +317,7 @@ def test_selected_attention_at_selection_layers(selection, monkeypatch):
     _, logits, cache = _run(model, _ids(40), steps=3)
     kvkit.unpatch(model)
     assert len(seen) == 2 * 3  # two selection layers, three decode steps
-    for out, ref, read, rows in seen:
+    for out, ref, _, _ in seen:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     n = 40 + 3  # held at the last step
     out, ref, read, rows = seen[-1]
