@@ -150,11 +150,8 @@ def cmd_calibrate_knob(args) -> int:
     from kvkit.calibrate import knobs, store
     from kvkit.models import load, resolve_name
 
-    kernels = None  # checked before the model loads: a typo costs no minutes
-    if getattr(args, "kernels", None) is not None:
-        if args.knob != "cake":
-            raise SystemExit(f"--kernels applies to `kvkit calibrate cake` only (not {args.knob})")
-        kernels = _parse_kernels(args.kernels)
+    # --kernels (cake's parser only) is checked before the model loads: a typo costs no minutes
+    kernels = None if getattr(args, "kernels", None) is None else _parse_kernels(args.kernels)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", flush=True)
