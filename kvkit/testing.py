@@ -96,3 +96,25 @@ def greedy_stacked(model, ids, steps: int = 10, mask=None):
     """``greedy`` with the per-step logits stacked: returns (tokens [B, steps], logits [B, steps+1, V], cache)."""
     toks, logits, cache = greedy(model, ids, steps, attention_mask=mask)
     return toks, torch.stack(logits, 1), cache
+
+
+def reconstruction_scores_reference(model, ids, chunk: int, overlap: int) -> torch.Tensor:
+    """KVzip's scores written out with transformers' eager attention on the unpatched model: for each chunk of
+    the context (cut from the end), the context followed by the chunk's repeat (``overlap`` tokens of the previous
+    chunk first) runs as one sequence; a context token of the chunk scores the largest attention probability any
+    repeat query of its KV head's group pays it. Returns ``[layers, H, S]``. The reference of
+    :mod:`kvkit.stores.reconstruct` (tests of ``kvzip`` and of ``chelsea``'s reconstruction-scored protection); the
+    model is left in eager attention."""
+    S = ids.shape[1]
+    cfg = model.config
+    H, g = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    out = torch.full((cfg.num_hidden_layers, H, S), -1.0)
+    model.set_attn_implementation("eager")
+    for e in range(S, 0, -chunk):
+        lo, s = max(e - chunk, 0), max(e - chunk - overlap, 0)
+        seq = torch.cat([ids, ids[:, s:e]], dim=1)
+        att = model(seq, output_attentions=True, use_cache=False).attentions  # per layer [1, Hq, L, L]
+        for li, a in enumerate(att):
+            rows = a[0, :, S:, lo:e]  # repeat queries -> the chunk's own context tokens
+            out[li, :, lo:e] = rows.amax(dim=1).view(H, g, e - lo).amax(dim=1)
+    return out

@@ -253,9 +253,10 @@ def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
 
 
 def test_calibrated_chelsea_protection_found_from_config(caldir):
-    """Chelsea's chunk size and protection score: the calibration when protect > 0 and none of them is given; the
-    paper's matching (protect 0) and calibrated=False take kvkit's fallbacks (64-token chunks, kernel 7 max centered);
-    a malformed section is refused when the model is patched."""
+    """Chelsea's chunk size and protection score: the calibration when protect > 0 (the default protects 0.8 x ratio)
+    and none of them is given; the paper's matching (protect 0) and calibrated=False (which also makes the default
+    protect 0) take kvkit's fallbacks (64-token chunks, kernel 7 max centered); a malformed section is refused when
+    the model is patched."""
     from kvkit.policies.chelsea import ChelseaStore
 
     model = tiny_model("llama", num_hidden_layers=4)
@@ -269,7 +270,12 @@ def test_calibrated_chelsea_protection_found_from_config(caldir):
         return p.chunk_size, p.protect_kernel, p.protect_pooling, p.protect_window
 
     assert got(ratio=0.5, protect=0.25) == (16, 5, "avg", "trailing")
-    assert got(ratio=0.5) == (64, 7, "max", "centered")  # the paper's matching: no protection to calibrate
+    assert got(ratio=0.5) == (16, 5, "avg", "trailing")  # the default protects: calibrated
+    # with the calibrated 16-token chunk the default protects ceil(0.8 * 0.5 * 16) = 7 of the 8 kept slots
+    assert chel(ratio=0.5).settings(cfg).protected_per_chunk == 7
+    assert got(ratio=0.5, protect=0) == (64, 7, "max", "centered")  # the paper's matching: no protection to calibrate
+    assert got(ratio=0.5, calibrated=False) == (64, 7, "max", "centered")
+    assert chel(ratio=0.5, calibrated=False).settings(cfg).protected_per_chunk == 0  # the paper's whole setting
     assert got(ratio=0.5, protect=0.25, calibrated=False) == (64, 7, "max", "centered")
     assert got(ratio=0.5, protect=0.25, chunk_size=32) == (32, 7, "max", "centered")  # never mixed
     kvkit.patch(model, "chelsea", ratio=0.5, protect=0.25, window=4, sink=2)
@@ -280,7 +286,8 @@ def test_calibrated_chelsea_protection_found_from_config(caldir):
     kvkit.unpatch(model)
     from kvkit.evals.common import calibration_used
 
-    assert calibration_used(model, "chelsea", {"ratio": 0.5}) is None
+    assert calibration_used(model, "chelsea", {"ratio": 0.5, "protect": 0}) is None
+    assert calibration_used(model, "chelsea", {"ratio": 0.5})["options"]["chunk_size"] == 16
     assert calibration_used(model, "chelsea", {"ratio": 0.5, "protect": 0.25})["options"]["chunk_size"] == 16
     _refused(caldir, model, "chelsea", dict(ratio=0.5, protect=0.25), [
         (dict(chunk_size=16, protect_window="sideways"), "protect_window must be one of"),

@@ -120,7 +120,7 @@ def test_evicting_changes_decode_but_not_prefill():
     (dict(budget=32), r"budget \(32\) must be larger than window \(32\)"),
     (dict(budget=0), "budget must be a positive integer"),
     (dict(window=0), "window must be a positive integer"),
-    (dict(pool_kernel=4), "pool_kernel must be odd"),
+    (dict(pool_kernel=4), "pool_kernel must be a positive odd integer"),
     (dict(tail=33), "tail .* must be at most window"),
     (dict(gamma=-1.0), "gamma must be a non-negative number"),
     (dict(tau1=0), "tau1 must be a positive number"),

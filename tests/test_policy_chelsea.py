@@ -19,10 +19,11 @@ def _stores(cache):
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.2])
-def test_slots_per_chunk_and_nbytes(ratio):
+@pytest.mark.parametrize("protect", [None, 0])
+def test_slots_per_chunk_and_nbytes(ratio, protect):
     model = tiny_model("llama")
     n = 70
-    kvkit.patch(model, "chelsea", ratio=ratio, **SMALL)
+    kvkit.patch(model, "chelsea", ratio=ratio, protect=protect, **SMALL)
     cache = kvkit.KVCache(model)
     with torch.no_grad():
         model(input_ids=_ids(n), past_key_values=cache, use_cache=True)
@@ -39,8 +40,11 @@ def test_slots_per_chunk_and_nbytes(ratio):
         # centroid position = latest member; all strictly before the exact window
         assert int(s.pos[..., : s.n_merged].max()) < n - 4
         slots = s.num_slots()
-        # k, v fp32 [1, 2, slots, 16]; pos, size int32 per head; first_pos int32 [1]; merged_upto int64 [1]
-        assert s.nbytes() == 2 * 2 * slots * 16 * 4 + 2 * slots * 4 * 2 + 4 + 8
+        # k, v fp32 [1, 2, slots, 16]; pos, size int32 per head; first_pos int32 [1]; merged_upto int64 [1]; with the
+        # default protection (0.8 of the kept slots, at most all but one) an fp32 score per slot and head
+        assert s.p.protected_per_chunk == (0 if protect == 0 else min(math.ceil(0.8 * K), K - 1))
+        score = 2 * slots * 4 if s.p.protected_per_chunk else 0
+        assert s.nbytes() == 2 * 2 * slots * 16 * 4 + 2 * slots * 4 * 2 + 4 + 8 + score
     kvkit.unpatch(model)
 
 
@@ -226,3 +230,110 @@ def test_protection_score_pooling_matches_reference(monkeypatch, kernel, pooling
             ref[..., j] = part.sum(-1) / kernel
     ref = ref.view(B, H, Hq // H, n).mean(2)
     torch.testing.assert_close(score, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_default_protection_is_a_share_of_the_kept_slots_and_protect_0_is_the_paper():
+    """protect=None (the default) protects PROTECT_SHARE (0.8) of a chunk's kept slots, at most all but one: the very
+    cache of the explicit fraction; protect=0 and calibrated=False are the paper's matching (no score, no protection)."""
+    from kvkit.policies.chelsea import Chelsea
+
+    assert Chelsea.PROTECT_SHARE == 0.8
+    model = tiny_model("llama")
+    ids = _ids(70)
+
+    def cache_of(**kw):
+        kvkit.patch(model, "chelsea", ratio=0.5, **SMALL, **kw)
+        cache = kvkit.KVCache(model)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        kvkit.unpatch(model)
+        return [(s.keys, s.values, s.pos, s.size, s.p.protected_per_chunk) for s in _stores(cache)]
+
+    default, explicit = cache_of(), cache_of(protect=3 / 8)  # 8-token chunks keep 4: min(ceil(0.8 * 4), 3) = 3
+    paper, uncalibrated = cache_of(protect=0), cache_of(calibrated=False)
+    for a, b, c, d in zip(default, explicit, paper, uncalibrated):
+        assert a[4] == b[4] == 3 and c[4] == d[4] == 0
+        assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4]))
+        assert all(torch.equal(x, y) for x, y in zip(c[:4], d[:4]))
+    assert any(not torch.equal(a[0], c[0]) for a, c in zip(default, paper))
+    # a ratio too small to keep two slots of a chunk protects nothing (it would leave nothing to merge into)
+    assert Chelsea(ratio=0.1, chunk_size=8).protected_per_chunk == 0
+    with pytest.raises(ValueError, match=r"protect must be a fraction in \[0, 1\) \(0: the paper's matching\)"):
+        Chelsea(protect="some")
+
+
+RECON = dict(SMALL, ratio=0.5, protect_score="reconstruct", recon_chunk=10)
+
+
+def test_reconstruct_protection_scores_the_repeat_and_keeps_its_best_exact(monkeypatch):
+    """protect_score="reconstruct": merging waits for KVzip's reconstruction pass; the protection score of every
+    prefill slot is the largest attention a repeat query of its KV group pays it (transformers' eager attention on
+    the context followed by each chunk's repeat), and each merged chunk keeps its top slots by that score exact.
+    The pass leaves no trace: the cache holds the 70 tokens, the prefill's logits are those of the window protection."""
+    from kvkit.policies.chelsea import Chelsea
+    from kvkit.testing import reconstruction_scores_reference
+
+    seen = []
+    compress = ChelseaStore.compress
+
+    def spy(self):
+        if self.score is not None and len(seen) < len(model.model.layers):
+            seen.append((self.score.clone(), self.pos.clone()))
+        compress(self)
+
+    monkeypatch.setattr(ChelseaStore, "compress", spy)
+    model = tiny_model("llama", num_hidden_layers=2)  # GQA: 4 query heads over 2 KV heads
+    ids = _ids(70)
+    with torch.no_grad():
+        kvkit.patch(model, "chelsea", **dict(RECON, protect_score="window"))
+        window_logits = model(input_ids=ids, use_cache=True).logits
+        kvkit.unpatch(model)
+        seen.clear()
+        kvkit.patch(model, "chelsea", **RECON)
+        cache = kvkit.KVCache(model)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        kvkit.unpatch(model)
+        ref = reconstruction_scores_reference(model, ids, 10, Chelsea.RECON_OVERLAP)
+    torch.testing.assert_close(logits, window_logits)
+    assert cache.get_seq_length() == 70 and not cache.scoring_pass
+    P = 3  # 8-token chunks keep 4: min(ceil(0.8 * 4), 3) protected
+    for li, (st, (score, pos)) in enumerate(zip(_stores(cache), seen)):
+        assert st.p.protected_per_chunk == P and st.num_slots() == 8 * 4 + 70 - 8 * 8
+        assert torch.equal(pos[0, 0].long(), torch.arange(70))  # nothing merged before the pass
+        torch.testing.assert_close(score[0], ref[li], rtol=1e-4, atol=1e-6)
+        for h in range(score.shape[1]):
+            exact = set(st.pos[0, h, : st.n_merged][st.size[0, h, : st.n_merged] == 1].tolist())
+            for c in range(8):
+                lo = 2 + 8 * c
+                top = ref[li, h, lo : lo + 8].topk(P).indices + lo
+                assert set(top.tolist()) <= exact, (li, h, c)
+
+
+def test_reconstruct_protection_in_generate_batches_and_refusals():
+    """A left-padded row keeps what it keeps alone (greedy tokens), generate() runs the pass, a replayed prefill
+    (which would skip the pass) is refused, and embeddings without ids are refused with what to do."""
+    from kvkit.evals.shared_prefill import replayable
+    from kvkit.testing import greedy, left_padded_batch
+
+    model = tiny_model("qwen2")
+    ids, mask, prompts = left_padded_batch([60, 45], seed=2)
+    kvkit.patch(model, "chelsea", **RECON)
+    try:
+        toks, _, _ = greedy(model, ids, 6, attention_mask=mask)
+        for i, p in enumerate(prompts):
+            alone, _, _ = greedy(model, p[None], 6)
+            assert torch.equal(toks[i], alone[0]), i
+        out = model.generate(ids[:1], max_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 64)
+        assert not kvkit.patched_policy(model).replays_prefill()
+        with torch.no_grad(), pytest.raises(ValueError, match="input_ids.*protect_score='window'"):
+            model(inputs_embeds=model.get_input_embeddings()(ids[:1]), use_cache=True)
+    finally:
+        kvkit.unpatch(model)
+    assert replayable("chelsea") and replayable("chelsea", {"ratio": 0.5})
+    assert not replayable("chelsea", {"protect_score": "reconstruct"})
+    assert replayable("chelsea", {"protect_score": "reconstruct", "protect": 0})  # nothing to protect: no pass
+    with pytest.raises(ValueError, match="protect_score must be one of window, reconstruct"):
+        kvkit.get_policy("chelsea", protect_score="question")
+    with pytest.raises(ValueError, match="recon_chunk must be a positive integer"):
+        kvkit.get_policy("chelsea", protect_score="reconstruct", recon_chunk=0)

@@ -121,6 +121,12 @@ def test_bad_options_are_refused(policy):
             for bad in (-3, True, 2.5) + ((0,) if name != "window" else ()):  # a window of 0 can be valid
                 with pytest.raises(ValueError, match=name):
                     kvkit.get_policy(policy, **{name: bad})
+    for name in ("kernel", "pool_kernel", "protect_kernel"):  # pooling kernels: one check, one message
+        if name in fields:
+            for bad in (4, 0, -1, True, 2.5, "5"):
+                with pytest.raises(ValueError, match=f"{policy}: {name} must be a positive odd integer"):
+                    kvkit.get_policy(policy, **{name: bad})
+            kvkit.get_policy(policy, **{name: 1})
 
 
 @pytest.mark.parametrize("policy", POLICIES)

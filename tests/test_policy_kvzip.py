@@ -6,28 +6,9 @@ import torch
 import kvkit
 from kvkit.policies.kvzip import KVzipStore
 from kvkit.testing import random_ids, tiny_model
+from kvkit.testing import reconstruction_scores_reference as _reference_scores
 
 OPTS = dict(budget=20, window=4, sink=2, chunk=10, overlap=3, tail=4, adaptive=False)
-
-
-def _reference_scores(model, ids, chunk, overlap):
-    """KVzip's scores written out with transformers' eager attention on the unpatched model: for each chunk of
-    the context (cut from the end), the context followed by the chunk's repeat (``overlap`` tokens of the previous
-    chunk first) runs as one sequence; a context token of the chunk scores the largest attention probability any
-    repeat query of its KV head's group pays it. Returns ``[layers, H, S]``."""
-    S = ids.shape[1]
-    cfg = model.config
-    H, g = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
-    out = torch.full((cfg.num_hidden_layers, H, S), -1.0)
-    model.set_attn_implementation("eager")
-    for e in range(S, 0, -chunk):
-        lo, s = max(e - chunk, 0), max(e - chunk - overlap, 0)
-        seq = torch.cat([ids, ids[:, s:e]], dim=1)
-        att = model(seq, output_attentions=True, use_cache=False).attentions  # per layer [1, Hq, L, L]
-        for li, a in enumerate(att):
-            rows = a[0, :, S:, lo:e]  # repeat queries -> the chunk's own context tokens
-            out[li, :, lo:e] = rows.amax(dim=1).view(H, g, e - lo).amax(dim=1)
-    return out
 
 
 def test_scores_are_the_models_attention_while_repeating_the_context():

@@ -101,9 +101,9 @@ def test_trailing_window_gives_the_tokens_after_an_attended_token_its_score():
 def test_options_refused_with_what_to_do():
     with pytest.raises(ValueError, match="pooling must be 'avg' or 'max'"):
         kvkit.registry.policy_class("snapkv")(pooling="median")
-    with pytest.raises(ValueError, match="kernel must be odd"):
+    with pytest.raises(ValueError, match="kernel must be a positive odd integer"):
         kvkit.registry.policy_class("snapkv")(kernel=4)
-    with pytest.raises(ValueError, match="kernel must be a positive integer"):
+    with pytest.raises(ValueError, match="kernel must be a positive odd integer"):
         kvkit.registry.policy_class("snapkv")(kernel=0)
     with pytest.raises(ValueError, match="calibrated must be true or false"):
         kvkit.registry.policy_class("snapkv")(calibrated="yes")

@@ -22,21 +22,21 @@ for w in $WHICH; do
     8x4096)  # budgets: streaming/cake T/2, tidal T/4, shadowkv T/8 (min_prompt below the context)
       $KVKIT bench --model default --policy zipcache --lengths 4096 --batch 8 \
         --add tidal:budget=1024 --add tidal:budget=1024,selection=kv_head --add shadowkv:budget=512,min_prompt=1024 \
-        --add chelsea:ratio=0.5 --add cake:budget=2048 --add duo --add streaming:budget=2048 \
+        --add chelsea:ratio=0.5,protect=0 --add cake:budget=2048 --add duo --add streaming:budget=2048 \
         --threads "$THREADS" --rounds "$ROUNDS" --steps "$STEPS" --profile "${CACHE[@]}" --out "$OUT/batch-8x4096-$TAG" ;;
     1x1024)
       $KVKIT bench --model default --policy zipcache --lengths 1024 --batch 1 \
         --add tidal:budget=256 --add tidal:budget=256,selection=kv_head --add shadowkv:budget=128,min_prompt=512 \
-        --add chelsea:ratio=0.5 --add cake:budget=512 --add duo --add streaming:budget=512 \
+        --add chelsea:ratio=0.5,protect=0 --add cake:budget=512 --add duo --add streaming:budget=512 \
         --threads "$THREADS" --rounds "$ROUNDS" --steps "$STEPS" --profile --out "$OUT/batch-1x1024-$TAG" ;;
     memory)  # memory-saving policies (tidal saves reads, not memory)
       $KVKIT bench --model default --policy zipcache --lengths 4096 --batch 8 \
-        --add shadowkv:budget=512,min_prompt=1024 --add chelsea:ratio=0.5 --add cake:budget=2048 --add duo \
+        --add shadowkv:budget=512,min_prompt=1024 --add chelsea:ratio=0.5,protect=0 --add cake:budget=2048 --add duo \
         --add streaming:budget=2048 --threads 1 --rounds "$ROUNDS" --steps "$STEPS" --memory 4 --max-batch 24 \
         "${CACHE[@]}" --out "$OUT/batch-memory4-$TAG" ;;
     chunked)  # peak prefill memory at batch 8 x 4096: full one-shot vs every policy's chunked prefill
       $KVKIT bench --model default --policy streaming --budget 2048 --lengths 4096 --batch 8 --prefill-chunk 1024 \
-        --oneshot full --decode-tokens 2 --add duo --add cake:budget=2048 --add chelsea:ratio=0.5 --add zipcache \
+        --oneshot full --decode-tokens 2 --add duo --add cake:budget=2048 --add chelsea:ratio=0.5,protect=0 --add zipcache \
         --add shadowkv:budget=512,min_prompt=1024 --threads 2 --out "$OUT/chunked-prefill-8x4096-$TAG" ;;
     *) echo "unknown: $w" >&2; exit 2 ;;
   esac

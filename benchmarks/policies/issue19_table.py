@@ -44,11 +44,11 @@ if args.model == "default":
          "cake2048-4k"),
         ("cake2048-4k", "cake", "budget 2048, taus (1, 1), kernel 5 (before the calibrations)", "agnostic", "bytes",
          None),
-        ("chelsea50-4k", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
+        ("chelsea50-4k", "chelsea", "ratio 0.5, protect 0 (the paper's matching)", "agnostic", "bytes", None),
         ("chelsea50p25-4k", "chelsea", "ratio 0.5, protect 0.25 (kvkit, beyond the paper)", "agnostic", "bytes",
          "chelsea50-4k"),
-        ("chelsea50p40cal-4k", "chelsea", "ratio 0.5, protect 0.4 (kvkit), calibrated protection: chunk 128, kernel 61 "
-         "avg trailing", "agnostic", "bytes", "chelsea50-4k"),
+        ("chelsea50p40cal-4k", "chelsea", "ratio 0.5, protect 0.4 (kvkit's default), calibrated protection: chunk 128, "
+         "kernel 61 avg trailing", "agnostic", "bytes", "chelsea50-4k"),
         ("snapkv2048cal-4k", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
          "snapkv2048-4k"),
         ("snapkv2048-4k", "snapkv", "budget 2048, paper pooling", "agnostic", "bytes", None),
@@ -74,7 +74,7 @@ if args.model == "default":
          "bytes", "cake2048-4k-qaware"),
         ("cake2048-4k-qaware", "cake", "budget 2048, calibrated taus (2, 2), paper kernel 5", "question in prefill",
          "bytes", None),
-        ("chelsea50p40cal-4k-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit), calibrated protection: chunk 128, "
+        ("chelsea50p40cal-4k-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit's default), calibrated protection: chunk 128, "
          "kernel 61 avg trailing", "question in prefill", "bytes", "chelsea50p40-4k-qaware"),
         ("chelsea50p40-4k-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit), fallback protection: chunk 64, kernel 7 "
          "max centered", "question in prefill", "bytes", "chelsea50-4k-qaware"),
@@ -86,10 +86,10 @@ if args.model == "default":
         ("tidal550kv-4k", "tidal", "budget 550, kv_head, paper layers 2 + 12", "agnostic", "reads", None),
         ("cake1024-4k", "cake", "budget 1024, taus (1, 1)", "agnostic", "bytes", None),
         ("cake1024-4k-qaware", "cake", "budget 1024, taus (1, 1)", "question in prefill", "bytes", None),
-        ("chelsea25-4k", "chelsea", "ratio 0.25", "agnostic", "bytes", None),
-        ("chelsea20p16cal-4k", "chelsea", "ratio 0.2 (the paper's), protect 0.16 (kvkit), calibrated protection",
+        ("chelsea25-4k", "chelsea", "ratio 0.25, protect 0 (the paper's matching)", "agnostic", "bytes", None),
+        ("chelsea20p16cal-4k", "chelsea", "ratio 0.2 (the paper's), protect 0.16 (kvkit's default), calibrated protection",
          "agnostic", "bytes", "chelsea20-4k"),
-        ("chelsea20p16cal-4k-qaware", "chelsea", "ratio 0.2 (the paper's), protect 0.16 (kvkit), calibrated protection",
+        ("chelsea20p16cal-4k-qaware", "chelsea", "ratio 0.2 (the paper's), protect 0.16 (kvkit's default), calibrated protection",
          "question in prefill", "bytes", None),
         ("chelsea25p125-4k", "chelsea", "ratio 0.25, protect 0.125 (kvkit, beyond the paper)", "agnostic", "bytes",
          "chelsea25-4k"),
@@ -137,8 +137,8 @@ else:
         ("kvzip2048a", "kvzip", "budget 2048 on average, layers ranked together (adaptive: the default, the paper's ranking)",
          "agnostic", "bytes", None),
         ("cake2048", "cake", "budget 2048", "agnostic", "bytes", None),
-        ("chelsea50", "chelsea", "ratio 0.5", "agnostic", "bytes", None),
-        ("chelsea50p40cal-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit), calibrated protection: chunk 256, "
+        ("chelsea50", "chelsea", "ratio 0.5, protect 0 (the paper's matching)", "agnostic", "bytes", None),
+        ("chelsea50p40cal-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit's default), calibrated protection: chunk 256, "
          "kernel 31 max trailing",
          "question in prefill", "bytes", "chelsea50-qaware"),
         ("chelsea50-qaware", "chelsea", "ratio 0.5, the paper's matching (protect 0)", "question in prefill", "bytes",
@@ -160,7 +160,7 @@ else:
         ("kvzip1024", "kvzip", "budget 1024, uniform per layer, no instruction", "agnostic", "bytes",
          None),
         ("cake1024", "cake", "budget 1024", "agnostic", "bytes", None),
-        ("chelsea25", "chelsea", "ratio 0.25", "agnostic", "bytes", None),
+        ("chelsea25", "chelsea", "ratio 0.25, protect 0 (the paper's matching)", "agnostic", "bytes", None),
         ("shadowkv512", "shadowkv", "budget 512, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
         ("tidal550kv", "tidal", "budget 550, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake1024-qaware", "cake", "budget 1024", "question in prefill", "bytes", None),

@@ -14,7 +14,7 @@ case ${1:-6} in
 6) RUNS="--run duo054-4k=duo:sparsity=0.54 --run duo081-4k=duo:sparsity=0.81
  --run tidal1732kv-4k=tidal:budget=1732,selection=kv_head --run tidal550kv-4k=tidal:budget=550,selection=kv_head
  --run cake2048-4k=cake:budget=2048 --run cake1024-4k=cake:budget=1024" ;;
-7) RUNS="--run chelsea50-4k=chelsea:ratio=0.5 --run chelsea20-4k=chelsea:ratio=0.2 --run chelsea25-4k=chelsea:ratio=0.25
+7) RUNS="--run chelsea50-4k=chelsea:ratio=0.5,protect=0 --run chelsea20-4k=chelsea:ratio=0.2,protect=0 --run chelsea25-4k=chelsea:ratio=0.25,protect=0
  --run zipcache-4k=zipcache --run zipcache84-4k=zipcache:high_bits=8,low_bits=4
  --run shadowkv1024-4k=shadowkv:budget=1024,min_prompt=2048
  --run zipcache84r40-4k=zipcache:high_bits=8,low_bits=4,high_ratio=0.4" ;;

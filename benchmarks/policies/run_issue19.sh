@@ -53,7 +53,7 @@ chelsea-qaware)
     fallback) nice -n 5 .venv/bin/kvkit eval ruler --model default --policy chelsea \
       --opt ratio=0.5,protect=0.4,calibrated=false --full-prompt-prefill --prompts $P --samples $n \
       --out results/policies/chelsea50p40-4k-qaware --resume ;;
-    paper) nice -n 5 .venv/bin/kvkit eval ruler --model default --policy chelsea --opt ratio=0.5 --full-prompt-prefill \
+    paper) nice -n 5 .venv/bin/kvkit eval ruler --model default --policy chelsea --opt ratio=0.5,protect=0 --full-prompt-prefill \
       --prompts $P --samples $n --out results/policies/chelsea50-4k-qaware --resume ;;
     esac
   done ;;

@@ -22,12 +22,12 @@ case ${1:-half} in
 half)
   nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
     --run full=full --run streaming2048=streaming:budget=2048 --run snapkv2048=snapkv:budget=2048 \
-    --run cake2048=cake:budget=2048 --run chelsea50=chelsea:ratio=0.5 --run zipcache=zipcache \
+    --run cake2048=cake:budget=2048 --run chelsea50=chelsea:ratio=0.5,protect=0 --run zipcache=zipcache \
     --run shadowkv1024=shadowkv:budget=1024,min_prompt=2048 --run tidal1732kv=tidal:budget=1732,selection=kv_head ;;
 quarter)
   nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
     --run streaming1024=streaming:budget=1024 --run snapkv1024=snapkv:budget=1024 \
-    --run cake1024=cake:budget=1024 --run chelsea25=chelsea:ratio=0.25 \
+    --run cake1024=cake:budget=1024 --run chelsea25=chelsea:ratio=0.25,protect=0 \
     --run shadowkv512=shadowkv:budget=512,min_prompt=2048 --run tidal550kv=tidal:budget=550,selection=kv_head ;;
 duo)
   nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
@@ -61,7 +61,7 @@ chelsea-qaware)  # thirteenth session: Chelsea with protect 0.4 (kvkit) and the 
   for n in 1 2 3; do
     nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea --opt ratio=0.5,protect=0.4 --full-prompt-prefill \
       --prompts $P --samples $n --out $Q/chelsea50p40cal-qaware --resume
-    [ "${CHQ:-}" = paper ] && nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea --opt ratio=0.5 \
+    [ "${CHQ:-}" = paper ] && nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea --opt ratio=0.5,protect=0 \
       --full-prompt-prefill --prompts $P --samples $n --out $Q/chelsea50-qaware --resume
   done ;;
 *) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware}" >&2; exit 2 ;;

@@ -741,7 +741,7 @@ def decode_bench(model, tokenizer, configs, batch: int = 8, length: int = 4096, 
     rec = None
     try:
         torch.set_num_threads(pthreads)
-        if any(replayable(n) for n, _ in configs):
+        if any(replayable(n, o) for n, o in configs):
             kvkit.patch(model, "full")
             try:
                 log(f"recording one exact prefill of {batch} x {length} ...")

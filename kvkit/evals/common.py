@@ -419,9 +419,10 @@ def run_sweep(model, tokenizer, samples: list[dict], runs: list, score_fn, desc:
     import kvkit
     from kvkit.evals.shared_prefill import record_prefill, replayable
 
-    for _, policy, _ in runs:
-        if not replayable(policy):
-            raise ValueError(f"policy {policy!r} cannot share a replayed prefill; run it alone with `kvkit eval ruler`")
+    for _, policy, options in runs:
+        if not replayable(policy, options):
+            raise ValueError(f"policy {policy!r} with {options or 'its defaults'} cannot share a replayed prefill; run "
+                             "it alone with `kvkit eval ruler`")
     done = [run.done() for run, _, _ in runs]
     todo = [s for s in samples if any(s["id"] not in d for d in done)]
     # index-major (every task's sample 0, then every task's sample 1, ...): a sweep stopped early still

@@ -28,11 +28,16 @@ from kvkit.compat import cache_kw
 
 
 #: policies whose prefill attention is exact full attention (the recorded inputs are valid for them)
-def replayable(policy) -> bool:
-    """Whether ``policy`` (a name or a policy object) declares an exact, replayable prefill (``Policy.replayable``)."""
+def replayable(policy, options: dict | None = None) -> bool:
+    """Whether ``policy`` (a name, with ``options`` when given, or a policy object) declares an exact, replayable
+    prefill (``Policy.replayable``, or for a policy with options ``Policy.replays_prefill()``)."""
     from kvkit.registry import policy_class
 
-    return bool((policy_class(policy) if isinstance(policy, str) else type(policy)).replayable)
+    if isinstance(policy, str):
+        if not options:
+            return bool(policy_class(policy).replayable)
+        policy = policy_class(policy)(**options)
+    return bool(policy.replays_prefill())
 
 
 def replayable_policies() -> list[str]:

@@ -50,6 +50,11 @@ class Policy:
         policy (``input_ids`` / ``attention_mask`` as the forward received them, either may be None); e.g.
         KVzip's reconstruction pass. Default: nothing."""
 
+    def replays_prefill(self) -> bool:
+        """Whether this policy *with its options* prefills with exact attention into a replayable cache (``replayable``
+        by default; e.g. Chelsea's reconstruction-scored protection runs a pass after the prefill, so it is not)."""
+        return type(self).replayable
+
     def validate(self, config) -> None:
         """Raise ValueError when the policy cannot run on this model config."""
 
@@ -78,6 +83,16 @@ def check_choice(policy: str, name: str, value, choices, allow_none: bool = True
         return
     if value not in choices:
         raise ValueError(f"{policy}: {name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_odd_kernel(policy: str, name: str, value) -> None:
+    """A pooling kernel: None (the calibrated / the paper's) or a positive odd integer (pooling pads ``kernel // 2``
+    on each side, or ``kernel - 1`` before each token, and keeps the length)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 2 == 0:
+        raise ValueError(f"{policy}: {name} must be a positive odd integer (pooling keeps the sequence length only "
+                         f"with an odd kernel), got {value!r}")
 
 
 def check_fraction(policy: str, name: str, value, low_open=True, high_closed=True) -> None:

@@ -44,7 +44,7 @@ from typing import ClassVar
 
 import torch
 
-from kvkit.policies.base import Policy, check_choice, check_positive_int
+from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -145,15 +145,13 @@ class Cake(Policy):
     def __post_init__(self):
         for name in ("budget", "window"):
             check_positive_int("cake", name, getattr(self, name))
-        check_positive_int("cake", "pool_kernel", self.pool_kernel, allow_none=True)
+        check_odd_kernel("cake", "pool_kernel", self.pool_kernel)
         check_positive_int("cake", "tail", self.tail, allow_none=True)
         if self.budget <= self.window:
             raise ValueError(
                 f"cake: budget ({self.budget}) must be larger than window ({self.window}): budget is the average "
                 "cache size per layer including the window"
             )
-        if self.pool_kernel is not None and self.pool_kernel % 2 == 0:
-            raise ValueError(f"cake: pool_kernel must be odd (padding kernel // 2 keeps the length), got {self.pool_kernel}")
         check_choice("cake", "pool_window", self.pool_window, POOL_WINDOWS)
         if self.tail is not None and self.tail > self.window:
             raise ValueError(

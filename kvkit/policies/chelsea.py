@@ -17,8 +17,8 @@ each row, so a left-padded row is clustered exactly as the same prompt alone. Me
 the prefill and, during decoding, at the start of ``update`` once ``merge_interval`` new tokens have
 arrived (on the committed tokens only, so ``crop`` of the newest tokens stays exact).
 
-Beyond the paper (kvkit, ``protect``, off by default): the tokens the prompt's last ``window`` queries attend to
-most are kept exact. On RULER the paper's matching merges a needle's digit keys first (they are each other's
+Beyond the paper (kvkit, ``protect``, on by default: ``protect=0`` is the paper's matching): the tokens the prompt's
+last ``window`` queries attend to most are kept exact. On RULER the paper's matching merges a needle's digit keys first (they are each other's
 nearest neighbours), which loses the answer; with ``protect = f`` the ``ceil(f * chunk_size)`` slots of each chunk
 with the highest observation-window attention (SnapKV's score: summed over the window's queries, pooled along the
 tokens -- ``protect_kernel`` / ``protect_pooling`` / ``protect_window`` -- and averaged over each KV head's query
@@ -27,7 +27,20 @@ chunk_size)`` slots, so a chunk still keeps exactly ``ceil(ratio * chunk_size)``
 from the prefill; chunks of generated tokens (merged during decoding) have no score and protect their earliest
 tokens. It pays when the window is the question (the question in the prefill): the chunk size and the pooling are
 then per-model calibrated options (``kvkit calibrate chelsea``, used only when ``protect`` > 0); the fallbacks are
-64-token chunks and SnapKV's max-pooled kernel 7, centered.
+64-token chunks and SnapKV's max-pooled kernel 7, centered. The default (``protect=None``) protects
+``PROTECT_SHARE`` = 0.8 of the slots a chunk keeps (``protect = 0.8 * ratio``; at most all but one of them): on the
+default model (RULER-4K, 65 samples) it kept more than the paper's matching in both protocols at ratio 0.5 (1.16 vs
+0.22 with the question in the prefill, 0.39 vs 0.21 question-agnostic) and at the paper's ratio 0.2 (0.50 / 0.24 vs
+0.22), so it is kvkit's default; ``protect=0`` (or ``calibrated=False``) is the paper.
+
+Question-agnostic protection (kvkit, ``protect_score="reconstruct"``): without the question the observation window is
+the context's last sentence, which does not attend to a needle. Then the protection score is KVzip's
+(arXiv:2505.23416, :mod:`kvkit.stores.reconstruct`): after the exact prefill the context is fed again in chunks of
+``recon_chunk`` tokens on top of the cache (each rolled back exactly), and a slot scores the largest attention
+probability any repeat query of its KV head's group pays it: the tokens the model needs to reproduce the context.
+Merging waits for that pass (kvkit's forward hook on the patched model, ``Policy.after_forward``); the score is not
+pooled (it is per token already). Cost: about two prefills more per context (each chunk's queries read every held
+slot), like ``kvzip``.
 
 Slot positions (for causal masking): a centroid's position is the position of its latest member.
 Only committed tokens older than the recent window are merged, so every centroid lies strictly in
@@ -49,11 +62,14 @@ import torch
 import torch.nn.functional as F
 
 from kvkit.kernels import merge_attn, weighted_decode
-from kvkit.policies.base import Policy, check_choice, check_fraction, check_positive_int
+from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 from kvkit.stores import tensor_bytes as _tensor_bytes
+from kvkit.stores.reconstruct import ReconstructionScoring, reconstruct
 from kvkit.stores.scored import POOL_WINDOWS
+
+PROTECT_SCORES = ("window", "reconstruct")
 
 
 @register("chelsea")
@@ -78,9 +94,10 @@ class Chelsea(Policy):
     size_bias : bool
         Add ``log(cluster size)`` to merged keys' scores (ToMe proportional attention; kvkit's
         option, default from a measurement on the default model, see results/chelsea/README.md).
-    protect : float
+    protect : float or None
         Fraction of each chunk kept exact by observation-window attention (kvkit, beyond the paper;
-        0 = the paper). Must stay below ``ratio``.
+        0 = the paper's matching). Must stay below ``ratio``. None (default): ``PROTECT_SHARE * ratio`` (0.8 of the
+        slots a chunk keeps, at most all but one), or 0 with ``calibrated=False`` (the paper's whole setting).
     protect_kernel : int or None
         Pooling width of the protection score along the tokens (odd). None: calibrated, else 7 (SnapKV's kernel).
     protect_pooling : str or None
@@ -89,11 +106,17 @@ class Chelsea(Policy):
         "centered" (SnapKV's pooling: kernel // 2 tokens on each side) or "trailing" (kvkit: the token and the
         kernel - 1 before it, so the tokens right after an attended one are protected too: a whole number or UUID).
         None: calibrated, else "centered".
+    protect_score : str
+        What ranks the slots kept exact: "window" (default: the last ``window`` queries' attention, SnapKV's score;
+        with the question in the prompt, the question's) or "reconstruct" (kvkit, question-agnostic: KVzip's context
+        reconstruction score, one pass of about two prefills after each multi-token forward; not pooled).
+    recon_chunk : int
+        Tokens per reconstruction forward with ``protect_score="reconstruct"`` (KVzip's chunking, kvkit's 512).
     calibrated : bool
         True (default): with ``protect`` > 0, ``chunk_size`` and the ``protect_*`` options left at None take the
         model's calibration (``kvkit calibrate chelsea``, :mod:`kvkit.calibrate.store`: chosen on needles with the
-        question in the prefill), else the fallbacks above. False, or ``protect`` 0 (the paper's matching): the
-        fallbacks.
+        question in the prefill), else the fallbacks above. False: the fallbacks, and ``protect`` left at None is 0
+        (the paper's matching), so ``calibrated=False`` alone is the paper's setting.
     """
 
     ratio: float = 0.2  # Chelsea: up to 80% KV memory reduction
@@ -102,14 +125,19 @@ class Chelsea(Policy):
     window: int = 32  # recent tokens kept exact
     merge_interval: int = 64  # one chunk of new tokens between merges
     size_bias: bool = True  # measured: see results/chelsea/README.md
-    protect: float = 0.0  # kvkit: 0 = the paper's matching over every slot of a chunk
+    protect: float | None = None  # kvkit: None = PROTECT_SHARE * ratio; 0 = the paper's matching over every slot
     protect_kernel: int | None = None  # None: calibrated, else SnapKV's paper kernel 7 (max-pooled)
     protect_pooling: str | None = None  # None: calibrated, else "max"
     protect_window: str | None = None  # None: calibrated, else SnapKV's centered window ("trailing": kvkit)
+    protect_score: str = "window"  # kvkit: "window" (observation window) or "reconstruct" (KVzip's score)
+    recon_chunk: int = 512  # kvkit: reconstruction chunk (KVzip's chunked repeat)
     calibrated: bool = True  # kvkit: the model's calibrated chunk_size / protect_*; False = the fallbacks
 
     CHUNK: ClassVar[int] = 64  # fallback chunk_size
     PROTECT_POOL: ClassVar[tuple] = (7, "max", "centered")  # fallback protect_kernel / pooling / window
+    #: protect=None: the share of a chunk's kept slots protected (measured at ratio 0.5 and 0.2, module docstring)
+    PROTECT_SHARE: ClassVar[float] = 0.8
+    RECON_OVERLAP: ClassVar[int] = 8  # KVzip's prev_postfix_size: tokens of the previous chunk before each repeat
 
     description = "Chelsea: chunked soft-matching merge of similar keys/values into sized centroids (2506.11418)"
     saves = "memory+reads"
@@ -126,16 +154,17 @@ class Chelsea(Policy):
                 raise ValueError(f"chelsea: {name} must be an integer >= 0, got {val!r}")
         if not isinstance(self.size_bias, bool):
             raise ValueError(f"chelsea: size_bias must be True or False, got {self.size_bias!r}")
-        if isinstance(self.protect, bool) or not isinstance(self.protect, (int, float)) or not 0 <= self.protect < 1:
-            raise ValueError(f"chelsea: protect must be a fraction in [0, 1), got {self.protect!r}")
-        k = self.protect_kernel
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0):
-            raise ValueError(f"chelsea: protect_kernel must be a positive odd integer, got {k!r}")
+        pr = self.protect
+        if pr is not None and (isinstance(pr, bool) or not isinstance(pr, (int, float)) or not 0 <= pr < 1):
+            raise ValueError(f"chelsea: protect must be a fraction in [0, 1) (0: the paper's matching), got {pr!r}")
+        check_odd_kernel("chelsea", "protect_kernel", self.protect_kernel)
         check_choice("chelsea", "protect_pooling", self.protect_pooling, ("max", "avg"))
         check_choice("chelsea", "protect_window", self.protect_window, POOL_WINDOWS)
+        check_choice("chelsea", "protect_score", self.protect_score, PROTECT_SCORES, allow_none=False)
+        check_positive_int("chelsea", "recon_chunk", self.recon_chunk)
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"chelsea: calibrated must be true or false, got {self.calibrated!r}")
-        if self.protect and self.protected_per_chunk >= self.kept_per_chunk:
+        if self.protect is not None and self.protect and self.protected_per_chunk >= self.kept_per_chunk:
             raise ValueError(
                 f"chelsea: protect ({self.protect}) keeps {self.protected_per_chunk} of each {self.chunk}-token "
                 f"chunk exact, but the chunk keeps only {self.kept_per_chunk} slots (ratio {self.ratio}): "
@@ -153,7 +182,13 @@ class Chelsea(Policy):
 
     @property
     def protected_per_chunk(self) -> int:
-        return math.ceil(self.protect * self.chunk - 1e-9) if self.protect else 0
+        """Slots of a merged chunk kept exact: ``ceil(protect * chunk)``; with ``protect`` None ``PROTECT_SHARE`` of the
+        kept slots (at most all but one), none with ``calibrated=False`` or ``ratio`` 1 (nothing merges)."""
+        if self.protect is not None:
+            return math.ceil(self.protect * self.chunk - 1e-9) if self.protect else 0
+        if not self.calibrated or self.ratio >= 1:
+            return 0
+        return min(math.ceil(self.PROTECT_SHARE * self.ratio * self.chunk - 1e-9), self.kept_per_chunk - 1)
 
     def settings(self, config) -> Chelsea:
         """This policy for the model of ``config``: calibrated options filled in (when ``calibrated``, ``protect`` > 0
@@ -164,17 +199,55 @@ class Chelsea(Policy):
         p = resolve(self, config)
         k, pool, win = self.PROTECT_POOL
         return dataclasses.replace(
-            p, chunk_size=p.chunk, protect_kernel=p.protect_kernel if p.protect_kernel is not None else k,
+            p, chunk_size=p.chunk, protect=p.protect if p.protect is not None else p.protected_per_chunk / p.chunk,
+            protect_kernel=p.protect_kernel if p.protect_kernel is not None else k,
             protect_pooling=p.protect_pooling or pool, protect_window=p.protect_window or win)
 
     def uses_calibration(self) -> bool:
-        return bool(self.protect)  # the calibration is of the protection: the paper's matching takes none
+        # the calibration is of the protection: the paper's matching takes none. protect=None: the calibrated chunk
+        # decides how many slots are protected, so only the share is known here
+        return bool(self.protect) if self.protect is not None else self.ratio < 1
 
     def validate(self, config) -> None:
         self.settings(config)  # a calibration that does not combine with the options fails at patch time
 
+    def reconstructs(self) -> bool:
+        """The protection is scored by a reconstruction pass (``protect_score="reconstruct"`` with slots to protect)."""
+        return self.protect_score == "reconstruct" and self.ratio < 1 and (
+            self.protect is None and self.calibrated or bool(self.protect))
+
+    def replays_prefill(self) -> bool:
+        return not self.reconstructs()  # the reconstruction runs after the prefill: a replayed one skips it
+
     def new_layer(self, info: LayerInfo):
         return ChelseaStore(info, self.settings(info.config))
+
+    # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
+    @torch.no_grad()
+    def after_forward(self, base_model, cache, input_ids, attention_mask) -> None:
+        """``protect_score="reconstruct"``: after each multi-token forward (not a verification, not a reconstruction
+        forward itself) its tokens are repeated (:func:`kvkit.stores.reconstruct.reconstruct`), every layer takes
+        the scores as its protection score and merges."""
+        layers = [layer for layer in cache.layers if isinstance(layer, ChelseaStore)]
+        if (cache.scoring_pass or not layers or not layers[0].reconstructs
+                or any(layer.verifying for layer in layers)):
+            return
+        T = layers[0].last_forward_tokens
+        if T <= 1:
+            return
+        if input_ids is None:
+            raise ValueError("chelsea with protect_score='reconstruct' repeats the context from its token ids: call "
+                             "the model with input_ids (inputs_embeds cannot be repeated), or use protect_score='window'")
+        seen = layers[0].seen
+        mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+        if mask is None or mask.shape[1] != seen:
+            mask = torch.ones(input_ids.shape[0], seen, dtype=torch.long, device=input_ids.device)
+        reconstruct(base_model, cache, layers, input_ids[:, -T:], mask[:, -T:], mask, self.recon_chunk,
+                    self.RECON_OVERLAP)
+        for layer in layers:
+            layer.take_scores()
+            layer.compress()
+            layer.committed = layer.seen
 
 
 def _rows(x, idx):
@@ -238,7 +311,7 @@ def _compact_valid(valid):
     return order[:, order.shape[1] - m :]
 
 
-class ChelseaStore(SlotStore):
+class ChelseaStore(ReconstructionScoring, SlotStore):
     """Merged centroids (first ``n_merged`` slots) + exact slots (sinks, unmerged, window, new)."""
 
     _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto", "score")
@@ -250,6 +323,9 @@ class ChelseaStore(SlotStore):
         self.merged_upto: torch.Tensor | None = None  # [B] tokens (from the first real one) already merged
         self.score: torch.Tensor | None = None  # [B, H, n] fp32 protection score (``protect`` > 0 only)
         self.n_merged = 0
+        self.reconstructs = policy.protected_per_chunk > 0 and policy.protect_score == "reconstruct"
+        self.verifying = False
+        self.last_forward_tokens = 0
 
     def reset(self) -> None:
         super().reset()
@@ -267,6 +343,8 @@ class ChelseaStore(SlotStore):
         self.size = one if self.size is None else torch.cat([self.size, one], -1)
         if self.score is not None:  # generated tokens have no observation score
             self.score = torch.cat([self.score, self.score.new_zeros(B, H, T)], -1)
+        elif self.reconstructs:  # scored by the reconstruction pass after the forward
+            self.score = torch.zeros(B, H, self.keys.shape[2], device=k.device)
 
     def _drop_last(self, n: int) -> None:
         super()._drop_last(n)
@@ -278,8 +356,26 @@ class ChelseaStore(SlotStore):
         return _tensor_bytes(self.keys, self.values, self.pos, self.size, self.first_pos, self.merged_upto,
                              self.score)
 
+    def take_scores(self) -> None:
+        """The reconstruction pass is over: the slots it scored take its score as their protection score."""
+        acc = self.finish_scoring()
+        if acc is not None:
+            self.score = torch.where(acc >= 0, acc, self.score)
+
+    def set_verifying(self, on: bool) -> None:
+        self.verifying = on
+
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        self.last_forward_tokens = query.shape[2]
+        if self.scoring:  # centroids weigh log(size) as in decoding (the repeated tokens, exact, weigh 0)
+            lw = self.size.float().clamp(min=1).log() if self.p.size_bias and self.n_merged else None
+            return self.scoring_attend(query, attention_mask, scaling, log_weight=lw)
+        return super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
     # ---- merging -----------------------------------------------------------------------------
     def on_prefill(self, query, module) -> None:
+        if self.reconstructs:
+            return  # merging waits for the reconstruction pass (Chelsea.after_forward)
         if self.p.protected_per_chunk:
             from kvkit.stores.scored import pool_group, window_attention
 
@@ -292,7 +388,7 @@ class ChelseaStore(SlotStore):
         self.compress()
 
     def should_compress(self) -> bool:
-        return self.p.ratio < 1 and self.seen - self.committed >= self.p.merge_interval
+        return not self.scoring and self.p.ratio < 1 and self.seen - self.committed >= self.p.merge_interval
 
     def compress(self) -> None:
         p = self.p

@@ -29,19 +29,16 @@ queries attend to every held slot), paid once per compressed context.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from kvkit.compat import cache_kw
-from kvkit.model_info import context_limit
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
-from kvkit.stores.attend import attend_slots, prefix_suffix_attention
 from kvkit.stores.base import SlotStore, tensor_bytes
+from kvkit.stores.reconstruct import ReconstructionScoring, reconstruct
 from kvkit.stores.scored import ScoredStore, window_attention
 
 
@@ -153,52 +150,8 @@ class KVzip(Policy):
         st.masks.clear()
         ctx_mask = full_mask if full_mask is not None else torch.ones(ids.shape[0], seen, dtype=m.dtype,
                                                                       device=ids.device)
-        real = ctx_mask.long().sum(-1, keepdim=True)  # [B, 1] real tokens of each row
-        limit = context_limit(base_model)
-        N = ids.shape[1]
-        # chunks cut from the end: a left-padded row is cut at the same real tokens as the row alone
-        ends = list(range(N, 0, -self.chunk))[::-1]
-        # other layers (sliding windows) cannot always roll back: they are restored from a copy after each chunk
-        others = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if not isinstance(layer, KVzipStore)}
-        cache.scoring_pass = True
-        for layer in layers:
-            layer.scoring, layer.acc = True, None
-        try:
-            for e in ends:
-                s = max(e - self.chunk - self.overlap, 0)
-                for layer in layers:  # the positions of the chunk's own tokens (the overlap is scored with its own)
-                    layer.score_range = (seen - N + max(e - self.chunk, 0), seen - N + e)
-                c_ids, c_mask = ids[:, s:e], m[:, s:e].to(ctx_mask.dtype)
-                if self.instruct:  # instruction (+ the overlap it starts with) + the chat's answer header + chunk
-                    first, nxt, suffix = self._instruction(base_model, st)
-                    lo = max(e - self.chunk, 0) - s  # own tokens start here
-                    parts = [(first if e == ends[0] else nxt), None, suffix, None]
-                    cols, masks = [], []
-                    for part, (a, b) in zip(parts, [(0, 0), (0, lo), (0, 0), (lo, e - s)]):
-                        if part is not None:
-                            cols.append(part.to(ids.device).expand(ids.shape[0], -1))
-                            masks.append(torch.ones_like(cols[-1], dtype=c_mask.dtype))
-                        else:
-                            cols.append(c_ids[:, a:b])
-                            masks.append(c_mask[:, a:b])
-                    c_ids, c_mask = torch.cat(cols, dim=1), torch.cat(masks, dim=1)
-                # padding to the end of the chunk: the real tokens of every row follow the context directly (a
-                # sliding-window layer would otherwise see padding instead of the context's last tokens)
-                order = torch.sort((c_mask == 0).to(torch.int8), dim=1, stable=True).indices
-                c_ids, c_mask = c_ids.gather(1, order), c_mask.gather(1, order)
-                pos = real + c_mask.long().cumsum(-1) - 1
-                if limit is not None:  # stay inside the trained positions (only the scores' RoPE shifts)
-                    pos = pos - (pos.amax(-1, keepdim=True) - (limit - 1)).clamp(min=0)
-                base_model(input_ids=c_ids, attention_mask=torch.cat([ctx_mask, c_mask], dim=1),
-                           position_ids=pos.clamp(min=0), use_cache=True, **cache_kw(cache))
-                for layer in layers:
-                    layer.rollback(c_ids.shape[1], ends_round=False)
-                for i, layer in others.items():
-                    cache.layers[i] = copy.deepcopy(layer)
-        finally:
-            for layer in layers:
-                layer.scoring = False
-            cache.scoring_pass = False
+        reconstruct(base_model, cache, layers, ids, m, ctx_mask, self.chunk, self.overlap,
+                    self._instruction(base_model, st) if self.instruct else None)
         for layer in layers:
             layer.finish_scoring()
         if self.adaptive:
@@ -257,15 +210,12 @@ INSTRUCTION_FIRST = "\n\nRepeat the previous context exactly."
 INSTRUCTION_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 
 
-class KVzipStore(ScoredStore):
+class KVzipStore(ReconstructionScoring, ScoredStore):
     _batch_tensors = ScoredStore._batch_tensors + ("rscore", "row_budget")
 
     def __init__(self, info: LayerInfo, p: KVzip):
         super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
         self.rscore: torch.Tensor | None = None  # [B, H, n] reconstruction score per slot, -1 = not scored yet
-        self.scoring = False  # inside a reconstruction forward: record scores, never compress
-        self.acc: torch.Tensor | None = None  # [B, H, n] this reconstruction's maximum attention per held slot
-        self.score_range = (0, 0)  # positions of the tokens the running reconstruction chunk repeats
         self.row_budget: torch.Tensor | None = None  # [B] adaptive: each row's share of this layer (budget = max)
         self.verifying = False
         self.last_forward_tokens = 0
@@ -311,46 +261,13 @@ class KVzipStore(ScoredStore):
         self.last_forward_tokens = T
         if not self.scoring:
             return super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-        self.mark_padding(attention_mask, T)
-        qpos = torch.arange(self.seen - T, self.seen, device=query.device, dtype=torch.int32)
-        n = self.keys.shape[2]
-        if (query.device.type == "cpu" and n > T and query.shape[1] % self.keys.shape[1] == 0
-                and not bool((self.pos < 0).any())):  # no padding: unmasked prefix + causal repeat
-            out, lse = prefix_suffix_attention(query, self.keys, self.values, scaling)
-        else:
-            out, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True)
-        self._score_chunk(query.detach(), lse, T, scaling)
-        return out
-
-    def _score_chunk(self, query, lse, T, scaling) -> None:
-        """Each slot of the chunk being repeated (positions ``score_range``) takes the largest attention
-        probability a repeat query of its KV head's group pays it (the model's own softmax, over every held slot:
-        ``exp(q.k * scaling - lse)``); padding queries score nothing."""
-        lo, hi = self.score_range
-        B, Hq, _, D = query.shape
-        H, n = self.keys.shape[1], self.keys.shape[2]
-        C = min(hi - lo, n)
-        pos = self.pos  # [B, Hp, n], ascending per row and head before the repeat: the range is <= C consecutive slots
-        held = pos[..., : n - T].contiguous()  # the slots before the repeat (the repeat's padding is -1, unsorted)
-        start = torch.searchsorted(held, torch.full((*pos.shape[:2], 1), lo, dtype=pos.dtype, device=pos.device))
-        idx = (start + torch.arange(C, device=pos.device)).clamp(max=n - 1).expand(B, H, C)  # [B, H, C]
-        p_idx = pos.expand(B, H, n).gather(2, idx)
-        inside = (p_idx >= lo) & (p_idx < hi)
-        k = self.keys.gather(2, idx.unsqueeze(-1).expand(B, H, C, D)).float()
-        q = query.float().view(B, H, Hq // H, T, D)
-        logit = torch.einsum("bhgtd,bhcd->bhgtc", q, k) * scaling - lse.view(B, H, Hq // H, T, 1)
-        real_q = (self.pos[:, :1, -T:] >= 0).view(B, 1, 1, T, 1)  # padding queries of the repeat score nothing
-        prob = logit.exp().masked_fill(~real_q, 0.0).nan_to_num(0.0)
-        best = prob.amax(dim=(2, 3)).masked_fill(~inside, -1.0)  # [B, H, C]
-        if self.acc is None:
-            self.acc = torch.full((B, H, n - T), -1.0, device=self.keys.device)
-        self.acc.scatter_reduce_(2, idx.clamp(max=n - T - 1), best, reduce="amax")
+        return self.scoring_attend(query, attention_mask, scaling)
 
     def finish_scoring(self) -> None:
         """The reconstruction is over: the slots it scored take their score (earlier scores stay)."""
-        if self.acc is not None:
-            self.rscore = torch.where((self.rscore < 0) & (self.acc >= 0), self.acc, self.rscore)
-            self.acc = None
+        acc = super().finish_scoring()
+        if acc is not None:
+            self.rscore = torch.where((self.rscore < 0) & (acc >= 0), acc, self.rscore)
 
     # ---- the per-slot score follows the slots -----------------------------------------------------------------
     def append(self, k, v) -> None:

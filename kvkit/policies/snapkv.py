@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvkit.policies.base import Policy, check_choice, check_positive_int
+from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
@@ -77,8 +77,7 @@ class SnapKV(Policy):
     def __post_init__(self):
         for name in ("budget", "window", "tail"):
             check_positive_int("snapkv", name, getattr(self, name))
-        if self.kernel is not None:
-            check_positive_int("snapkv", "kernel", self.kernel)
+        check_odd_kernel("snapkv", "kernel", self.kernel)
         if self.pooling is not None and self.pooling not in ("avg", "max"):
             raise ValueError(f"snapkv: pooling must be 'avg' or 'max' (the reference's avgpool / maxpool), got "
                              f"{self.pooling!r}")
@@ -89,8 +88,6 @@ class SnapKV(Policy):
             raise ValueError(f"snapkv: sink must be an integer >= 0, got {self.sink!r}")
         if self.window + self.sink >= self.budget:
             raise ValueError(f"snapkv: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
-        if self.kernel is not None and self.kernel % 2 == 0:
-            raise ValueError(f"snapkv: kernel must be odd (padding kernel // 2 keeps the length), got {self.kernel}")
 
     def settings(self, config) -> tuple[int, str, str]:
         """``(kernel, pooling, pool_window)`` for a model: the options given, else its calibration, else the
