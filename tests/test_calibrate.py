@@ -296,6 +296,23 @@ def test_calibrated_chelsea_protection_found_from_config(caldir):
         (dict(ratio=0.5), "may set only")])
 
 
+def test_chelsea_protect_is_checked_against_the_calibrated_chunk(caldir):
+    """protect < ratio is checked on the chunk in effect: 0.49 fits a calibrated 128-token chunk (63 of its 64 kept
+    slots), not the 64-token fallback (32 of 32), so it is refused only where the fallback applies (at patch time)."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    _write(caldir / "tiny.json", model, {"chelsea": _section(chunk_size=128, protect_kernel=5, protect_pooling="avg",
+                                                              protect_window="trailing")})
+    chel = kvkit.registry.policy_class("chelsea")
+    p = chel(ratio=0.5, protect=0.49)  # the chunk is not known yet: not refused
+    assert p.settings(model.config).protected_per_chunk == 63
+    with pytest.raises(ValueError, match="keeps 32 of each 64-token chunk exact.*use protect < ratio"):
+        chel(ratio=0.5, protect=0.49, calibrated=False).settings(model.config)
+    with pytest.raises(ValueError, match="use protect < ratio"):
+        kvkit.patch(model, "chelsea", ratio=0.5, protect=0.49, calibrated=False)
+    with pytest.raises(ValueError, match="use protect < ratio"):
+        chel(ratio=0.5, protect=0.49, chunk_size=64)  # a given chunk is checked at once
+
+
 def test_calibrate_chelsea_sweeps_the_protection_question_aware(monkeypatch):
     """The sweep runs Chelsea at ratio = budget_fraction with protect 0.8 x ratio, the question in the prefill, and
     records the winner's chunk size and protection pooling (ties: log-probability, then kvkit's fallback first)."""

@@ -5,6 +5,7 @@
 #        bash benchmarks/policies/run_qwen05.sh quarter   # ~75% removed
 #        bash benchmarks/policies/run_qwen05.sh qaware    # CAKE / SnapKV with the question in the prefill (own prefills)
 #        bash benchmarks/policies/run_qwen05.sh kvzip     # KVzip at budgets 2048 and 1024 (kvzipa: adaptive, kvzipi: instruction)
+#        bash benchmarks/policies/run_qwen05.sh chelsea-default  # Chelsea as shipped (protect 0.8 x ratio), agnostic
 # half/quarter are question-agnostic (context compressed before the question), one shared exact prefill per sample
 # replayed into each policy. Prompts: `kvkit eval ruler --model qwen2.5-coder-0.5b --length 4096 --samples 3
 #   --dump-prompts results/policies/qwen05/ruler-4096-s3.jsonl`.
@@ -64,5 +65,10 @@ chelsea-qaware)  # thirteenth session: Chelsea with protect 0.4 (kvkit) and the 
     [ "${CHQ:-}" = paper ] && nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea --opt ratio=0.5,protect=0 \
       --full-prompt-prefill --prompts $P --samples $n --out $Q/chelsea50-qaware --resume
   done ;;
-*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware}" >&2; exit 2 ;;
+chelsea-default)  # fourteenth session: Chelsea's default (protect = 0.8 x ratio with the calibrated protection),
+  # question-agnostic, one shared exact prefill per sample; CHRC=1 adds protect_score=reconstruct (own prefills)
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume --run chelsea50d=chelsea:ratio=0.5
+  [ "${CHRC:-}" = 1 ] && nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea \
+    --opt ratio=0.5,protect_score=reconstruct --prompts $P --samples 3 --out $Q/chelsea50rc --resume ;;
+*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware|chelsea-default}" >&2; exit 2 ;;
 esac

@@ -164,7 +164,10 @@ class Chelsea(Policy):
         check_positive_int("chelsea", "recon_chunk", self.recon_chunk)
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"chelsea: calibrated must be true or false, got {self.calibrated!r}")
-        if self.protect is not None and self.protect and self.protected_per_chunk >= self.kept_per_chunk:
+        # with chunk_size None the chunk is the model's calibration (or the fallback): checked at patch time
+        # (``settings`` fills it in), so a protect that fits the calibrated chunk is not refused here
+        if (self.chunk_size is not None and self.protect is not None and self.protect
+                and self.protected_per_chunk >= self.kept_per_chunk):
             raise ValueError(
                 f"chelsea: protect ({self.protect}) keeps {self.protected_per_chunk} of each {self.chunk}-token "
                 f"chunk exact, but the chunk keeps only {self.kept_per_chunk} slots (ratio {self.ratio}): "
