@@ -337,3 +337,104 @@ def test_reconstruct_protection_in_generate_batches_and_refusals():
         kvkit.get_policy("chelsea", protect_score="question")
     with pytest.raises(ValueError, match="recon_chunk must be a positive integer"):
         kvkit.get_policy("chelsea", protect_score="reconstruct", recon_chunk=0)
+
+
+def test_merge_free_equals_merge_chunks_over_the_unprotected_slots():
+    """merge_free with the same number of frozen slots in every chunk is the chunk-scoped protection: the unprotected
+    slots merged by merge_chunks down to target, the frozen ones kept as they are."""
+    from kvkit.policies.chelsea import _rows, merge_free
+
+    g = torch.Generator().manual_seed(0)
+    B, H, C, L, D, P, K = 2, 3, 5, 16, 8, 3, 8
+    k, v = torch.randn(B, H, C, L, D, generator=g), torch.randn(B, H, C, L, D, generator=g)
+    pos, size = torch.arange(L).expand(B, H, C, L).contiguous(), torch.ones(B, H, C, L)
+    prot = torch.zeros(B, H, C, L, dtype=torch.bool).scatter_(
+        -1, torch.randn(B, H, C, L, generator=g).topk(P, -1).indices, True)
+    order = prot.to(torch.int8).argsort(dim=-1, stable=True)
+    sub = lambda x, idx: x.gather(-1, idx) if x.dim() == idx.dim() else _rows(x, idx)  # noqa: E731
+    mk, mv, mp, ms = merge_chunks(*(sub(x, order[..., : L - P]) for x in (k, v, pos, size)), K - P)
+    keep = order[..., L - P :]
+    mk, mv = torch.cat([mk, _rows(k, keep)], -2), torch.cat([mv, _rows(v, keep)], -2)
+    mp, ms = torch.cat([mp, pos.gather(-1, keep)], -1), torch.cat([ms, size.gather(-1, keep)], -1)
+    srt = mp.argsort(dim=-1, stable=True)
+    mk, mv, mp, ms = _rows(mk, srt), _rows(mv, srt), mp.gather(-1, srt), ms.gather(-1, srt)
+    def by_position(fk, fp, fs, live):
+        """Output slots laid out by position (the live ones; a frozen slot keeps its own position)."""
+        idx = torch.where(live, fp, L).long()
+        dense_k = torch.zeros(B, H, C, L + 1, D).scatter(-2, idx[..., None].expand(*idx.shape, D), fk)
+        dense_s = torch.zeros(B, H, C, L + 1).scatter(-1, idx, torch.where(live, fs, 0.0))
+        return dense_k[..., :L, :], dense_s[..., :L]
+
+    fk, fv, fp, fs, live = merge_free(k, v, pos, size, prot, K - P)
+    assert bool((live.sum(-1) == K).all())
+    dk, ds = by_position(fk, fp, fs, live)
+    assert bool((ds[prot] == 1).all()) and torch.equal(dk[prot], k[prot])  # frozen slots kept as they were
+    s2 = torch.where(live, fp, 10**9).argsort(dim=-1, stable=True)[..., :K]
+    assert torch.equal(fp.gather(-1, s2), mp) and torch.equal(fs.gather(-1, s2), ms)
+    torch.testing.assert_close(_rows(fk, s2), mk)
+    torch.testing.assert_close(_rows(fv, s2), mv)
+    # uneven protection: each chunk merges its own free slots down to the same target, the frozen ones stay
+    prot2 = prot.clone()
+    prot2[..., 0, :] = False
+    prot2[..., 0, :10] = True  # chunk 0 protects 10 of 16, the others 3
+    fk, fv, fp, fs, live = merge_free(k, v, pos, size, prot2, K - P)
+    assert torch.equal(live.sum(-1)[..., 0], torch.full((B, H), 10 + K - P))
+    assert bool((live.sum(-1)[..., 1:] == K).all())
+    assert torch.equal(fs[live].sum(), torch.tensor(float(B * H * C * L)))  # every token in one live slot
+    dk, ds = by_position(fk, fp, fs, live)
+    assert bool((ds[prot2] == 1).all()) and torch.equal(dk[prot2], k[prot2])
+
+
+def test_context_scope_ranks_the_protection_over_the_merged_chunks(monkeypatch):
+    """protect_scope="context": per KV head the P x chunks best slots of the chunks merged together stay exact (at
+    most chunk - (K - P) of one chunk), so a chunk can keep more exact slots than a chunk keeps at all; a KV head
+    holds the same slots as with the chunk scope, every token in one slot; a left-padded row keeps what it keeps
+    alone."""
+    from kvkit.testing import greedy, left_padded_batch
+
+    seen = []
+    compress = ChelseaStore.compress
+
+    def spy(self):
+        if self.score is not None and not seen:
+            seen.append((self.score.clone(), self.pos.clone()))
+        compress(self)
+
+    monkeypatch.setattr(ChelseaStore, "compress", spy)
+    model = tiny_model("llama")
+    ids = _ids(70)
+    slots = {}
+    for scope in ("chunk", "context"):
+        seen.clear()
+        # protect_kernel 1: no pooling, so no tied scores (a max-pooled score ties neighbours)
+        kvkit.patch(model, "chelsea", ratio=0.5, protect_scope=scope, protect_kernel=1, **SMALL)
+        cache = kvkit.KVCache(model)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        kvkit.unpatch(model)
+        slots[scope] = [s.num_slots() for s in _stores(cache)]
+    s = _stores(cache)[0]
+    score, pos = seen[0]
+    C, L, K, P = 8, 8, 4, 3  # (70 - 2 sinks - 4 window) // 8 chunks; 8-token chunks keep 4, protect 3
+    assert slots["chunk"] == slots["context"] and s.n_merged == C * K
+    assert torch.equal(s.size.sum(-1), torch.full((1, 2), 70, dtype=torch.int64))
+    most = 0
+    for h in range(score.shape[1]):
+        sc = score[0, h, 2 : 2 + C * L].view(C, L)
+        elig = torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, sc.topk(L - (K - P), -1).indices, True)
+        top = sc.masked_fill(~elig, float("-inf")).flatten().topk(P * C).indices
+        protected = {int(p) for p in pos[0, h, 2 + top]}
+        exact = set(s.pos[0, h, : s.n_merged][s.size[0, h, : s.n_merged] == 1].tolist())
+        assert protected <= exact, h
+        most = max(most, int(torch.bincount(top // L, minlength=C).max()))
+    assert most > K  # some chunk kept more tokens exact than the chunk scope lets a chunk keep slots
+    kvkit.patch(model, "chelsea", ratio=0.5, protect_scope="context", **SMALL)
+    try:
+        bids, mask, prompts = left_padded_batch([60, 37], seed=4)
+        toks, _, _ = greedy(model, bids, 6, attention_mask=mask)
+        for i, p in enumerate(prompts):
+            assert torch.equal(toks[i], greedy(model, p[None], 6)[0][0]), i
+    finally:
+        kvkit.unpatch(model)
+    with pytest.raises(ValueError, match="protect_scope must be one of chunk, context"):
+        kvkit.get_policy("chelsea", protect_scope="global")

@@ -70,6 +70,7 @@ from kvkit.stores.reconstruct import ReconstructionScoring, reconstruct
 from kvkit.stores.scored import POOL_WINDOWS
 
 PROTECT_SCORES = ("window", "reconstruct")
+PROTECT_SCOPES = ("chunk", "context")
 
 
 @register("chelsea")
@@ -112,6 +113,13 @@ class Chelsea(Policy):
         reconstruction score, one pass of about two prefills after each multi-token forward; not pooled).
     recon_chunk : int
         Tokens per reconstruction forward with ``protect_score="reconstruct"`` (KVzip's chunking, kvkit's 512).
+    protect_scope : str
+        Where the protected slots are ranked: "chunk" (default: the ``protect`` share of every chunk) or "context"
+        (kvkit: per KV head over all the chunks merged together, ``protect`` x their tokens, at most all but
+        ``ratio - protect`` of one chunk: a needle's chunk keeps more exact, a chunk of filler fewer, as KVzip ranks a
+        head's tokens over the whole context). Every chunk still ends with ``ceil(ratio * chunk)`` slots on average
+        (a KV head holds the same total); each merges its unprotected tokens into ``ceil(ratio * chunk) -
+        ceil(protect * chunk)`` centroids.
     calibrated : bool
         True (default): with ``protect`` > 0, ``chunk_size`` and the ``protect_*`` options left at None take the
         model's calibration (``kvkit calibrate chelsea``, :mod:`kvkit.calibrate.store`: chosen on needles with the
@@ -131,6 +139,7 @@ class Chelsea(Policy):
     protect_window: str | None = None  # None: calibrated, else SnapKV's centered window ("trailing": kvkit)
     protect_score: str = "window"  # kvkit: "window" (observation window) or "reconstruct" (KVzip's score)
     recon_chunk: int = 512  # kvkit: reconstruction chunk (KVzip's chunked repeat)
+    protect_scope: str = "chunk"  # kvkit: "chunk" (P per chunk) or "context" (P x chunks per KV head, KVzip-like)
     calibrated: bool = True  # kvkit: the model's calibrated chunk_size / protect_*; False = the fallbacks
 
     CHUNK: ClassVar[int] = 64  # fallback chunk_size
@@ -162,6 +171,7 @@ class Chelsea(Policy):
         check_choice("chelsea", "protect_window", self.protect_window, POOL_WINDOWS)
         check_choice("chelsea", "protect_score", self.protect_score, PROTECT_SCORES, allow_none=False)
         check_positive_int("chelsea", "recon_chunk", self.recon_chunk)
+        check_choice("chelsea", "protect_scope", self.protect_scope, PROTECT_SCOPES, allow_none=False)
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"chelsea: calibrated must be true or false, got {self.calibrated!r}")
         # with chunk_size None the chunk is the model's calibration (or the fallback): checked at patch time
@@ -299,6 +309,54 @@ def merge_chunks(k, v, pos, size, target: int):
     return k, v, pos, size
 
 
+def merge_free(k, v, pos, size, frozen, target: int):
+    """Bipartite soft matching inside every chunk over its *free* slots only: the ``frozen`` slots (protected) stay
+    as they are and every chunk merges its free slots down to ``target`` (each chunk may hold a different number of
+    frozen slots; ``target`` <= its free slots). Same rounds as :func:`merge_chunks` on the free slots in time order
+    (with the same number frozen in every chunk the result is the same); merged-away slots are marked dead.
+
+    k, v ``[..., L, D]``; pos ``[..., L]`` int; size ``[..., L]`` float; frozen ``[..., L]`` bool. Returns k, v,
+    pos, size and ``live [..., L]`` bool (frozen + ``target`` free slots per chunk are live; order arbitrary)."""
+    L = k.shape[-2]
+    live = torch.ones_like(frozen)
+    big = torch.iinfo(torch.int64).max // 4
+    while True:
+        free = live & ~frozen
+        excess = free.sum(-1) - target  # [...]
+        if not bool((excess > 0).any()):
+            break
+        # free slots first in time order, then frozen, then dead: the partition alternates in time over the free
+        key = pos.long() + torch.where(free, 0, torch.where(live, big, 2 * big))
+        srt = key.argsort(dim=-1, stable=True)
+        k, v = _rows(k, srt), _rows(v, srt)
+        pos, size, frozen, live, free = (x.gather(-1, srt) for x in (pos, size, frozen, live, free))
+        ka, kb = k[..., 0::2, :], k[..., 1::2, :]
+        fa, fb = free[..., 0::2], free[..., 1::2]
+        sim = F.normalize(ka.float(), dim=-1) @ F.normalize(kb.float(), dim=-1).transpose(-1, -2)  # [..., nA, nB]
+        sim = sim.masked_fill(~(fa[..., :, None] & fb[..., None, :]), float("-inf"))
+        best, dst = sim.max(dim=-1)  # each A slot's most similar free B slot
+        rank = best.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        r = torch.minimum(excess.clamp(min=0), fa.sum(-1))  # merges this round, per chunk
+        merged = (rank < r[..., None]) & fa  # [..., nA]: the r most similar pairs merge
+        sa, sb = size[..., 0::2], size[..., 1::2]
+        w = sa * merged
+        new_size = sb.scatter_add(-1, dst, w)
+        d_idx = dst[..., None].expand(*dst.shape, k.shape[-1])
+        denom = new_size.clamp(min=1e-6)[..., None]
+        kb = ((kb * sb[..., None]).scatter_add(-2, d_idx, ka * w[..., None]) / denom).to(k.dtype)
+        va, vb = v[..., 0::2, :], v[..., 1::2, :]
+        vb = ((vb * sb[..., None]).scatter_add(-2, d_idx, va * w[..., None]) / denom).to(v.dtype)
+        pa, pb = pos[..., 0::2], pos[..., 1::2]
+        pb = pb.scatter_reduce(-1, dst, torch.where(merged, pa, torch.full_like(pa, -1)), reduce="amax")
+        k, v = torch.cat([ka, kb], dim=-2), torch.cat([va, vb], dim=-2)
+        pos = torch.cat([pa, pb], dim=-1)
+        size = torch.cat([sa * ~merged, torch.where(fb | ~live[..., 1::2], new_size, sb)], dim=-1)
+        frozen = torch.cat([frozen[..., 0::2], frozen[..., 1::2]], dim=-1)
+        live = torch.cat([live[..., 0::2] & ~merged, live[..., 1::2]], dim=-1)
+    assert k.shape[-2] == L
+    return k, v, pos, size, live
+
+
 def _take(x, idx):
     """Slots ``idx [B, m]`` (same for every head) of ``x [B, H, n]`` or ``[B, H, n, D]``."""
     B, H = x.shape[:2]
@@ -423,7 +481,25 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         gp = _take(pos, grid).view(B, H, C, L)
         gs = _take(size, grid).float().view(B, H, C, L)
         P = p.protected_per_chunk
-        if P and self.score is not None:
+        ok = (torch.arange(C, device=dev)[None, :] < chunks[:, None])[:, None, :, None]  # [B, 1, C, 1]
+        if P and self.score is not None and p.protect_scope == "context":
+            # the P x chunks best slots of the merged chunks, per KV head (at most L - (K - P) in one chunk) stay
+            # exact; each chunk merges its other slots down to K - P
+            gsc = _take(self.score, grid).float().view(B, H, C, L)
+            elig = torch.zeros_like(gsc, dtype=torch.bool).scatter_(-1, gsc.topk(L - (K - P), dim=-1).indices, True)
+            elig &= ok
+            flat = gsc.masked_fill(~elig, float("-inf")).reshape(B, H, C * L)
+            rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).view(B, H, C, L)
+            prot = elig & (rank < (P * chunks).view(B, 1, 1, 1))
+            mk, mv, mp, ms, live = merge_free(gk, gv, gp, gs, prot, K - P)
+            live = (live & ok).reshape(B, H, C * L)  # each valid chunk: K live slots; the others none
+            key = torch.where(live, mp.reshape(B, H, C * L).long(), torch.iinfo(torch.int64).max)
+            srt = key.argsort(dim=-1, stable=True)[..., : C * K]  # live slots in time order, padding rows last
+            mk, mv = _rows(mk.reshape(B, H, C * L, D), srt), _rows(mv.reshape(B, H, C * L, D), srt)
+            mp, ms = mp.reshape(B, H, C * L).gather(-1, srt), ms.reshape(B, H, C * L).gather(-1, srt)
+            mp = torch.where(live.gather(-1, srt), mp, torch.full_like(mp, -1)).view(B, H, C, K)
+            mk, mv, ms = mk.view(B, H, C, K, D), mv.view(B, H, C, K, D), ms.view(B, H, C, K)
+        elif P and self.score is not None:
             # the P highest-scored slots of each chunk stay exact; the others merge down to K - P
             gsc = _take(self.score, grid).view(B, H, C, L)
             prot = torch.zeros_like(gsc, dtype=torch.bool).scatter_(-1, gsc.topk(P, dim=-1).indices, True)
@@ -437,7 +513,6 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
             mk, mv, mp, ms = _rows(mk, srt), _rows(mv, srt), mp.gather(-1, srt), ms.gather(-1, srt)
         else:
             mk, mv, mp, ms = merge_chunks(gk, gv, gp, gs, K)
-        ok = (torch.arange(C, device=dev)[None, :] < chunks[:, None])[:, None, :, None]  # [B, 1, C, 1]
         mp = torch.where(ok, mp, torch.full_like(mp, -1))
         new_k = mk.to(k.dtype).reshape(B, H, C * K, D)
         new_v = mv.to(v.dtype).reshape(B, H, C * K, D)
