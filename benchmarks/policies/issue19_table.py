@@ -33,6 +33,8 @@ if args.model == "default":
         ("tidalsel1537kv-4k", "tidal", "budget 1537, kv_head, layers [2, 6, ..., 26], select_attention=selected "
          "(kvkit: selection layers read every key, only the selected values)", "agnostic", "reads", "tidalrf1132kv-4k"),
         ("tidalrf1132kv-4k", "tidal", "budget 1132, kv_head, layers [2, 6, ..., 26] (read-fraction calibration)", "agnostic", "reads", "tidal1732kv-4k"),
+        ("tidalrfsum1132kv-4k", "tidal", "budget 1132, kv_head, kv_reduce=sum, layers [2, 6, ..., 26] (stopped early: "
+         "52 of its first 57 predictions are the max reduction's)", "agnostic", "reads", "tidalrf1132kv-4k"),
         ("tidalcal1732kv-4k", "tidal", "budget 1732, kv_head, layers [2, 15, 21] (first calibration)",
          "agnostic", "reads", "tidal1732kv-4k"),
         ("zipcachecal-4k", "zipcache", "calibrated bit widths (all 4-bit)", "agnostic", "bytes", "zipcache-4k"),
@@ -49,6 +51,11 @@ if args.model == "default":
          "chelsea50-4k"),
         ("chelsea50p40cal-4k", "chelsea", "ratio 0.5, protect 0.4 (kvkit's default), calibrated protection: chunk 128, "
          "kernel 61 avg trailing", "agnostic", "bytes", "chelsea50-4k"),
+        ("chelsea50rcx-4k", "chelsea", "ratio 0.5, protect 0.4 scored by context reconstruction (KVzip's score), "
+         "ranked per KV head over the context (protect_score=reconstruct, protect_scope=context: kvkit)", "agnostic",
+         "bytes", "chelsea50-4k"),
+        ("chelsea50rc-4k", "chelsea", "ratio 0.5, protect 0.4 scored by context reconstruction, ranked per chunk "
+         "(protect_score=reconstruct; stopped early)", "agnostic", "bytes", "chelsea50-4k"),
         ("snapkv2048cal-4k", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
          "snapkv2048-4k"),
         ("snapkv2048-4k", "snapkv", "budget 2048, paper pooling", "agnostic", "bytes", None),
@@ -138,6 +145,10 @@ else:
          "agnostic", "bytes", None),
         ("cake2048", "cake", "budget 2048", "agnostic", "bytes", None),
         ("chelsea50", "chelsea", "ratio 0.5, protect 0 (the paper's matching)", "agnostic", "bytes", None),
+        ("chelsea50d", "chelsea", "ratio 0.5, protect 0.4 (kvkit's default), calibrated protection: chunk 256, kernel "
+         "31 max trailing", "agnostic", "bytes", "chelsea50"),
+        ("chelsea50rcx", "chelsea", "ratio 0.5, protect 0.4 scored by context reconstruction, ranked over the context "
+         "(protect_score=reconstruct, protect_scope=context: kvkit)", "agnostic", "bytes", "chelsea50"),
         ("chelsea50p40cal-qaware", "chelsea", "ratio 0.5, protect 0.4 (kvkit's default), calibrated protection: chunk 256, "
          "kernel 31 max trailing",
          "question in prefill", "bytes", "chelsea50-qaware"),
@@ -170,13 +181,14 @@ else:
     ]
 # tidal stores every byte and saves reads: (selection layers, model layers, budget) of each tidal run, for the
 # per-step read fraction at the run's prompt length (kvkit.calibrate.knobs.tidal_read_fraction; the first decode step)
-READS = {"tidalsel1537kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1537, "selected"),
+READS = {"tidalrfsum1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132),
+         "tidalsel1537kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1537, "selected"),
          "tidalcode1380kv-4k": ((2, 8, 14, 20, 26), 30, 1380), "tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
          "tidal1732kv-4k": ((2, 12), 30, 1732), "tidal550kv-4k": ((2, 12), 30, 550),
          "h100/tidalrf566kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 566),
          "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
-         "tidalrf1132kv-4k": "selection layers attend fully (the paper), budget 1132", "zipcache-4k": "paper 4/2-bit 60/40",
+         "tidalrf1132kv-4k": "shipped: selection layers attend fully (the paper), kv_reduce max, budget 1132", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
          "chelsea25-4k": "paper matching (protect 0)", "chelsea20-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",

@@ -4,6 +4,7 @@
 #        bash benchmarks/policies/run_issue19.sh qaware     # SnapKV with the question in the prefill (own prefills),
 #                                                           # budgets interleaved sample-by-sample (index-major)
 #        bash benchmarks/policies/run_issue19.sh chelsea-qaware  # Chelsea with protect, the question in the prefill
+#        bash benchmarks/policies/run_issue19.sh chelsea-agnostic  # Chelsea protected by reconstruction scores
 # The calibrated tidal / zipcache / shadowkv runs use no options: the policy reads the model's shipped
 # calibration (kvkit/data/calibration/<model>.json); CAL="shadowkv" (a subset) or CAL="" limits them,
 # SNAP=0 leaves the SnapKV runs out (sixth session: one sweep SNAP=1 CAL=shadowkv, one SNAP=0 CAL="tidal zipcache";
@@ -57,5 +58,15 @@ chelsea-qaware)
       --prompts $P --samples $n --out results/policies/chelsea50-4k-qaware --resume ;;
     esac
   done ;;
-*) echo "usage: $0 {agnostic|qaware|chelsea-qaware}" >&2; exit 2 ;;
+chelsea-agnostic)
+  # fourteenth session: Chelsea question-agnostic with the protection scored by KVzip's context reconstruction
+  # (protect_score=reconstruct: the context repeated on top of the cache, about two prefills more), the protected
+  # slots ranked per KV head over the whole context (protect_scope=context); CHS=chunk adds the chunk-scoped ranking
+  # (chelsea50rc). Own prefills (the pass runs after the prefill: a replayed prefill would skip it).
+  nice -n 5 .venv/bin/kvkit eval ruler --model default --policy chelsea \
+    --opt ratio=0.5,protect_score=reconstruct,protect_scope=context --prompts $P --samples 5 \
+    --out results/policies/chelsea50rcx-4k --resume
+  [ "${CHS:-}" = chunk ] && nice -n 5 .venv/bin/kvkit eval ruler --model default --policy chelsea \
+    --opt ratio=0.5,protect_score=reconstruct --prompts $P --samples 5 --out results/policies/chelsea50rc-4k --resume ;;
+*) echo "usage: $0 {agnostic|qaware|chelsea-qaware|chelsea-agnostic}" >&2; exit 2 ;;
 esac

@@ -40,7 +40,10 @@ the context's last sentence, which does not attend to a needle. Then the protect
 probability any repeat query of its KV head's group pays it: the tokens the model needs to reproduce the context.
 Merging waits for that pass (kvkit's forward hook on the patched model, ``Policy.after_forward``); the score is not
 pooled (it is per token already). Cost: about two prefills more per context (each chunk's queries read every held
-slot), like ``kvzip``.
+slot), like ``kvzip``. Ranked per chunk, the reconstruction score did not keep a needle's digits (a needle's chunk
+needs more exact slots than a chunk of filler); ``protect_scope="context"`` ranks the protected slots per KV head
+over all the chunks merged together (KVzip ranks a head's tokens over the whole context) and each chunk merges its
+other tokens into the same number of centroids (:func:`merge_free`), so a KV head holds the same slots.
 
 Slot positions (for causal masking): a centroid's position is the position of its latest member.
 Only committed tokens older than the recent window are merged, so every centroid lies strictly in
