@@ -245,7 +245,7 @@ class Chelsea(Policy):
         forward itself) its tokens are repeated (:func:`kvkit.stores.reconstruct.reconstruct`), every layer takes
         the scores as its protection score and merges."""
         layers = [layer for layer in cache.layers if isinstance(layer, ChelseaStore)]
-        if (cache.scoring_pass or not layers or not layers[0].reconstructs
+        if (cache.scoring_pass or not layers or not layers[0].by_reconstruction
                 or any(layer.verifying for layer in layers)):
             return
         T = layers[0].last_forward_tokens
@@ -387,7 +387,7 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         self.merged_upto: torch.Tensor | None = None  # [B] tokens (from the first real one) already merged
         self.score: torch.Tensor | None = None  # [B, H, n] fp32 protection score (``protect`` > 0 only)
         self.n_merged = 0
-        self.reconstructs = policy.protected_per_chunk > 0 and policy.protect_score == "reconstruct"
+        self.by_reconstruction = policy.protected_per_chunk > 0 and policy.protect_score == "reconstruct"
         self.verifying = False
         self.last_forward_tokens = 0
 
@@ -407,7 +407,7 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         self.size = one if self.size is None else torch.cat([self.size, one], -1)
         if self.score is not None:  # generated tokens have no observation score
             self.score = torch.cat([self.score, self.score.new_zeros(B, H, T)], -1)
-        elif self.reconstructs:  # scored by the reconstruction pass after the forward
+        elif self.by_reconstruction:  # scored by the reconstruction pass after the forward
             self.score = torch.zeros(B, H, self.keys.shape[2], device=k.device)
 
     def _drop_last(self, n: int) -> None:
@@ -438,7 +438,7 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
 
     # ---- merging -----------------------------------------------------------------------------
     def on_prefill(self, query, module) -> None:
-        if self.reconstructs:
+        if self.by_reconstruction:
             return  # merging waits for the reconstruction pass (Chelsea.after_forward)
         if self.p.protected_per_chunk:
             from kvkit.stores.scored import pool_group, window_attention
