@@ -203,6 +203,7 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
          "h100/snapkv512cal-4k-qaware": "centered window (kernel 61)",
          "snapkv2048cal-qaware": "centered window (calibrated kernel 61)",
          "chelsea50-4k-qaware": "paper matching (protect 0)", "chelsea50-qaware": "paper matching (protect 0)",
+         "chelsea50": "paper matching (protect 0)",
          "chelsea50p40-4k-qaware": "fallback protection (chunk 64, kernel 7 max centered)"}
 
 

@@ -33,7 +33,10 @@ SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalc
               "snapkv2048cal-4k-qaware", "h100/snapkv1024cal-4k-qaware-s10", "h100/cake2048cal-4k-qaware-s10",
               "h100/snapkv512cal-4k-qaware", "snapkv2048cal-4k", "cake2048cal-4k",
               # Chelsea's protection with kvkit's fallback pooling, replaced by the calibrated protection (*cal*)
-              "chelsea50p40-4k-qaware"}
+              "chelsea50p40-4k-qaware",
+              # stopped early: per-chunk ranking of the reconstruction score (replaced by the context ranking, *rcx*);
+              # TidalDecode's sum reduction (the same scores as the shipped max reduction)
+              "chelsea50rc-4k", "tidalrfsum1132kv-4k"}
 
 
 #: label offsets (points) tried in order next to a marker: right of it, then left, then further up / down
