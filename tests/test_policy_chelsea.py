@@ -18,6 +18,20 @@ def _stores(cache):
     return [layer for layer in cache.layers if isinstance(layer, ChelseaStore)]
 
 
+def _record_scores(monkeypatch, layers: int = 1) -> list:
+    """(score, pos) of the first ``layers`` compressions that carry a protection score, as the store held them."""
+    seen = []
+    compress = ChelseaStore.compress
+
+    def spy(self):
+        if self.score is not None and len(seen) < layers:
+            seen.append((self.score.clone(), self.pos.clone()))
+        compress(self)
+
+    monkeypatch.setattr(ChelseaStore, "compress", spy)
+    return seen
+
+
 @pytest.mark.parametrize("ratio", [0.5, 0.2])
 @pytest.mark.parametrize("protect", [None, 0])
 def test_slots_per_chunk_and_nbytes(ratio, protect):
@@ -153,15 +167,7 @@ def test_protect_selects_by_attention(monkeypatch):
     """The tokens kept exact in each merged chunk are the chunk's top-2 by the score the store computed."""
     from kvkit.policies.chelsea import Chelsea
 
-    seen = []
-    compress = ChelseaStore.compress
-
-    def spy(self):
-        if self.score is not None and not seen:
-            seen.append((self.score.clone(), self.pos.clone()))
-        compress(self)
-
-    monkeypatch.setattr(ChelseaStore, "compress", spy)
+    seen = _record_scores(monkeypatch)
     model = tiny_model("llama")
     kvkit.patch(model, "chelsea", ratio=0.5, protect=0.25, **SMALL)
     cache = kvkit.KVCache(model)
@@ -273,16 +279,8 @@ def test_reconstruct_protection_scores_the_repeat_and_keeps_its_best_exact(monke
     from kvkit.policies.chelsea import Chelsea
     from kvkit.testing import reconstruction_scores_reference
 
-    seen = []
-    compress = ChelseaStore.compress
-
-    def spy(self):
-        if self.score is not None and len(seen) < len(model.model.layers):
-            seen.append((self.score.clone(), self.pos.clone()))
-        compress(self)
-
-    monkeypatch.setattr(ChelseaStore, "compress", spy)
     model = tiny_model("llama", num_hidden_layers=2)  # GQA: 4 query heads over 2 KV heads
+    seen = _record_scores(monkeypatch, layers=2)
     ids = _ids(70)
     with torch.no_grad():
         kvkit.patch(model, "chelsea", **dict(RECON, protect_score="window"))
@@ -392,15 +390,7 @@ def test_context_scope_ranks_the_protection_over_the_merged_chunks(monkeypatch):
     alone."""
     from kvkit.testing import greedy, left_padded_batch
 
-    seen = []
-    compress = ChelseaStore.compress
-
-    def spy(self):
-        if self.score is not None and not seen:
-            seen.append((self.score.clone(), self.pos.clone()))
-        compress(self)
-
-    monkeypatch.setattr(ChelseaStore, "compress", spy)
+    seen = _record_scores(monkeypatch)
     model = tiny_model("llama")
     ids = _ids(70)
     slots = {}

@@ -69,7 +69,7 @@ from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 from kvkit.stores import tensor_bytes as _tensor_bytes
-from kvkit.stores.reconstruct import ReconstructionScoring, reconstruct
+from kvkit.stores.reconstruct import ReconstructionScoring, forward_to_repeat, reconstruct
 from kvkit.stores.scored import POOL_WINDOWS
 
 PROTECT_SCORES = ("window", "reconstruct")
@@ -248,16 +248,12 @@ class Chelsea(Policy):
         if (cache.scoring_pass or not layers or not layers[0].by_reconstruction
                 or any(layer.verifying for layer in layers)):
             return
-        T = layers[0].last_forward_tokens
-        if T <= 1:
+        T, mask = forward_to_repeat(layers, input_ids, attention_mask, "chelsea with protect_score='reconstruct'",
+                                    ", or use protect_score='window'")
+        if T == 0:
             return
-        if input_ids is None:
-            raise ValueError("chelsea with protect_score='reconstruct' repeats the context from its token ids: call "
-                             "the model with input_ids (inputs_embeds cannot be repeated), or use protect_score='window'")
-        seen = layers[0].seen
-        mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
-        if mask is None or mask.shape[1] != seen:
-            mask = torch.ones(input_ids.shape[0], seen, dtype=torch.long, device=input_ids.device)
+        if mask is None:
+            mask = torch.ones(input_ids.shape[0], layers[0].seen, dtype=torch.long, device=input_ids.device)
         reconstruct(base_model, cache, layers, input_ids[:, -T:], mask[:, -T:], mask, self.recon_chunk,
                     self.RECON_OVERLAP)
         for layer in layers:

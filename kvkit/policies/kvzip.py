@@ -38,7 +38,7 @@ from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.base import SlotStore, tensor_bytes
-from kvkit.stores.reconstruct import ReconstructionScoring, reconstruct
+from kvkit.stores.reconstruct import ReconstructionScoring, forward_to_repeat, reconstruct
 from kvkit.stores.scored import ScoredStore, window_attention
 
 
@@ -128,16 +128,10 @@ class KVzip(Policy):
         layers = [layer for layer in cache.layers if isinstance(layer, KVzipStore)]
         if cache.scoring_pass or not layers or any(layer.verifying for layer in layers):
             return
-        T = layers[0].last_forward_tokens
-        if T <= 1:  # decoding: scored by the decode queries at the next bulk eviction
+        T, full_mask = forward_to_repeat(layers, input_ids, attention_mask, "kvzip")
+        if T == 0:  # decoding: scored by the decode queries at the next bulk eviction
             return
-        if input_ids is None:
-            raise ValueError("kvzip reconstructs the context from its token ids: call the model with input_ids "
-                             "(inputs_embeds cannot be repeated)")
         seen = layers[0].seen
-        full_mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
-        if full_mask is not None and full_mask.shape[1] != seen:
-            full_mask = None
         if st.ids and st.ids[0].shape[0] != input_ids.shape[0]:  # the batch was expanded (beams): those tokens
             st.ids.clear()  # are no longer repeatable row for row; they keep the decode queries' scores
             st.masks.clear()

@@ -83,6 +83,21 @@ class ReconstructionScoring:
         return acc
 
 
+def forward_to_repeat(layers, input_ids, attention_mask, who: str, hint: str = ""):
+    """After a forward: ``(T, mask)``, its token count and the 2-D attention mask of everything the cache holds (None
+    when the forward's mask does not cover it), or ``(0, None)`` after a one-token forward (nothing to repeat).
+    A multi-token forward without ``input_ids`` is refused: embeddings cannot be repeated (``who`` / ``hint`` name
+    the policy and its alternative in the message)."""
+    T = layers[0].last_forward_tokens
+    if T <= 1:
+        return 0, None
+    if input_ids is None:
+        raise ValueError(f"{who} repeats the context from its token ids: call the model with input_ids "
+                         f"(inputs_embeds cannot be repeated){hint}")
+    ok = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+    return T, attention_mask if ok and attention_mask.shape[1] == layers[0].seen else None
+
+
 def reconstruct(base_model, cache, layers, ids, mask, ctx_mask, chunk: int, overlap: int, instruction=None) -> None:
     """Feed ``ids [B, N]`` (the newest ``N`` tokens the cache holds; ``mask`` their attention-mask columns) again on
     top of ``cache`` in chunks of ``chunk`` tokens, each rolled back exactly after its forward; the ``layers``
