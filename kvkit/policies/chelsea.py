@@ -43,7 +43,9 @@ pooled (it is per token already). Cost: about two prefills more per context (eac
 slot), like ``kvzip``. Ranked per chunk, the reconstruction score did not keep a needle's digits (a needle's chunk
 needs more exact slots than a chunk of filler); ``protect_scope="context"`` ranks the protected slots per KV head
 over all the chunks merged together (KVzip ranks a head's tokens over the whole context) and each chunk merges its
-other tokens into the same number of centroids (:func:`merge_free`), so a KV head holds the same slots.
+other tokens into the same number of centroids (:func:`merge_free`), so a KV head holds the same slots. Default
+model, RULER-4K, question-agnostic, ratio 0.5 (65 samples): 0.735 retention with both options, 0.40 ranked per chunk
+(22 samples), 0.391 with the window score (results/policies/README.md).
 
 Slot positions (for causal masking): a centroid's position is the position of its latest member.
 Only committed tokens older than the recent window are merged, so every centroid lies strictly in
@@ -51,7 +53,9 @@ the past of any later query and the causal mask never hides it.
 
 Memory: a complete chunk of L tokens becomes exactly ``ceil(ratio * L)`` slots per KV head; a layer
 holds ``sink + window + (< L unmerged) + ceil(ratio * L) * complete_chunks`` slots (+ new tokens
-before the next merge). Each slot costs keys + values + an int32 position and an int32 size per head.
+before the next merge). Each slot costs keys + values + an int32 position and an int32 size per head (+ an fp32
+protection score with ``protect`` > 0). With ``protect_scope="context"`` the chunks of one merge hold different
+numbers of slots, their total per KV head the same ``ceil(ratio * L) * complete_chunks``.
 """
 
 from __future__ import annotations
