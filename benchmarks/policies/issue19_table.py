@@ -172,6 +172,8 @@ else:
          None),
         ("cake1024", "cake", "budget 1024", "agnostic", "bytes", None),
         ("chelsea25", "chelsea", "ratio 0.25, protect 0 (the paper's matching)", "agnostic", "bytes", None),
+        ("chelsea25d", "chelsea", "ratio 0.25, protect 0.2 (kvkit's default), calibrated protection", "agnostic",
+         "bytes", "chelsea25"),
         ("shadowkv512", "shadowkv", "budget 512, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
         ("tidal550kv", "tidal", "budget 550, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake1024-qaware", "cake", "budget 1024", "question in prefill", "bytes", None),
@@ -203,7 +205,7 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
          "h100/snapkv512cal-4k-qaware": "centered window (kernel 61)",
          "snapkv2048cal-qaware": "centered window (calibrated kernel 61)",
          "chelsea50-4k-qaware": "paper matching (protect 0)", "chelsea50-qaware": "paper matching (protect 0)",
-         "chelsea50": "paper matching (protect 0)",
+         "chelsea50": "paper matching (protect 0)", "chelsea25": "paper matching (protect 0)",
          "chelsea50p40-4k-qaware": "fallback protection (chunk 64, kernel 7 max centered)"}
 
 

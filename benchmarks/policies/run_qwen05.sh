@@ -68,7 +68,8 @@ chelsea-qaware)  # thirteenth session: Chelsea with protect 0.4 (kvkit) and the 
 chelsea-default)  # fourteenth session: Chelsea's default (protect = 0.8 x ratio with the calibrated protection),
   # question-agnostic, one shared exact prefill per sample; CHRC=1 adds the protection scored by KVzip's context
   # reconstruction, ranked over the context (protect_score=reconstruct, protect_scope=context; own prefills)
-  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume --run chelsea50d=chelsea:ratio=0.5
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume --run chelsea50d=chelsea:ratio=0.5 \
+    --run chelsea25d=chelsea:ratio=0.25
   [ "${CHRC:-}" = 1 ] && nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea \
     --opt ratio=0.5,protect_score=reconstruct,protect_scope=context --prompts $P --samples 3 --out $Q/chelsea50rcx \
     --resume ;;
