@@ -342,13 +342,12 @@ def merge_free(k, v, pos, size, frozen, target: int):
         r = torch.minimum(excess.clamp(min=0), fa.sum(-1))  # merges this round, per chunk
         merged = (rank < r[..., None]) & fa  # [..., nA]: the r most similar pairs merge
         sa, sb = size[..., 0::2], size[..., 1::2]
-        w = sa * merged
+        w = sa * merged  # every A slot, weighted by its size when it merges, 0 when it stays
         new_size = sb.scatter_add(-1, dst, w)
-        d_idx = dst[..., None].expand(*dst.shape, k.shape[-1])
-        denom = new_size.clamp(min=1e-6)[..., None]
-        kb = ((kb * sb[..., None]).scatter_add(-2, d_idx, ka * w[..., None]) / denom).to(k.dtype)
-        va, vb = v[..., 0::2, :], v[..., 1::2, :]
-        vb = ((vb * sb[..., None]).scatter_add(-2, d_idx, va * w[..., None]) / denom).to(v.dtype)
+        every_a = torch.arange(ka.shape[-2], device=k.device).expand(dst.shape)
+        denom = new_size.clamp(min=1e-6)  # a dead B slot (size 0) receives nothing
+        kb = _merge_into(k, every_a, dst, w, sb, denom).to(k.dtype)
+        va, vb = v[..., 0::2, :], _merge_into(v, every_a, dst, w, sb, denom).to(v.dtype)
         pa, pb = pos[..., 0::2], pos[..., 1::2]
         pb = pb.scatter_reduce(-1, dst, torch.where(merged, pa, torch.full_like(pa, -1)), reduce="amax")
         k, v = torch.cat([ka, kb], dim=-2), torch.cat([va, vb], dim=-2)
@@ -388,8 +387,6 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         self.score: torch.Tensor | None = None  # [B, H, n] fp32 protection score (``protect`` > 0 only)
         self.n_merged = 0
         self.by_reconstruction = policy.protected_per_chunk > 0 and policy.protect_score == "reconstruct"
-        self.verifying = False
-        self.last_forward_tokens = 0
 
     def reset(self) -> None:
         super().reset()
@@ -425,9 +422,6 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         acc = self.finish_scoring()
         if acc is not None:
             self.score = torch.where(acc >= 0, acc, self.score)
-
-    def set_verifying(self, on: bool) -> None:
-        self.verifying = on
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         self.last_forward_tokens = query.shape[2]

@@ -211,8 +211,6 @@ class KVzipStore(ReconstructionScoring, ScoredStore):
         super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
         self.rscore: torch.Tensor | None = None  # [B, H, n] reconstruction score per slot, -1 = not scored yet
         self.row_budget: torch.Tensor | None = None  # [B] adaptive: each row's share of this layer (budget = max)
-        self.verifying = False
-        self.last_forward_tokens = 0
 
     # ---- scores --------------------------------------------------------------------------------------------
     def score(self) -> torch.Tensor:
@@ -246,9 +244,6 @@ class KVzipStore(ReconstructionScoring, ScoredStore):
 
     def on_prefill(self, query, module) -> None:
         pass  # compression waits for the reconstruction (KVzip.after_forward)
-
-    def set_verifying(self, on: bool) -> None:
-        self.verifying = on
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         T = query.shape[2]

@@ -35,6 +35,11 @@ class ReconstructionScoring:
     scoring = False  # inside a reconstruction forward: record scores, never compress
     acc: torch.Tensor | None = None  # [B, H, n] this pass's maximum attention per held slot (-1: not scored)
     score_range = (0, 0)  # positions of the tokens the running reconstruction chunk repeats
+    verifying = False  # inside speculative verification: the pass is skipped (one-token decoding never runs it)
+    last_forward_tokens = 0  # tokens of the newest forward (set by the store's ``attend``; read by the pass)
+
+    def set_verifying(self, on: bool) -> None:
+        self.verifying = on
 
     def scoring_attend(self, query, attention_mask, scaling, log_weight=None):
         """The repeat forward's attention (the repeat's K/V were appended by ``update``): exact over every held slot
