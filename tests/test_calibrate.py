@@ -460,7 +460,8 @@ def test_calibrate_tidal_at_a_read_fraction(monkeypatch):
     monkeypatch.setattr(needles, "score_policies", fake_score)
     monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0, values="mixed": [None] * 3)
     model = tiny_model("llama", num_hidden_layers=8)
-    opts, ev = knobs.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.7, log=lambda m: None)
+    opts, ev = knobs.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.7, log=lambda m: None,
+                                     shares=False)
     # three layouts answer 2 of 3; (2, 4, 6) keeps the answers likelier; (2, 5) and (2, 6) tie -> the earlier
     assert opts == {"select_layers": [2, 4, 6]} and ev["per_layout"]["2,4,6"]["answer_logprob"] == pytest.approx(-4 / 3, abs=1e-4)
     for label, _, o in seen:
@@ -630,3 +631,84 @@ def test_bad_kernels_refused_before_the_model_loads(monkeypatch):
     for bad, match in (("4", "positive odd"), ("5,x", "expected odd integers"), ("31q", "expected odd integers")):
         with pytest.raises(SystemExit, match=match):
             cli.main_calibrate(["cake", "--kernels", bad])
+
+
+# ---- tidal layer shares ----------------------------------------------------------------------------------------
+def test_tidal_shares_equalise_the_captured_mass():
+    """Max-min water-filling: the layer whose reads capture less attention gets more of the budget, the reuse layers'
+    mean share is 1 (so are the reads), other layers stay 1.0; equal curves give equal shares."""
+    from kvkit.calibrate.knobs import tidal_shares_from_curves
+
+    g = 8
+    spread = [j / g for j in range(1, g + 1)]  # attention spread evenly: each step captures as much
+    peaked = [min(1.0, 0.9 + 0.1 * j / g) for j in range(1, g + 1)]  # concentrated: the first step captures 0.91
+    shares = tidal_shares_from_curves({3: spread, 5: peaked}, 6, 0.5, grid=g)
+    assert shares[:3] == [1.0, 1.0, 1.0] and shares[4] == 1.0
+    assert shares[3] > 1 > shares[5] and (shares[3] + shares[5]) / 2 == pytest.approx(1.0, abs=1e-3)
+    assert shares[3] == pytest.approx(7 / 4) and shares[5] == pytest.approx(1 / 4)  # 7 of 8 steps to layer 3
+    assert tidal_shares_from_curves({3: spread, 5: spread}, 6, 0.5, grid=g) == [1.0] * 6
+
+
+def test_calibrate_tidal_shares_on_a_tiny_model(caldir):
+    """Capture curves are cumulative attention mass (non-decreasing, 1 at the whole context), the shares keep the
+    reuse layers' mean, and the calibrated layers + shares written to a file are what a patched model then uses."""
+    from kvkit.calibrate import knobs, needles
+    from kvkit.calibrate.needles import NeedleSample
+
+    model = tiny_model("llama", num_hidden_layers=8)
+    tok = CharTokenizer()
+    ctx = "the code of the amber vault is 4711 . and then some words of filler text follow here . " * 5
+    data = [NeedleSample(f"n/{i}", ctx + "\n\nwhat is the code? The code is", len(ctx), "4711", 0.5, 1)
+            for i in range(2)]
+    curves = knobs.tidal_capture_curves(model, tok, (2, 5), data, grid=16)
+    assert sorted(curves) == [3, 4, 6, 7]  # the reuse layers
+    for c in curves.values():
+        assert len(c) == 16 and all(b >= a - 1e-9 for a, b in zip(c, c[1:])) and c[-1] == pytest.approx(1.0, abs=1e-5)
+    orig = needles.make_samples
+    needles.make_samples = lambda tok, n, length, seed=0, values="mixed": data
+    try:
+        opts, ev = knobs.calibrate_tidal(model, tok, length=len(ctx), samples=2, read_fraction=0.7,
+                                         layout=(2, 5), log=lambda m: None)
+    finally:
+        needles.make_samples = orig
+    sh = opts["layer_shares"]
+    assert opts["select_layers"] == [2, 5] and len(sh) == 8
+    assert sh[:3] == [1.0] * 3 and sh[5] == 1.0 and sum(sh[i] for i in (3, 4, 6, 7)) / 4 == pytest.approx(1.0, abs=1e-2)
+    assert ev["layout"] == "given (not swept)" and min(ev["shares"]["captured_shared"].values()) >= min(
+        ev["shares"]["captured_uniform"].values()) - 1e-9
+    _write(caldir / "tiny.json", model, {"tidal": _section(**opts)})
+    pol = store.resolve(kvkit.registry.policy_class("tidal")(budget=8), model.config)
+    assert pol.select_layers == (2, 5) and pol.layer_shares == tuple(sh)
+    # the shares belong to the calibrated layers: a user's own layout takes none of them
+    assert store.resolve(kvkit.registry.policy_class("tidal")(budget=8, select_layers=[2, 4]),
+                         model.config).layer_shares is None
+    kvkit.patch(model, "tidal", budget=8)
+    try:
+        cache = kvkit.KVCache(model)
+        assert [layer.budget for layer in cache.layers] == pol.layer_budgets(8)
+    finally:
+        kvkit.unpatch(model)
+    with pytest.raises(ValueError, match="only the layer shares"):
+        knobs.calibrate_tidal(model, tok, length=64, samples=1, read_fraction=0.7, layout=(2, 5), shares=False)
+
+
+def test_malformed_tidal_shares_refused(caldir):
+    model = tiny_model("llama", num_hidden_layers=6)
+    _write(caldir / "bad.json", model, {"tidal": _section(select_layers=[2, 4], layer_shares=[1, 1, 1, -2, 1, 1])})
+    with pytest.raises(ValueError, match="bad.json.* is malformed.*layer_shares must be a list of positive numbers"):
+        kvkit.patch(model, "tidal", budget=8)
+    kvkit.unpatch(model)
+    _write(caldir / "bad.json", model, {"tidal": _section(select_layers=[2, 4], layer_shares=[1, 1, 1])})
+    with pytest.raises(ValueError, match="one share per model layer"):
+        kvkit.patch(model, "tidal", budget=8)
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("bad", ["2,x", "6,2", "", "-1,3"])
+def test_calibrate_tidal_select_layers_checked_before_loading(bad, monkeypatch):
+    import kvkit.models
+    from kvkit.calibrate import cli
+
+    monkeypatch.setattr(kvkit.models, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(SystemExit, match="--select-layers"):
+        cli.main_calibrate(["tidal", f"--select-layers={bad}"])

@@ -326,3 +326,65 @@ def test_selected_attention_at_selection_layers(selection, monkeypatch):
     _, logits_full, _ = _run(model, _ids(40), steps=3)
     kvkit.unpatch(model)
     assert not torch.allclose(logits[:, 1:], logits_full[:, 1:], atol=1e-5)  # the selection layers really changed
+
+
+# ---- layer_shares: per-layer budgets of the reuse layers (kvkit) ----------------------------------------------
+def test_layer_budgets_keep_the_mean_and_only_move_reuse_layers():
+    from kvkit.policies.tidal import Tidal
+
+    p = Tidal(budget=10, select_layers=(2, 4), layer_shares=[1, 1, 1, 0.5, 1, 1.5])  # reuse layers 3 and 5
+    assert p.layer_budgets(6) == [10, 10, 10, 5, 10, 15]
+    assert p.select_budget(6, 2) == 5 and p.select_budget(6, 4) == 15  # the largest budget reading each selection
+    assert Tidal(budget=10, select_layers=(2, 4), layer_shares=[3] * 6).layer_budgets(6) == [10] * 6  # scale-free
+    assert Tidal(budget=10, select_layers=(2, 4)).layer_budgets(6) == [10] * 6  # None: uniform, the paper
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(layer_shares=[1, 1, 1, 0, 1, 1]), "positive numbers"),
+    (dict(layer_shares=[1, 1, 1, -1, 1, 1]), "positive numbers"),
+    (dict(layer_shares="1,1"), "positive numbers"),
+    (dict(layer_shares=[1, 1, 1, True, 1, 1]), "positive numbers"),
+    (dict(layer_shares=[1, 1, 1]), "one share per model layer"),
+])
+def test_bad_layer_shares(opts, match):
+    with pytest.raises(ValueError, match=match):
+        kvkit.patch(_model(), "tidal", **opts)
+
+
+@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+def test_layer_shares_each_reuse_layer_reads_its_top_k_of_the_ranking(selection, monkeypatch):
+    """Reuse layer 3 reads the top 4 of layer 2's ranking, layer 5 the top 12 of layer 4's (budget 8, shares 0.5 / 1.5):
+    each list is exactly the highest-scored slots of the selection layer's ranking, sorted, plus the current token,
+    and the read counter counts those rows."""
+    seen = {}
+    orig = TidalStore._reuse
+
+    def spy(self, query, sel, scaling):
+        out = orig(self, query, sel, scaling)
+        idx, valid = sel.view(self.budget, query.device)
+        seen[self.info.layer_idx] = (idx.clone(), sel.ranked.clone(), self.read_nbytes(), valid)
+        return out
+
+    monkeypatch.setattr(TidalStore, "_reuse", spy)
+    model = _model()
+    kvkit.patch(model, "tidal", budget=8, selection=selection, select_layers=[2, 4], layer_shares=[1, 1, 1, 0.5, 1, 1.5])
+    _run(model, _ids(40), steps=2)
+    kvkit.unpatch(model)
+    rows = 2 if selection == "kv_head" else 4  # lists per layer (KV heads or query heads)
+    for layer, k in ((3, 4), (5, 12)):
+        idx, ranked, read, valid = seen[layer]
+        assert valid is None and idx.shape[-1] == k + 1
+        assert torch.equal(idx[..., :-1], ranked[..., :k].sort(dim=-1).values)  # the top k of the ranking
+        assert bool((idx[..., -1] == 41).all())  # then the current token (slot 41 at the second decode step)
+        assert read == rows * (k + 1) * ROW
+
+
+def test_equal_layer_shares_equal_uniform():
+    model = _model()
+    ids = _ids(50)
+    outs = []
+    for opts in (dict(), dict(layer_shares=[2.5] * LAYERS)):
+        kvkit.patch(model, "tidal", budget=6, selection="kv_head", **opts)
+        outs.append(_run(model, ids, steps=5)[:2])
+    kvkit.unpatch(model)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

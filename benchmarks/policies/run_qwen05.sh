@@ -12,7 +12,7 @@
 # Calibration (kvkit/data/calibration/qwen2.5-coder-0.5b-instruct.json): `kvkit calibrate shadowkv --model
 # qwen2.5-coder-0.5b --out ... --threads 1` (rank 64 of 128) and `kvkit calibrate zipcache ...` (the paper's 4/2-bit
 # split kept every number needle; recalibrated on 2026-11-24 with code needles: 4-bit keys, `zipcachecal` below);
-# tidal not calibrated for this model (paper layers). DuoAttention: the shipped 200-step pattern
+# tidal: calibrated in the fifteenth session (`tidalrf` below; earlier tidal rows use the paper's layers). DuoAttention: the shipped 200-step pattern
 # (kvkit/data/duo_qwen2.5-coder-0.5b-instruct.json, results/duo/README.md): `bash run_qwen05.sh duo`.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 TQDM_MININTERVAL=60 TOKENIZERS_PARALLELISM=false
@@ -73,5 +73,11 @@ chelsea-default)  # fourteenth session: Chelsea's default (protect = 0.8 x ratio
   [ "${CHRC:-}" = 1 ] && nice -n 5 .venv/bin/kvkit eval ruler --model $M --policy chelsea \
     --opt ratio=0.5,protect_score=reconstruct,protect_scope=context --prompts $P --samples 3 --out $Q/chelsea50rcx \
     --resume ;;
-*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware|chelsea-default}" >&2; exit 2 ;;
+tidalrf)  # fifteenth session: TidalDecode with the model's calibrated selection layers (`kvkit calibrate tidal --model
+  # qwen2.5-coder-0.5b --out kvkit/data/calibration/qwen2.5-coder-0.5b-instruct.json --threads 1 --samples 6 --values
+  # number`: [2, 6, 10, 14, 18, 22]); budget 999 puts the decode reads at 0.50 of full's at the prompts' ~3995 tokens
+  # (kvkit.calibrate.knobs.tidal_budget_for)
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
+    --run tidalrf999kv=tidal:budget=999,selection=kv_head ;;
+*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware|chelsea-default|tidalrf}" >&2; exit 2 ;;
 esac

@@ -5,6 +5,7 @@ calibration file (:mod:`kvkit.calibrate.store`), which the policy then finds fro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def add_commands(subparsers) -> None:
@@ -89,6 +90,11 @@ def _add_knob_commands(sub) -> None:
     t.add_argument("--budget-fraction", type=float, default=None,
                    help="instead: one tidal budget for every layout, as a fraction of --length")
     t.add_argument("--selection", default="kv_head", choices=["kv_head", "q_head"])
+    t.add_argument("--select-layers", default=None,
+                   help="skip the layout sweep: these selection layers (comma-separated, e.g. 2,6,10), only their "
+                        "layer shares are calibrated (an earlier calibration's evidence for the same layers is kept)")
+    t.add_argument("--no-shares", action="store_true",
+                   help="uniform budgets over the reuse layers (the paper): no layer_shares")
     _values(t)
     t.set_defaults(func=cmd_calibrate_knob, knob="tidal")
     c = _sweep_parser(
@@ -141,6 +147,17 @@ def _parse_kernels(text: str) -> tuple:
     return tuple(kernels)
 
 
+def _parse_layers(text: str) -> tuple:
+    """--select-layers "2,6,10" -> (2, 6, 10): strictly increasing layer indices >= 0 (checked before the model loads)."""
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"--select-layers: expected layer indices separated by commas, e.g. 2,6,10; got {text!r}") from None
+    if not layers or any(x < 0 for x in layers) or any(b <= a for a, b in zip(layers, layers[1:])):
+        raise SystemExit(f"--select-layers: expected strictly increasing layer indices >= 0, e.g. 2,6,10; got {text!r}")
+    return layers
+
+
 def cmd_calibrate_knob(args) -> int:
     import shlex
     import sys
@@ -152,6 +169,7 @@ def cmd_calibrate_knob(args) -> int:
 
     # --kernels (cake's parser only) is checked before the model loads: a typo costs no minutes
     kernels = None if getattr(args, "kernels", None) is None else _parse_kernels(args.kernels)
+    layout = None if getattr(args, "select_layers", None) is None else _parse_layers(args.select_layers)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", flush=True)
@@ -168,7 +186,14 @@ def cmd_calibrate_knob(args) -> int:
                                          read_fraction=(args.read_fraction if args.read_fraction is not None else
                                                         None if args.budget_fraction is not None else 0.5),
                                          selection=args.selection,
-                                         seed=args.seed, values=args.values, log=log)
+                                         seed=args.seed, values=args.values, log=log, layout=layout,
+                                         shares=not args.no_shares)
+        out = args.out or store.default_out(name)
+        old = store.read(out)["policies"].get("tidal") if layout is not None and Path(out).exists() else None
+        if old is not None and tuple(old["options"].get("select_layers") or ()) == layout:
+            # keep the sweep that chose these layers (the file's section is about to be replaced)
+            ev["layout_command"] = old.get("evidence", {}).get("layout_command", old.get("command"))
+            ev["layout_evidence"] = old.get("evidence", {}).get("layout_evidence", old.get("evidence"))
     elif args.knob == "cake":
         kernels = knobs.CAKE_KERNELS if kernels is None else kernels
         opts, ev = knobs.calibrate_cake(model, tok, length=args.length, samples=args.samples,

@@ -150,8 +150,10 @@ def tidal_budget_for(layout, num_layers: int, held: int, read_fraction: float,
 
 def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, budget_fraction: float | None = None,
                     read_fraction: float | None = 0.5, selection: str = "kv_head", seed: int = 0,
-                    values: str = "mixed", log=print) -> tuple[dict, dict]:
-    """The selection layers that answer the most calibration needles.
+                    values: str = "mixed", log=print, layout=None, shares: bool = True) -> tuple[dict, dict]:
+    """The selection layers that answer the most calibration needles, then (``shares``, with ``read_fraction``) the
+    reuse layers' ``layer_shares`` for them (:func:`calibrate_tidal_shares`, on the same samples). ``layout``: skip
+    the needle sweep and take these selection layers (e.g. a model's earlier calibration), computing only the shares.
 
     ``read_fraction`` (default): every layout is given the budget that makes its decode reads that fraction of
     full attention's (more selection layers -> fresher selections but a smaller budget). ``budget_fraction``
@@ -170,6 +172,17 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
     frac = read_fraction if read_fraction is not None else budget_fraction
     if not 0 < frac < 1:
         raise ValueError(f"tidal calibration: the fraction must be in (0, 1); got {frac}")
+    if layout is not None:
+        layout = tuple(layout)
+        from kvkit.policies.tidal import Tidal
+
+        Tidal(select_layers=layout).selection_layers(L)  # a malformed layout is refused before any forward
+        if not shares or read_fraction is None:
+            raise ValueError("tidal calibration: a given layout (--select-layers) calibrates only the layer shares, "
+                             "which need --read-fraction (not --budget-fraction or --no-shares)")
+        opts, ev = calibrate_tidal_shares(model, tokenizer, layout, length=length, samples=samples,
+                                          read_fraction=read_fraction, seed=seed, values=values, log=log)
+        return opts, {"layout": "given (not swept)", "shares": ev, "seconds": ev["seconds"]}
     data = make_samples(tokenizer, samples, length, seed=seed, values=values)
     held = length  # the calibration prompts' length (within 3%)
     specs = []
@@ -211,7 +224,132 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
         "data": describe_data(values),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    return {"select_layers": list(chosen["select_layers"])}, evidence
+    opts = {"select_layers": list(chosen["select_layers"])}
+    if shares and read_fraction is not None:
+        opts, evidence["shares"] = calibrate_tidal_shares(model, tokenizer, chosen["select_layers"], length=length,
+                                                          samples=samples, read_fraction=read_fraction, seed=seed,
+                                                          values=values, log=log)
+        evidence["seconds"] = round(time.perf_counter() - t0, 1)
+    return opts, evidence
+
+
+TIDAL_SHARE_GRID = 64  # budget fractions 1/64 .. 64/64 of the held tokens for the per-layer shares
+
+
+@torch.no_grad()
+def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE_GRID, kv_reduce: str = "max"):
+    """Per layer, the attention mass a reuse layer's read would capture at each budget fraction ``j / grid``.
+
+    Each sample's context is prefilled exactly, then its question and answer are fed one token per forward (decode
+    steps); at each step a selection layer ranks the tokens before the current one as tidal's ``kv_head`` selection
+    does (softmax over its query group, reduced by ``kv_reduce``) and every reuse layer after it records how much of
+    its own exact attention probability falls on the top ``ceil(j / grid * (n - 1))`` of that ranking plus the
+    current token (averaged over its query heads). The model runs exact attention throughout (the reads are only
+    measured). Returns ``{layer: [captured mass at fraction 1/grid, ..., 1]}`` for the reuse layers."""
+    import kvkit
+    from kvkit.compat import cache_kw
+    from kvkit.evals.common import encode
+    from kvkit.policies.tidal import TidalStore
+    from kvkit.stores import attend_slots
+
+    sums: dict[int, torch.Tensor] = {}
+    counts: dict[int, int] = {}
+    ranking = {}
+
+    def measure(self, query, qpos, scaling):
+        B, Hq, T, D = query.shape
+        H, n = self.keys.shape[1], self.keys.shape[2]
+        if T == 1 and self.role != "full" and n > 2:
+            G = Hq // H
+            s = torch.matmul(query.float().reshape(B, H, G, D), self.keys.float().transpose(-1, -2)) * scaling
+            p = torch.softmax(s, dim=-1)  # [B, H, G, n]; the last slot is the current token
+            if self.role == "select":
+                pc = p[..., : n - 1]
+                score = pc.amax(dim=2) if kv_reduce == "max" else pc.sum(dim=2)
+                ranking["order"], ranking["seen"] = score.argsort(dim=-1, descending=True), self.seen
+            elif ranking.get("seen") == self.seen:
+                order = ranking["order"].unsqueeze(2).expand(B, H, G, n - 1)
+                cum = p[..., : n - 1].gather(-1, order).cumsum(dim=-1) + p[..., n - 1 :]
+                ks = [max(1, math.ceil(j / grid * (n - 1))) - 1 for j in range(1, grid + 1)]
+                got = cum[..., ks].mean(dim=(0, 1, 2)).double()
+                i = self.info.layer_idx
+                sums[i] = sums.get(i, 0) + got
+                counts[i] = counts.get(i, 0) + 1
+        return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling)
+
+    orig = TidalStore.decode
+    TidalStore.decode = measure
+    try:
+        kvkit.patch(model, "tidal", budget=1, selection="kv_head", select_layers=list(layout), calibrated=False)
+        try:
+            for smp in data:
+                ctx = encode(tokenizer, smp.prompt[: smp.context_end])
+                rest = encode(tokenizer, smp.prompt[smp.context_end:] + " " + smp.answer)[0]
+                cache = kvkit.KVCache(model)
+                model(ctx.to(model.device), **cache_kw(cache), use_cache=True)
+                for t in rest.tolist():
+                    model(torch.tensor([[t]], device=model.device), **cache_kw(cache), use_cache=True)
+        finally:
+            kvkit.unpatch(model)
+    finally:
+        TidalStore.decode = orig
+    return {i: (sums[i] / counts[i]).tolist() for i in sorted(sums)}
+
+
+def tidal_shares_from_curves(curves: dict, num_layers: int, fraction: float, grid: int = TIDAL_SHARE_GRID) -> list:
+    """Per-layer shares (one per model layer, 1.0 for the layers that are not reuse layers) that equalise the
+    attention mass the reuse layers' reads capture, their mean budget fraction held at ``fraction``: from one step
+    each, every step of ``1 / grid`` goes to the reuse layer capturing the least (max-min water-filling on the
+    ``curves`` of :func:`tidal_capture_curves`). On SmolLM2 this lifts the layers that read a needle (19, 21) and
+    takes from layers whose attention is concentrated (16, 25), where a uniform budget misses the least."""
+    layers = sorted(curves)
+    steps = max(len(layers), round(fraction * grid * len(layers)))
+    at = {i: 1 for i in layers}  # grid points held (fraction at / grid)
+    for _ in range(steps - len(layers)):
+        open_ = [i for i in layers if at[i] < grid]
+        if not open_:
+            break
+        at[min(open_, key=lambda i: (curves[i][at[i] - 1], i))] += 1
+    mean = sum(at.values()) / len(at)
+    return [round(at[i] / mean, 3) if i in at else 1.0 for i in range(num_layers)]
+
+
+def calibrate_tidal_shares(model, tokenizer, layout, length: int = 4096, samples: int = 6, read_fraction: float = 0.5,
+                           seed: int = 0, values: str = "number", log=print) -> tuple[dict, dict]:
+    """``layer_shares`` for selection layers ``layout``: the reuse layers' budgets that capture the most attention
+    mass (:func:`tidal_capture_curves` on kvkit's needle samples) at the budget whose decode reads are
+    ``read_fraction`` of full attention's; their mean budget is unchanged, so are the reads."""
+    from kvkit.calibrate.needles import describe_data, make_samples
+
+    t0 = time.perf_counter()
+    L = model.config.get_text_config(decoder=True).num_hidden_layers
+    layout = tuple(layout)
+    b = tidal_budget_for(layout, L, length, read_fraction)
+    if b is None:
+        raise ValueError(f"tidal calibration: layout {list(layout)} leaves no budget at read fraction {read_fraction}")
+    frac = (b + 1) / length
+    data = make_samples(tokenizer, samples, length, seed=seed, values=values)
+    curves = tidal_capture_curves(model, tokenizer, layout, data)
+    shares = tidal_shares_from_curves(curves, L, frac)
+    g = TIDAL_SHARE_GRID
+    uni = {i: c[max(0, round(frac * g) - 1)] for i, c in curves.items()}
+    got = {i: c[max(0, min(g, round(frac * g * shares[i])) - 1)] for i, c in curves.items()}
+    log(f"tidal shares at budget {b} ({frac:.3f} of {length}): captured attention mass, least over the reuse layers "
+        f"{min(uni.values()):.4f} -> {min(got.values()):.4f}, mean {sum(uni.values()) / len(uni):.4f} -> "
+        f"{sum(got.values()) / len(got):.4f}")
+    evidence = {
+        "criterion": (f"reuse-layer budgets that equalise the attention mass their reads capture (max-min water-filling "
+                      f"in steps of 1/{g} of the held tokens) with their mean held at budget {b} of ~{length} tokens "
+                      f"(decode reads {read_fraction} of full attention's); the selection as tidal's kv_head max; "
+                      "teacher-forced question and answer tokens as the decode queries"),
+        "budget_at_read_fraction": b,
+        "captured_uniform": {str(i): round(v, 4) for i, v in uni.items()},
+        "captured_shared": {str(i): round(v, 4) for i, v in got.items()},
+        "data": describe_data(values),
+        "samples": samples,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return {"select_layers": list(layout), "layer_shares": shares}, evidence
 
 
 # ---- ZipCache: the cheapest bit widths that keep the needles -----------------------------------------------

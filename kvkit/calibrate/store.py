@@ -42,7 +42,7 @@ VERSION = 1
 #: The options each policy's calibration may set. The calibration applies only when the user left all
 #: of them at their defaults (so it never mixes with a setting the user chose).
 CALIBRATED_OPTIONS: dict[str, tuple[str, ...]] = {
-    "tidal": ("select_layers", "reselect_layer"),
+    "tidal": ("select_layers", "reselect_layer", "layer_shares"),
     "shadowkv": ("rank",),
     "zipcache": ("high_ratio", "high_bits", "low_bits", "key_bits"),
     "cake": ("tau1", "tau2", "pool_kernel", "pool_window"),

@@ -49,6 +49,7 @@ calls :func:`kvkit.kernels.sparse_decode` (Triton: the rows are read in place).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -97,6 +98,13 @@ class Tidal(Policy):
         small budget), so the same read budget affords a larger ``budget``. Measured on the default model (RULER-4K,
         65 samples, reads 0.50 of full's): 0.78 retention at budget 1537 vs 0.87 with full selection layers at budget
         1132: the selection layers' exact attention is worth more than the larger budget; not the default.
+    layer_shares : sequence of float or None
+        kvkit, beyond the paper: one positive weight per model layer; the reuse layers' budgets become
+        ``budget * share / mean share of the reuse layers`` (rounded), so their mean -- and the decode reads -- stay
+        those of a uniform ``budget``, but layers whose attention is spread over more tokens read more of the
+        selection (the selection layer ranks once, each reuse layer takes its own top-k of the same ranking).
+        None: uniform (the paper). Calibrated per model with the selection layers (``kvkit calibrate tidal``: the
+        shares that maximise the attention mass the reuse layers' reads capture on calibration text).
     calibrated : bool
         True (default): when neither ``reselect_layer`` nor ``select_layers`` is given, use the model's
         calibrated selection layers (``kvkit calibrate tidal``; shipped for the bundled models, found from
@@ -109,6 +117,7 @@ class Tidal(Policy):
     kv_reduce: str = "max"  # kvkit: group reduction for selection="kv_head"
     select_layers: tuple | None = None  # kvkit: explicit selection layers (per-model tuning, issue 19)
     select_attention: str = "full"  # TidalDecode: selection layers attend fully; "selected": kvkit
+    layer_shares: tuple | None = None  # kvkit: per-layer budget weights of the reuse layers (None: uniform, the paper)
     calibrated: bool = True  # kvkit: the model's calibrated select_layers when none given; False = paper layout
 
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
@@ -135,6 +144,14 @@ class Tidal(Policy):
                 raise ValueError("tidal: give reselect_layer or select_layers, not both "
                                  "(select_layers lists every selection layer)")
             object.__setattr__(self, "select_layers", tuple(layers))
+        if self.layer_shares is not None:
+            sh = self.layer_shares
+            ok = isinstance(sh, (list, tuple)) and len(sh) > 0 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in sh)
+            if not ok:
+                raise ValueError("tidal: layer_shares must be a list of positive numbers, one per model layer "
+                                 f"(e.g. [1, 1, 1, 0.5, 2, ...]); got {sh!r}")
+            object.__setattr__(self, "layer_shares", tuple(float(x) for x in sh))
 
     def reselect_for(self, num_layers: int) -> int | None:
         """The re-selection layer for a model of ``num_layers`` layers (None: no re-selection)."""
@@ -161,6 +178,31 @@ class Tidal(Policy):
         r = self.reselect_for(num_layers)
         return (SELECT_LAYER,) if r is None else (SELECT_LAYER, r)
 
+    def layer_budgets(self, num_layers: int) -> list[int]:
+        """Tokens each layer reads from a selection (its top-k): ``budget`` everywhere without ``layer_shares``;
+        with them, the reuse layers' ``budget * share / mean reuse share`` (at least 1; other layers ``budget``)."""
+        if self.layer_shares is None:
+            return [self.budget] * num_layers
+        if len(self.layer_shares) != num_layers:
+            raise ValueError(f"tidal: layer_shares must give one share per model layer ({num_layers}); "
+                             f"got {len(self.layer_shares)}")
+        layers = self.selection_layers(num_layers)
+        reuse = [i for i in range(layers[0], num_layers) if i not in layers]
+        if not reuse:
+            return [self.budget] * num_layers
+        mean = sum(self.layer_shares[i] for i in reuse) / len(reuse)
+        return [max(1, round(self.budget * self.layer_shares[i] / mean)) if i in reuse else self.budget
+                for i in range(num_layers)]
+
+    def select_budget(self, num_layers: int, layer: int) -> int:
+        """How many tokens selection layer ``layer`` ranks: the largest budget of the layers reading its selection
+        (itself included with ``select_attention="selected"``)."""
+        layers = self.selection_layers(num_layers)
+        ks = self.layer_budgets(num_layers)
+        nxt = min([x for x in layers if x > layer] + [num_layers])
+        own = [ks[layer]] if self.select_attention == "selected" or nxt == layer + 1 else []
+        return max(own + ks[layer + 1: nxt])
+
     def validate(self, config) -> None:
         from kvkit.calibrate.store import resolve
 
@@ -172,6 +214,7 @@ class Tidal(Policy):
                 f"this model has {n}"
             )
         self.selection_layers(n)
+        self.layer_budgets(n)
 
     def new_shared(self, infos):
         return TidalSelection()
@@ -188,18 +231,60 @@ class TidalSelection:
 
     ``idx [B, Hs, T, k+1]`` int64: per list (Hs = KV heads or query heads) and query token, the selected
     slots in increasing order followed by the token's own slot; ``valid`` the same shape (bool) or None
-    when every entry is a real token. ``bufs``: gather buffers shared by the reuse layers (torch path).
+    when every entry is a real token. ``ranked [B, Hs, T, k]``: the same selection in decreasing score order
+    (``ranked_ok`` its real entries, None: all), from which :meth:`view` cuts a smaller top-k for a reuse layer with a
+    smaller budget (``layer_shares``). ``bufs``: gather buffers shared by the reuse layers (torch path).
     """
 
     seen: int = -1  # the store length it was made at
     T: int = 0  # query tokens of that forward
     idx: torch.Tensor | None = None
     valid: torch.Tensor | None = None
-    on: dict = field(default_factory=dict)  # device -> (idx, valid) copies (device_map)
+    ranked: torch.Tensor | None = None
+    ranked_ok: torch.Tensor | None = None
+    cur: tuple = ()  # (the query tokens' own slots [B, Hs, T, 1], their validity or None)
+    n: int = 0  # slots held when it was made
+    views: dict = field(default_factory=dict)  # (k, device) -> (idx, valid)
     bufs: dict = field(default_factory=dict)  # (device, dtype, rows, D) -> (K rows, V rows) gather buffers
 
     def clear(self) -> None:
-        self.seen, self.idx, self.valid, self.on = -1, None, None, {}
+        self.seen, self.idx, self.valid, self.ranked, self.ranked_ok, self.cur, self.views = -1, None, None, None, None, (), {}
+
+    def set(self, seen: int, T: int, ranked, ranked_ok, n: int, cur, cur_ok) -> None:
+        """A new selection: ``ranked`` top-k slots (decreasing score), ``ranked_ok`` their validity (None: all real),
+        ``n`` the held slots, ``cur [B, Hs, T, 1]`` the query tokens' own slots and ``cur_ok`` their validity."""
+        self.seen, self.T, self.ranked, self.ranked_ok, self.cur, self.views = seen, T, ranked, ranked_ok, (cur, cur_ok), {}
+        self.n = n
+        self.idx, self.valid = self._cut(ranked.shape[-1])
+
+    def _cut(self, k: int):
+        r = self.ranked[..., :k]
+        cur, cur_ok = self.cur
+        if self.ranked_ok is None:
+            idx, valid = r.sort(dim=-1).values, None
+        else:
+            key = torch.where(self.ranked_ok[..., :k], r, self.n).sort(dim=-1).values  # selected first, slot order
+            valid = key < self.n
+            idx = torch.where(valid, key, 0)
+        idx = torch.cat([idx, cur], dim=-1)
+        if valid is not None or cur_ok is not None:
+            v0 = valid if valid is not None else torch.ones_like(r, dtype=torch.bool)
+            c0 = cur_ok if cur_ok is not None else torch.ones_like(cur, dtype=torch.bool)
+            valid = torch.cat([v0, c0], dim=-1)
+            if bool(valid.all()):
+                valid = None
+        return idx, valid
+
+    def view(self, k: int, device) -> tuple:
+        """``(idx, valid)`` of the top-``k`` of this selection (all of it when ``k`` covers it), on ``device``."""
+        key = (min(k, self.ranked.shape[-1]), device)
+        v = self.views.get(key)
+        if v is None:
+            v = (self.idx, self.valid) if key[0] == self.ranked.shape[-1] else self._cut(key[0])
+            if v[0].device != device:  # the selection layer sits on another device (device_map): copy once
+                v = (v[0].to(device), None if v[1] is None else v[1].to(device))
+            self.views[key] = v
+        return v
 
 
 class TidalStore(SlotStore):
@@ -208,13 +293,15 @@ class TidalStore(SlotStore):
 
     def __init__(self, info: LayerInfo, policy: Tidal):
         super().__init__(info)
-        self.budget = policy.budget
+        L, i = info.num_layers, info.layer_idx
+        self.budget = policy.layer_budgets(L)[i]  # tokens this layer reads from a selection (reuse layers)
         self.per_kv_head = policy.selection == "kv_head"
         self.kv_reduce = policy.kv_reduce
         self.attend_selected = policy.select_attention == "selected"
-        layers = policy.selection_layers(info.num_layers)
-        i = info.layer_idx
+        layers = policy.selection_layers(L)
         self.role = "full" if i < layers[0] else "select" if i in layers else "reuse"
+        # tokens ranked when this layer selects: the largest budget of the layers that read the selection
+        self.select_k = policy.select_budget(L, i) if self.role == "select" else self.budget
         self.last_read = 0  # K/V bytes read by the last decode forward
         self.last_full_read = 0  # K/V bytes full attention would have read in that forward
 
@@ -236,7 +323,8 @@ class TidalStore(SlotStore):
         H, n = self.keys.shape[1], self.keys.shape[2]
         self.last_full_read = B * H * n * self._row_bytes()
         sel = self.info.shared
-        if T > MAX_SPARSE_CHUNK or self.budget >= n - 1 or self.role == "full":
+        k = self.select_k if self.role == "select" else self.budget
+        if T > MAX_SPARSE_CHUNK or k >= n - 1 or self.role == "full":
             if T > MAX_SPARSE_CHUNK:
                 sel.clear()
             self.last_read = self.last_full_read
@@ -253,7 +341,7 @@ class TidalStore(SlotStore):
         B, Hq, T, D = query.shape
         H, n = self.keys.shape[1], self.keys.shape[2]
         G = Hq // H
-        k = min(self.budget, n)
+        k = min(self.select_k, n)
         q = query.float().reshape(B, H, G * T, D)  # row g*T + t of KV head h is query head h*G + g
         s = torch.matmul(q, self.keys.float().transpose(-1, -2)).mul_(scaling)  # [B, H, G*T, n]
         s5 = s.view(B, H, G, T, n)
@@ -272,8 +360,8 @@ class TidalStore(SlotStore):
                 score = pc.amax(dim=2) if self.kv_reduce == "max" else pc.sum(dim=2)  # [B, H, 1, n-1]
             else:
                 score = s5[..., : n - 1].reshape(B, Hq, T, n - 1)
-            top = score.topk(min(k, n - 1), dim=-1)
-            idx, valid = top.indices.sort(dim=-1).values, None
+            top = score.topk(min(k, n - 1), dim=-1)  # decreasing score
+            ranked_ok = None
         else:  # candidates: real tokens before each query's own position
             cand = (pos < qpos.view(1, 1, 1, T, 1)) & (pos >= 0)  # [B, 1, 1, T, n]
             if self.per_kv_head:
@@ -283,20 +371,13 @@ class TidalStore(SlotStore):
             else:
                 score = s5.masked_fill(~cand, float("-inf")).view(B, Hq, T, n)
             top = score.topk(k, dim=-1)
-            ok = top.values > float("-inf")
-            key = torch.where(ok, top.indices, n).sort(dim=-1).values  # selected slots first, in slot order
-            valid = key < n
-            idx = torch.where(valid, key, 0)
-        Hs = idx.shape[1]
-        cur = torch.arange(n - T, n, device=idx.device).view(1, 1, T, 1).expand(B, Hs, T, 1)
-        idx = torch.cat([idx, cur], dim=-1)
-        if valid is not None:
-            cur_ok = (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
-            valid = torch.cat([valid, cur_ok], dim=-1)
-            if bool(valid.all()):
-                valid = None
+            ranked_ok = top.values > float("-inf")
+        Hs = top.indices.shape[1]
+        cur = torch.arange(n - T, n, device=query.device).view(1, 1, T, 1).expand(B, Hs, T, 1)
+        cur_ok = None if plain else (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
         sel = self.info.shared
-        sel.seen, sel.T, sel.idx, sel.valid, sel.on = self.seen, T, idx, valid, {}
+        sel.set(self.seen, T, top.indices, ranked_ok, n, cur, cur_ok)
+        idx, valid = sel.view(self.budget, query.device)  # this layer's own top-k (select_attention="selected")
         if not self.attend_selected:
             self.last_read = self.last_full_read
             out = torch.matmul(p, self.values.float())  # [B, H, G*T, Dv]
@@ -317,12 +398,7 @@ class TidalStore(SlotStore):
 
     def _reuse(self, query, sel, scaling):
         """Attention over the selected rows plus the current token only; returns ``[B, T, Hq, D]``."""
-        idx, valid = sel.idx, sel.valid  # [B, Hs, T, k+1]
-        dev = query.device
-        if idx.device != dev:  # the selection layer sits on another device (device_map): copy once per device
-            if dev not in sel.on:
-                sel.on[dev] = (idx.to(dev), None if valid is None else valid.to(dev))
-            idx, valid = sel.on[dev]
+        idx, valid = sel.view(self.budget, query.device)  # [B, Hs, T, k+1]: this layer's top-k of the selection
         out = gather_attend(query, self.keys, self.values, idx, valid, scaling, bufs=sel.bufs)
         self.last_read = idx.numel() * self._row_bytes()
         return out
