@@ -33,6 +33,9 @@ if args.model == "default":
         ("tidalsel1537kv-4k", "tidal", "budget 1537, kv_head, layers [2, 6, ..., 26], select_attention=selected "
          "(kvkit: selection layers read every key, only the selected values)", "agnostic", "reads", "tidalrf1132kv-4k"),
         ("tidalrf1132kv-4k", "tidal", "budget 1132, kv_head, layers [2, 6, ..., 26] (read-fraction calibration)", "agnostic", "reads", "tidal1732kv-4k"),
+        ("tidalsh1132kv-4k", "tidal", "budget 1132 on average, kv_head, layers [2, 6, ..., 26], calibrated layer shares "
+         "(kvkit: per-layer budgets that equalise the captured attention mass; the default)", "agnostic", "reads",
+         "tidalrf1132kv-4k"),
         ("tidalrfsum1132kv-4k", "tidal", "budget 1132, kv_head, kv_reduce=sum, layers [2, 6, ..., 26] (stopped early: "
          "52 of its first 57 predictions are the max reduction's)", "agnostic", "reads", "tidalrf1132kv-4k"),
         ("tidalcal1732kv-4k", "tidal", "budget 1732, kv_head, layers [2, 15, 21] (first calibration)",
@@ -158,6 +161,8 @@ else:
          "bytes", "zipcache"),
         ("zipcache", "zipcache", "paper 4/2-bit 60/40 (number-needle calibration = paper)", "agnostic", "bytes", None),
         ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
+        ("tidalrf999kv", "tidal", "budget 999, kv_head, calibrated layers [2, 6, 10, 14, 18, 22] (read-fraction "
+         "calibration, uniform budgets)", "agnostic", "reads", "tidal1732kv"),
         ("tidal1732kv", "tidal", "budget 1732, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake2048-qaware", "cake", "budget 2048", "question in prefill", "bytes", None),
         ("snapkv2048tr-qaware", "snapkv", "budget 2048, kernel 61 avg, trailing window (given as options: Qwen's calibration is centered)",
@@ -183,14 +188,19 @@ else:
     ]
 # tidal stores every byte and saves reads: (selection layers, model layers, budget) of each tidal run, for the
 # per-step read fraction at the run's prompt length (kvkit.calibrate.knobs.tidal_read_fraction; the first decode step)
+SMOL_SHARES = json.loads((root / "results" / "policies" / "tidalsh1132kv-4k" / "config.json").read_text())["options"][
+    "layer_shares"] if (root / "results" / "policies" / "tidalsh1132kv-4k" / "config.json").exists() else None
 READS = {"tidalrfsum1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132),
+         "tidalsh1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132, "full", SMOL_SHARES),
+         "tidalrf999kv": ((2, 6, 10, 14, 18, 22), 24, 999),
          "tidalsel1537kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1537, "selected"),
          "tidalcode1380kv-4k": ((2, 8, 14, 20, 26), 30, 1380), "tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
          "tidal1732kv-4k": ((2, 12), 30, 1732), "tidal550kv-4k": ((2, 12), 30, 550),
          "h100/tidalrf566kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 566),
          "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
-         "tidalrf1132kv-4k": "shipped: selection layers attend fully (the paper), kv_reduce max, budget 1132", "zipcache-4k": "paper 4/2-bit 60/40",
+         "tidalrf1132kv-4k": "uniform budgets (before the layer shares), kv_reduce max, budget 1132",
+         "tidal1732kv": "paper layers 2 + 10 (budget 1732, reads 0.53)", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
          "chelsea25-4k": "paper matching (protect 0)", "chelsea20-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",
@@ -248,8 +258,8 @@ for folder, policy, setting, protocol, saves, paper in RUNS:
     if folder in READS:
         from kvkit.calibrate.knobs import tidal_read_fraction
 
-        layout, n_layers, budget, *attend = READS[folder]
-        reads = statistics.mean(tidal_read_fraction(layout, n_layers, rs[i]["prompt_tokens"] + 1, budget, *attend)
+        layout, n_layers, budget, *rest = READS[folder]  # rest: select_attention, layer_shares
+        reads = statistics.mean(tidal_read_fraction(layout, n_layers, rs[i]["prompt_tokens"] + 1, budget, *rest)
                                 for i in ids)
     row = dict(run=folder, policy=policy, setting=setting, protocol=protocol, samples=len(ids),
                tasks=len(per_task), min_per_task=min(per_task.values()) if len(per_task) == 13 else 0,

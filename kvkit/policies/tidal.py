@@ -16,6 +16,15 @@ the paper uses 13 of 32 for Llama-3-8B, tuned per model). ``select_layers`` repl
 increasing list of selection layers (e.g. ``(2, 12, 15, 18, 21)``); the layers before its first entry
 read everything.
 
+Per-layer budgets (kvkit, beyond the paper: ``layer_shares``): the paper gives every reuse layer the same ``budget``.
+On SmolLM2-135M the reuse layers differ in how much of their attention the top-k catches (at 0.29 of a 4K context,
+0.87 of the mass in layer 29 and 21 against 0.98 in layers 16 and 25), and the UUID needles are lost in layers
+19-21 (reading them exactly answers all three samples that fail; re-selecting at one of them does not). With
+``layer_shares`` the selection layer ranks once, at the largest budget of the layers reading its selection, and
+each reuse layer takes its own top-k of that ranking; the budgets' mean over the reuse layers stays ``budget``, so
+the reads do too. ``kvkit calibrate tidal`` picks the shares that equalise the captured attention mass
+(:func:`kvkit.calibrate.knobs.calibrate_tidal_shares`).
+
 The selection travels from layer to layer through the cache's :class:`TidalSelection`. All tidal
 stores hold every token in the same slot order, so a slot index means the same token in every layer.
 Selection is redone at every step. Prefill is exact full attention.
