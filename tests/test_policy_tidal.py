@@ -164,12 +164,14 @@ def test_multi_token_forward_equals_single_steps_and_crop_is_exact(selection, at
     kvkit.unpatch(model)
 
 
+@pytest.mark.parametrize("shares", [None, [1, 1, 1, 0.5, 1, 1.5]])  # layer_shares: smaller cuts, masked padding
 @pytest.mark.parametrize("attend", ["full", "selected"])
 @pytest.mark.parametrize("selection", ["q_head", "kv_head"])
-def test_left_padded_batch_equals_single(selection, attend):
+def test_left_padded_batch_equals_single(selection, attend, shares):
     model = _model()
     ids, mask, prompts = left_padded_batch([40, 27], seed=3)
-    kvkit.patch(model, "tidal", budget=8, selection=selection, select_attention=attend)
+    opts = {} if shares is None else dict(select_layers=[2], layer_shares=shares)
+    kvkit.patch(model, "tidal", budget=8, selection=selection, select_attention=attend, **opts)
     toks, logits, _ = _run(model, ids, steps=8, mask=mask)
     for i, p in enumerate(prompts):
         t1, l1, _ = _run(model, p[None], steps=8)
@@ -353,30 +355,34 @@ def test_bad_layer_shares(opts, match):
 
 @pytest.mark.parametrize("selection", ["q_head", "kv_head"])
 def test_layer_shares_each_reuse_layer_reads_its_top_k_of_the_ranking(selection, monkeypatch):
-    """Reuse layer 3 reads the top 4 of layer 2's ranking, layer 5 the top 12 of layer 4's (budget 8, shares 0.5 / 1.5):
-    each list is exactly the highest-scored slots of the selection layer's ranking, sorted, plus the current token,
-    and the read counter counts those rows."""
+    """Layer 2 selects for reuse layers 3, 4, 5 with budgets 4, 8, 12 (budget 8, shares 0.5 / 1 / 1.5): it ranks 12
+    tokens once; each reuse layer reads exactly the highest-scored k of that ranking plus the current token (the
+    smaller cuts in score order, the whole selection in slot order), its output is attention over those rows, and the
+    read counter counts them."""
     seen = {}
     orig = TidalStore._reuse
 
     def spy(self, query, sel, scaling):
         out = orig(self, query, sel, scaling)
         idx, valid = sel.view(self.budget, query.device)
-        seen[self.info.layer_idx] = (idx.clone(), sel.ranked.clone(), self.read_nbytes(), valid)
+        seen[self.info.layer_idx] = (idx.clone(), sel.ranked.clone(), self.read_nbytes(), valid,
+                                     torch.allclose(out, gather_attend(query, self.keys, self.values,
+                                                                       idx.sort(dim=-1).values, None, scaling)))
         return out
 
     monkeypatch.setattr(TidalStore, "_reuse", spy)
     model = _model()
-    kvkit.patch(model, "tidal", budget=8, selection=selection, select_layers=[2, 4], layer_shares=[1, 1, 1, 0.5, 1, 1.5])
+    kvkit.patch(model, "tidal", budget=8, selection=selection, select_layers=[2], layer_shares=[1, 1, 1, 0.5, 1, 1.5])
     _run(model, _ids(40), steps=2)
     kvkit.unpatch(model)
     rows = 2 if selection == "kv_head" else 4  # lists per layer (KV heads or query heads)
-    for layer, k in ((3, 4), (5, 12)):
-        idx, ranked, read, valid = seen[layer]
-        assert valid is None and idx.shape[-1] == k + 1
-        assert torch.equal(idx[..., :-1], ranked[..., :k].sort(dim=-1).values)  # the top k of the ranking
+    for layer, k in ((3, 4), (4, 8), (5, 12)):
+        idx, ranked, read, valid, same_out = seen[layer]
+        assert valid is None and idx.shape[-1] == k + 1 and ranked.shape[-1] == 12
+        assert torch.equal(idx[..., :-1].sort(dim=-1).values, ranked[..., :k].sort(dim=-1).values)  # the top k
         assert bool((idx[..., -1] == 41).all())  # then the current token (slot 41 at the second decode step)
         assert read == rows * (k + 1) * ROW
+        assert same_out  # the order of the rows does not matter
 
 
 def test_equal_layer_shares_equal_uniform():

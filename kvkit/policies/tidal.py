@@ -267,14 +267,21 @@ class TidalSelection:
         self.idx, self.valid = self._cut(ranked.shape[-1])
 
     def _cut(self, k: int):
+        """The top ``k`` plus the query tokens' own slots. The whole selection (``k`` = all of it, what every layer
+        reads with uniform budgets) is put in slot order; a smaller cut keeps the score order: sorting it for each
+        reuse layer cost more than the gather it would speed up (the gathers read whole rows in any order)."""
         r = self.ranked[..., :k]
         cur, cur_ok = self.cur
+        whole = k == self.ranked.shape[-1]
         if self.ranked_ok is None:
-            idx, valid = r.sort(dim=-1).values, None
-        else:
-            key = torch.where(self.ranked_ok[..., :k], r, self.n).sort(dim=-1).values  # selected first, slot order
+            idx, valid = (r.sort(dim=-1).values if whole else r), None
+        elif whole:
+            key = torch.where(self.ranked_ok, r, self.n).sort(dim=-1).values  # selected first, slot order
             valid = key < self.n
             idx = torch.where(valid, key, 0)
+        else:
+            valid = self.ranked_ok[..., :k]
+            idx = torch.where(valid, r, 0)
         idx = torch.cat([idx, cur], dim=-1)
         if valid is not None or cur_ok is not None:
             v0 = valid if valid is not None else torch.ones_like(r, dtype=torch.bool)
