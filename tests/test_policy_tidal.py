@@ -393,4 +393,5 @@ def test_equal_layer_shares_equal_uniform():
         kvkit.patch(model, "tidal", budget=6, selection="kv_head", **opts)
         outs.append(_run(model, ids, steps=5)[:2])
     kvkit.unpatch(model)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(outs[0][0], outs[1][0])  # the same rows read (in score order with shares: sums reordered)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)

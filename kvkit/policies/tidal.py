@@ -253,26 +253,28 @@ class TidalSelection:
     ranked_ok: torch.Tensor | None = None
     cur: tuple = ()  # (the query tokens' own slots [B, Hs, T, 1], their validity or None)
     n: int = 0  # slots held when it was made
+    slot_order: bool = True  # the whole selection in slot order (uniform budgets); False: score order (layer_shares)
     views: dict = field(default_factory=dict)  # (k, device) -> (idx, valid)
     bufs: dict = field(default_factory=dict)  # (device, dtype, rows, D) -> (K rows, V rows) gather buffers
 
     def clear(self) -> None:
         self.seen, self.idx, self.valid, self.ranked, self.ranked_ok, self.cur, self.views = -1, None, None, None, None, (), {}
 
-    def set(self, seen: int, T: int, ranked, ranked_ok, n: int, cur, cur_ok) -> None:
+    def set(self, seen: int, T: int, ranked, ranked_ok, n: int, cur, cur_ok, slot_order: bool = True) -> None:
         """A new selection: ``ranked`` top-k slots (decreasing score), ``ranked_ok`` their validity (None: all real),
         ``n`` the held slots, ``cur [B, Hs, T, 1]`` the query tokens' own slots and ``cur_ok`` their validity."""
         self.seen, self.T, self.ranked, self.ranked_ok, self.cur, self.views = seen, T, ranked, ranked_ok, (cur, cur_ok), {}
-        self.n = n
+        self.n, self.slot_order = n, slot_order
         self.idx, self.valid = self._cut(ranked.shape[-1])
 
     def _cut(self, k: int):
         """The top ``k`` plus the query tokens' own slots. The whole selection (``k`` = all of it, what every layer
-        reads with uniform budgets) is put in slot order; a smaller cut keeps the score order: sorting it for each
-        reuse layer cost more than the gather it would speed up (the gathers read whole rows in any order)."""
+        reads with uniform budgets) is put in slot order; with ``layer_shares`` every cut keeps the score order:
+        sorting the cuts cost more than the gathers they would speed up (they read whole rows in any order; at 4 x 8K
+        tokens the sorts were 21 ms of a 230 ms step)."""
         r = self.ranked[..., :k]
         cur, cur_ok = self.cur
-        whole = k == self.ranked.shape[-1]
+        whole = k == self.ranked.shape[-1] and self.slot_order
         if self.ranked_ok is None:
             idx, valid = (r.sort(dim=-1).values if whole else r), None
         elif whole:
@@ -318,6 +320,7 @@ class TidalStore(SlotStore):
         self.role = "full" if i < layers[0] else "select" if i in layers else "reuse"
         # tokens ranked when this layer selects: the largest budget of the layers that read the selection
         self.select_k = policy.select_budget(L, i) if self.role == "select" else self.budget
+        self.shared_budgets = policy.layer_shares is not None  # per-layer cuts of one selection (score order)
         self.last_read = 0  # K/V bytes read by the last decode forward
         self.last_full_read = 0  # K/V bytes full attention would have read in that forward
 
@@ -392,7 +395,7 @@ class TidalStore(SlotStore):
         cur = torch.arange(n - T, n, device=query.device).view(1, 1, T, 1).expand(B, Hs, T, 1)
         cur_ok = None if plain else (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
         sel = self.info.shared
-        sel.set(self.seen, T, top.indices, ranked_ok, n, cur, cur_ok)
+        sel.set(self.seen, T, top.indices, ranked_ok, n, cur, cur_ok, slot_order=not self.shared_budgets)
         idx, valid = sel.view(self.budget, query.device)  # this layer's own top-k (select_attention="selected")
         if not self.attend_selected:
             self.last_read = self.last_full_read
