@@ -161,6 +161,9 @@ else:
          "bytes", "zipcache"),
         ("zipcache", "zipcache", "paper 4/2-bit 60/40 (number-needle calibration = paper)", "agnostic", "bytes", None),
         ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
+        ("tidalsh999kv", "tidal", "budget 999 on average, kv_head, calibrated layers [2, 6, 10, 14, 18, 22] and layer "
+         "shares (kvkit: per-layer budgets that equalise the captured attention mass; the default)", "agnostic",
+         "reads", "tidalrf999kv"),
         ("tidalrf999kv", "tidal", "budget 999, kv_head, calibrated layers [2, 6, 10, 14, 18, 22] (read-fraction "
          "calibration, uniform budgets)", "agnostic", "reads", "tidal1732kv"),
         ("tidal1732kv", "tidal", "budget 1732, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
@@ -190,9 +193,12 @@ else:
 # per-step read fraction at the run's prompt length (kvkit.calibrate.knobs.tidal_read_fraction; the first decode step)
 SMOL_SHARES = json.loads((root / "results" / "policies" / "tidalsh1132kv-4k" / "config.json").read_text())["options"][
     "layer_shares"] if (root / "results" / "policies" / "tidalsh1132kv-4k" / "config.json").exists() else None
+QWEN_SHARES = json.loads((root / "kvkit" / "data" / "calibration" / "qwen2.5-coder-0.5b-instruct.json").read_text())[
+    "policies"]["tidal"]["options"].get("layer_shares")  # what tidalsh999kv used (the run gives no options)
 READS = {"tidalrfsum1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132),
          "tidalsh1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132, "full", SMOL_SHARES),
          "tidalrf999kv": ((2, 6, 10, 14, 18, 22), 24, 999),
+         "tidalsh999kv": ((2, 6, 10, 14, 18, 22), 24, 999, "full", QWEN_SHARES),
          "tidalsel1537kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1537, "selected"),
          "tidalcode1380kv-4k": ((2, 8, 14, 20, 26), 30, 1380), "tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
          "tidal1732kv-4k": ((2, 12), 30, 1732), "tidal550kv-4k": ((2, 12), 30, 550),
@@ -200,7 +206,8 @@ READS = {"tidalrfsum1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132),
          "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
          "tidalrf1132kv-4k": "uniform budgets (before the layer shares), kv_reduce max, budget 1132",
-         "tidal1732kv": "paper layers 2 + 10 (budget 1732, reads 0.53)", "zipcache-4k": "paper 4/2-bit 60/40",
+         "tidal1732kv": "paper layers 2 + 10 (budget 1732, reads 0.53)",
+         "tidalrf999kv": "uniform budgets (before the layer shares)", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
          "chelsea25-4k": "paper matching (protect 0)", "chelsea20-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",

@@ -79,5 +79,9 @@ tidalrf)  # fifteenth session: TidalDecode with the model's calibrated selection
   # (kvkit.calibrate.knobs.tidal_budget_for)
   nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
     --run tidalrf999kv=tidal:budget=999,selection=kv_head ;;
-*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware|chelsea-default|tidalrf}" >&2; exit 2 ;;
+tidalsh)  # the same after `kvkit calibrate tidal ... --select-layers 2,6,10,14,18,22` added the calibrated layer shares
+  # (per-layer budgets of the reuse layers, mean 999: the same reads) to the model's calibration file: the default
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
+    --run tidalsh999kv=tidal:budget=999,selection=kv_head ;;
+*) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware|chelsea-default|tidalrf|tidalsh}" >&2; exit 2 ;;
 esac
