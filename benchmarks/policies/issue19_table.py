@@ -162,10 +162,11 @@ else:
         ("zipcache", "zipcache", "paper 4/2-bit 60/40 (number-needle calibration = paper)", "agnostic", "bytes", None),
         ("shadowkv1024", "shadowkv", "budget 1024, min_prompt 2048, calibrated rank 64", "agnostic", "bytes", None),
         ("tidalsh999kv", "tidal", "budget 999 on average, kv_head, calibrated layers [2, 6, 10, 14, 18, 22] and layer "
-         "shares (kvkit: per-layer budgets that equalise the captured attention mass; the default)", "agnostic",
+         "shares (kvkit: per-layer budgets that equalise the captured attention mass; stopped early, worse than uniform: "
+         "not shipped)", "agnostic",
          "reads", "tidalrf999kv"),
         ("tidalrf999kv", "tidal", "budget 999, kv_head, calibrated layers [2, 6, 10, 14, 18, 22] (read-fraction "
-         "calibration, uniform budgets)", "agnostic", "reads", "tidal1732kv"),
+         "calibration, uniform budgets: the default)", "agnostic", "reads", "tidal1732kv"),
         ("tidal1732kv", "tidal", "budget 1732, kv_head, paper layers 2 + 10", "agnostic", "reads", None),
         ("cake2048-qaware", "cake", "budget 2048", "question in prefill", "bytes", None),
         ("snapkv2048tr-qaware", "snapkv", "budget 2048, kernel 61 avg, trailing window (given as options: Qwen's calibration is centered)",
@@ -194,7 +195,7 @@ else:
 SMOL_SHARES = json.loads((root / "results" / "policies" / "tidalsh1132kv-4k" / "config.json").read_text())["options"][
     "layer_shares"] if (root / "results" / "policies" / "tidalsh1132kv-4k" / "config.json").exists() else None
 QWEN_SHARES = json.loads((root / "kvkit" / "data" / "calibration" / "qwen2.5-coder-0.5b-instruct.json").read_text())[
-    "policies"]["tidal"]["options"].get("layer_shares")  # what tidalsh999kv used (the run gives no options)
+    "policies"]["tidal"]["evidence"]["shares_not_shipped"]["layer_shares"]  # what tidalsh999kv used (then shipped)
 READS = {"tidalrfsum1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132),
          "tidalsh1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132, "full", SMOL_SHARES),
          "tidalrf999kv": ((2, 6, 10, 14, 18, 22), 24, 999),

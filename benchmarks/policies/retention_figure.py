@@ -38,7 +38,9 @@ SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalc
               # TidalDecode's sum reduction (the same scores as the shipped max reduction)
               "chelsea50rc-4k", "tidalrfsum1132kv-4k",
               # TidalDecode with uniform budgets over the reuse layers, replaced by the calibrated layer shares (*sh*)
-              "tidalrf1132kv-4k"}
+              "tidalrf1132kv-4k",
+              # Qwen's layer shares: stopped early, worse than its uniform budgets, not shipped
+              "tidalsh999kv"}
 
 
 #: label offsets (points) tried in order next to a marker: right of it, then left, then further up / down

@@ -79,9 +79,12 @@ tidalrf)  # fifteenth session: TidalDecode with the model's calibrated selection
   # (kvkit.calibrate.knobs.tidal_budget_for)
   nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
     --run tidalrf999kv=tidal:budget=999,selection=kv_head ;;
-tidalsh)  # the same after `kvkit calibrate tidal ... --select-layers 2,6,10,14,18,22` added the calibrated layer shares
-  # (per-layer budgets of the reuse layers, mean 999: the same reads) to the model's calibration file: the default
-  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
-    --run tidalsh999kv=tidal:budget=999,selection=kv_head ;;
+tidalsh)  # the same with the layer shares of `kvkit calibrate tidal ... --select-layers 2,6,10,14,18,22` (per-layer
+  # budgets of the reuse layers, mean 999: the same reads). The committed partial run (25 samples, stopped early: worse
+  # than uniform budgets) read them from the model's calibration file, which no longer ships them (its evidence keeps
+  # them): here they are given, so a new --out-root is needed to rerun (the old folder's options differ)
+  SH=$(.venv/bin/python -c "import json; e = json.load(open('kvkit/data/calibration/qwen2.5-coder-0.5b-instruct.json'))['policies']['tidal']['evidence']; print(json.dumps(e['shares_not_shipped']['layer_shares']).replace(' ', ''))")
+  nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root ${OUT:-$Q} --resume \
+    --run "tidalsh999kv=tidal:budget=999,selection=kv_head,layer_shares=$SH" ;;
 *) echo "usage: $0 {half|quarter|duo|zipcachecal|qaware|kvzip|kvzipa|kvzipi|chelsea-qaware|chelsea-default|tidalrf|tidalsh}" >&2; exit 2 ;;
 esac
