@@ -257,7 +257,7 @@ def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE
     import kvkit
     from kvkit.compat import cache_kw
     from kvkit.evals.common import encode
-    from kvkit.policies.tidal import TidalStore
+    from kvkit.policies.tidal import TidalStore, group_score
     from kvkit.stores import attend_slots
 
     sums: dict[int, torch.Tensor] = {}
@@ -272,8 +272,7 @@ def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE
             s = torch.matmul(query.float().reshape(B, H, G, D), self.keys.float().transpose(-1, -2)) * scaling
             p = torch.softmax(s, dim=-1)  # [B, H, G, n]; the last slot is the current token
             if self.role == "select":
-                pc = p[..., : n - 1]
-                score = pc.amax(dim=2) if kv_reduce == "max" else pc.sum(dim=2)
+                score = group_score(p[..., : n - 1], kv_reduce)
                 ranking["order"], ranking["seen"] = score.argsort(dim=-1, descending=True), self.seen
             elif ranking.get("seen") == self.seen:
                 order = ranking["order"].unsqueeze(2).expand(B, H, G, n - 1)
@@ -304,28 +303,38 @@ def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE
     return {i: (sums[i] / counts[i]).tolist() for i in sorted(sums)}
 
 
-def tidal_shares_from_curves(curves: dict, num_layers: int, fraction: float, grid: int = TIDAL_SHARE_GRID) -> list:
-    """Per-layer shares (one per model layer, 1.0 for the layers that are not reuse layers) that equalise the
-    attention mass the reuse layers' reads capture, their mean budget fraction held at ``fraction``: from one step
-    each, every step of ``1 / grid`` goes to the reuse layer capturing the least (max-min water-filling on the
-    ``curves`` of :func:`tidal_capture_curves`). On SmolLM2 this lifts the layers that read a needle (19, 21) and
-    takes from layers whose attention is concentrated (16, 25), where a uniform budget misses the least."""
+def tidal_share_steps(curves: dict, fraction: float, grid: int = TIDAL_SHARE_GRID) -> dict:
+    """Grid steps (budget fraction ``steps / grid``) per reuse layer that equalise the attention mass their reads
+    capture, the mean held at ``fraction``: from one step each, every step of ``1 / grid`` goes to the reuse layer
+    capturing the least (max-min water-filling on the ``curves`` of :func:`tidal_capture_curves`)."""
     layers = sorted(curves)
     steps = max(len(layers), round(fraction * grid * len(layers)))
-    at = {i: 1 for i in layers}  # grid points held (fraction at / grid)
+    at = {i: 1 for i in layers}
     for _ in range(steps - len(layers)):
         open_ = [i for i in layers if at[i] < grid]
         if not open_:
             break
         at[min(open_, key=lambda i: (curves[i][at[i] - 1], i))] += 1
+    return at
+
+
+def tidal_shares_from_curves(curves: dict, num_layers: int, fraction: float, grid: int = TIDAL_SHARE_GRID) -> list:
+    """Per-layer shares (one per model layer, 1.0 for the layers that are not reuse layers) from
+    :func:`tidal_share_steps`: each reuse layer's steps over their mean. On SmolLM2 this lifts the layers that read a
+    needle (19, 21) and takes from layers whose attention is concentrated (16, 25), where a uniform budget misses the
+    least."""
+    return _shares_from_steps(tidal_share_steps(curves, fraction, grid), num_layers)
+
+
+def _shares_from_steps(at: dict, num_layers: int) -> list:
     mean = sum(at.values()) / len(at)
     return [round(at[i] / mean, 3) if i in at else 1.0 for i in range(num_layers)]
 
 
 def calibrate_tidal_shares(model, tokenizer, layout, length: int = 4096, samples: int = 6, read_fraction: float = 0.5,
                            seed: int = 0, values: str = "number", log=print) -> tuple[dict, dict]:
-    """``layer_shares`` for selection layers ``layout``: the reuse layers' budgets that capture the most attention
-    mass (:func:`tidal_capture_curves` on kvkit's needle samples) at the budget whose decode reads are
+    """``layer_shares`` for selection layers ``layout``: the reuse layers' budgets that equalise the attention mass
+    their reads capture (:func:`tidal_capture_curves` on kvkit's needle samples) at the budget whose decode reads are
     ``read_fraction`` of full attention's; their mean budget is unchanged, so are the reads."""
     from kvkit.calibrate.needles import describe_data, make_samples
 
@@ -338,10 +347,11 @@ def calibrate_tidal_shares(model, tokenizer, layout, length: int = 4096, samples
     frac = (b + 1) / length
     data = make_samples(tokenizer, samples, length, seed=seed, values=values)
     curves = tidal_capture_curves(model, tokenizer, layout, data)
-    shares = tidal_shares_from_curves(curves, L, frac)
+    at = tidal_share_steps(curves, frac)
+    shares = _shares_from_steps(at, L)
     g = TIDAL_SHARE_GRID
     uni = {i: c[max(0, round(frac * g) - 1)] for i, c in curves.items()}
-    got = {i: c[max(0, min(g, round(frac * g * shares[i])) - 1)] for i, c in curves.items()}
+    got = {i: c[at[i] - 1] for i, c in curves.items()}
     log(f"tidal shares at budget {b} ({frac:.3f} of {length}): captured attention mass, least over the reuse layers "
         f"{min(uni.values()):.4f} -> {min(got.values()):.4f}, mean {sum(uni.values()) / len(uni):.4f} -> "
         f"{sum(got.values()) / len(got):.4f}")

@@ -113,7 +113,7 @@ class Tidal(Policy):
         those of a uniform ``budget``, but layers whose attention is spread over more tokens read more of the
         selection (the selection layer ranks once, each reuse layer takes its own top-k of the same ranking).
         None: uniform (the paper). Calibrated per model with the selection layers (``kvkit calibrate tidal``: the
-        shares that maximise the attention mass the reuse layers' reads capture on calibration text).
+        shares that equalise the attention mass the reuse layers' reads capture on calibration text).
     calibrated : bool
         True (default): when neither ``reselect_layer`` nor ``select_layers`` is given, use the model's
         calibrated selection layers (``kvkit calibrate tidal``; shipped for the bundled models, found from
@@ -239,7 +239,7 @@ class TidalSelection:
     """The selection one cache's layers share: made at a selection layer, read by the reuse layers after it.
 
     ``idx [B, Hs, T, k+1]`` int64: per list (Hs = KV heads or query heads) and query token, the selected
-    slots in increasing order followed by the token's own slot; ``valid`` the same shape (bool) or None
+    slots in increasing order (in score order with ``layer_shares``) followed by the token's own slot; ``valid`` the same shape (bool) or None
     when every entry is a real token. ``ranked [B, Hs, T, k]``: the same selection in decreasing score order
     (``ranked_ok`` its real entries, None: all), from which :meth:`view` cuts a smaller top-k for a reuse layer with a
     smaller budget (``layer_shares``). ``bufs``: gather buffers shared by the reuse layers (torch path).
@@ -375,8 +375,7 @@ class TidalStore(SlotStore):
         p5 = p.view(B, H, G, T, n)
         if plain:  # candidates: every slot before the current token's (the last one)
             if self.per_kv_head:
-                pc = p5[..., : n - 1]
-                score = pc.amax(dim=2) if self.kv_reduce == "max" else pc.sum(dim=2)  # [B, H, 1, n-1]
+                score = group_score(p5[..., : n - 1], self.kv_reduce)  # [B, H, 1, n-1]
             else:
                 score = s5[..., : n - 1].reshape(B, Hq, T, n - 1)
             top = score.topk(min(k, n - 1), dim=-1)  # decreasing score
@@ -384,8 +383,7 @@ class TidalStore(SlotStore):
         else:  # candidates: real tokens before each query's own position
             cand = (pos < qpos.view(1, 1, 1, T, 1)) & (pos >= 0)  # [B, 1, 1, T, n]
             if self.per_kv_head:
-                pc = p5.masked_fill(~cand, 0.0)
-                score = pc.amax(dim=2) if self.kv_reduce == "max" else pc.sum(dim=2)  # [B, H, T, n]
+                score = group_score(p5.masked_fill(~cand, 0.0), self.kv_reduce)  # [B, H, T, n]
                 score = score.masked_fill(~cand[:, :, 0], float("-inf"))
             else:
                 score = s5.masked_fill(~cand, float("-inf")).view(B, Hq, T, n)
@@ -396,11 +394,11 @@ class TidalStore(SlotStore):
         cur_ok = None if plain else (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
         sel = self.info.shared
         sel.set(self.seen, T, top.indices, ranked_ok, n, cur, cur_ok, slot_order=not self.shared_budgets)
-        idx, valid = sel.view(self.budget, query.device)  # this layer's own top-k (select_attention="selected")
         if not self.attend_selected:
             self.last_read = self.last_full_read
             out = torch.matmul(p, self.values.float())  # [B, H, G*T, Dv]
             return out.view(B, H, G, T, -1).reshape(B, Hq, T, -1).transpose(1, 2).to(query.dtype)
+        idx, valid = sel.view(self.budget, query.device)  # this layer's own top-k of the selection
         # attention over the selection only, from the scores already computed: every key read, the selected values
         Gs, L, Dv = Hs // H, idx.shape[-1], self.values.shape[-1]
         i5 = idx.view(B, H, Gs, T, L)
@@ -421,6 +419,12 @@ class TidalStore(SlotStore):
         out = gather_attend(query, self.keys, self.values, idx, valid, scaling, bufs=sel.bufs)
         self.last_read = idx.numel() * self._row_bytes()
         return out
+
+
+def group_score(p: torch.Tensor, kv_reduce: str) -> torch.Tensor:
+    """``selection="kv_head"``: one score per KV head from its query group's softmax probabilities ``p [B, H, G, ...]``
+    (dim 2 the group), reduced by ``kv_reduce`` ("max" or "sum")."""
+    return p.amax(dim=2) if kv_reduce == "max" else p.sum(dim=2)
 
 
 def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
