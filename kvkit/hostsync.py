@@ -19,6 +19,7 @@ dispatcher and is wrapped for the duration of the block.
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections import Counter
 
@@ -59,12 +60,16 @@ def _is_sync(func, args, kwargs) -> bool:
 
 
 def _caller() -> str:
-    """file:line of the innermost frame outside torch and this module."""
-    for fr in reversed(traceback.extract_stack()[:-3]):
+    """file:line of the innermost frame outside torch and this module (relative to the working directory)."""
+    for fr in reversed(traceback.extract_stack()):
         f = fr.filename.replace("\\", "/")
         if "/torch/" in f or f.endswith("hostsync.py"):
             continue
-        return f"{f.split('/site-packages/')[-1].split('/work/main/')[-1]}:{fr.lineno}"
+        if "/site-packages/" in f:
+            f = f.split("/site-packages/")[-1]
+        elif os.path.isabs(f) and f.startswith(os.getcwd() + os.sep):
+            f = os.path.relpath(f)
+        return f"{f}:{fr.lineno}"
     return "?"
 
 

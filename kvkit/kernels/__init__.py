@@ -194,16 +194,8 @@ def quant_decode(q, kpack, vpack, *, scale=None, valid=None, return_lse=False, n
         prior = (po, pl)
     scale = default_scale(scale, D)
 
-    def masks(lengths_ok=False):
-        out = []
-        for kp, val in zip(kps, valids):
-            N = kp.shape[-2]
-            if lengths_ok and isinstance(val, torch.Tensor) and val.dim() == 1 and val.dtype != torch.bool and \
-                    val.shape[0] == B and int(val.min()) >= N:
-                out.append(None)  # every row holds all N tokens
-            else:
-                out.append(check_valid(fn, val, B, N, q.device))
-        return out
+    def masks():  # (no host read of the lengths: a decode step does not synchronise)
+        return [check_valid(fn, val, B, kp.shape[-2], q.device) for kp, val in zip(kps, valids)]
 
     out = lse = None
     if use_triton(q, kps[0].data, vps[0].data) and all(_quant_supported(D, k.bits, v.bits) for k, v in zip(kps, vps)):
@@ -219,7 +211,7 @@ def quant_decode(q, kpack, vpack, *, scale=None, valid=None, return_lse=False, n
         if (q.device.type == "cpu" and os.environ.get("KVKIT_KERNELS", "auto").strip().lower() != "reference"
                 and q.dtype != torch.float64 and all(quant_cpu.supported(k, v, D) for k, v in zip(kps, vps))
                 and quant_cpu.available()):
-            out, lse = quant_cpu.quant_attn(q4, list(zip(kps, vps, masks(lengths_ok=True))), scale, prior=prior)
+            out, lse = quant_cpu.quant_attn(q4, list(zip(kps, vps, masks())), scale, prior=prior)
             return _finish(out, lse, q.dim() == 3, return_lse)
         for kp, vp, mask in zip(kps, vps, masks()):
             o, s = _ref.quant_decode_ref(q4, kp, vp, scale=scale, mask=mask)

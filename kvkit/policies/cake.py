@@ -229,12 +229,31 @@ class CakeStore(SlotStore):
         self.score: torch.Tensor | None = None  # [B, H, n] prefill indicator (+inf window, -inf dead)
         self.size: torch.Tensor | None = None  # [B] live tokens a row keeps at decode (budget + window)
         self.qbuf: torch.Tensor | None = None  # [B, Hq, nq, D] last decode queries
+        #: tokens still to append before some row reaches ``size + tail`` live slots (the compression trigger),
+        #: counted on the host so a decode step reads nothing from the device; None: re-read at the next check
+        self.countdown: int | None = None
         self.scaling = info.head_dim**-0.5
         info.shared.stores[info.layer_idx] = self
 
     def reset(self) -> None:
         super().reset()
-        self.score = self.size = self.qbuf = None
+        self.score = self.size = self.qbuf = self.countdown = None
+
+    def arm(self) -> None:
+        """Read how many tokens may be appended before the first row triggers a compression (one host read, at
+        prefill or a compression event). Every appended token is counted off; a row whose new token is padding
+        gains no live slot, so the countdown can only run out early, never late (an early check compresses no
+        row: :meth:`compress` decides per row on the device)."""
+        self.countdown = None if self.size is None else int((self.size + self.tail - self.live()[:, 0]).min())
+
+    def append(self, k, v) -> None:
+        super().append(k, v)
+        if self.countdown is not None:
+            self.countdown -= k.shape[2]
+
+    def _apply_batch(self, fn) -> None:
+        super()._apply_batch(fn)
+        self.countdown = None
 
     def nbytes(self) -> int:
         return super().nbytes() + _tensor_bytes(self.score, self.size, self.qbuf, self.first_pos)
@@ -251,6 +270,7 @@ class CakeStore(SlotStore):
 
     def _drop_last(self, n: int) -> None:
         super()._drop_last(n)
+        self.countdown = None  # the dropped tokens may have been padding: re-read
         if self.score is not None:
             self.score = self.score[..., :-n]
         if self.qbuf is not None:
@@ -343,18 +363,22 @@ class CakeStore(SlotStore):
         if m == max(stores):  # cascade done: the prefill indicators are no longer needed
             for store in stores.values():
                 store.score = None
+                store.arm()
 
     # ---- decode ------------------------------------------------------------------------------
     def should_compress(self) -> bool:
         if self.size is None:
             return False
-        return bool((self.live()[:, 0] >= self.size + self.tail).any())
+        if self.countdown is None:
+            self.arm()
+        return self.countdown <= 0
 
     def compress(self) -> None:
         live = self.live()[:, 0]
         trig = live >= self.size + self.tail
         keep = torch.where(trig, self.size, live)
         self._evict_to(self._decode_score(), keep)
+        self.arm()
 
     def _decode_score(self) -> torch.Tensor:
         """Indicator ``[B, H, n]`` from the last ``tail`` decode queries: mean softmax over held slots, the

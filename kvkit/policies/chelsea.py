@@ -546,7 +546,8 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         T, n = query.shape[2], self.keys.shape[-2]
         lw = self.size.float().clamp(min=1).log() if self.p.size_bias else None
         if not query.is_cuda or n <= T:
-            return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, log_weight=lw)
+            return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, log_weight=lw,
+                                dense=self.dense_decode(T))
         old = n - T
         w = lw[..., :old] if lw is not None else torch.zeros(self.pos[..., :old].shape, device=query.device)
         w = w.masked_fill(self.pos[..., :old] < 0, float("-inf"))

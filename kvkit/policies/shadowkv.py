@@ -343,6 +343,8 @@ class ShadowKVStore(SlotStore):
         else:
             self.rope_base, self.rope_pos = None, rp.contiguous()
             self._rope_hi = int(rp.max()) + 1
+        if self.info.rope is not None:  # the table and its layout check now (a compression event), not at decode
+            self.info.shared.rope_half(self.info.rope, self._rope_hi, dev)
 
         # landmarks and outliers (post-RoPE keys, per KV head)
         k5 = kc.float().view(B, H, C, c, D)

@@ -289,8 +289,6 @@ class TidalSelection:
             v0 = valid if valid is not None else torch.ones_like(r, dtype=torch.bool)
             c0 = cur_ok if cur_ok is not None else torch.ones_like(cur, dtype=torch.bool)
             valid = torch.cat([v0, c0], dim=-1)
-            if bool(valid.all()):
-                valid = None
         return idx, valid
 
     def view(self, k: int, device) -> tuple:
@@ -347,7 +345,7 @@ class TidalStore(SlotStore):
             if T > MAX_SPARSE_CHUNK:
                 sel.clear()
             self.last_read = self.last_full_read
-            return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling)
+            return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, dense=self.dense_decode(T))
         if self.role == "select" or sel.idx is None or sel.seen != self.seen or sel.T != T:
             return self._select(query, qpos, scaling)
         return self._reuse(query, sel, scaling)
@@ -365,7 +363,7 @@ class TidalStore(SlotStore):
         s = torch.matmul(q, self.keys.float().transpose(-1, -2)).mul_(scaling)  # [B, H, G*T, n]
         s5 = s.view(B, H, G, T, n)
         pos = self.pos[:, :1, None, None, :]  # [B, 1, 1, 1, n]: all heads hold the same tokens
-        plain = T == 1 and not bool((pos < 0).any())
+        plain = self.dense_decode(T)  # one query, every held slot a real token (no host read)
         if not plain:
             q5 = qpos.view(1, 1, 1, T, 1)
             s5.masked_fill_(~((pos <= q5) & (pos >= 0)), float("-inf"))

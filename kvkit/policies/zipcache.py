@@ -204,7 +204,7 @@ class ZipCacheStore(QuantizedSegmentStore):
         s = torch.matmul(q, self.keys.float().transpose(-1, -2)).mul_(scaling)  # [B, H, G*T, n]
         prob = s.sub_(lse.view(B, H, G * T, 1).float()).exp_()
         pos = self.pos[:, 0]  # [B, n]
-        if T == 1 and not bool((pos < 0).any()):  # one query per row that sees every tail token
+        if self.dense_decode(T):  # one query per row that sees every tail token
             self.sal_sum = self.sal_sum + prob.sum(2)
             self.sal_cnt = self.sal_cnt + 1.0
             return

@@ -3,11 +3,27 @@ split for verification forwards, and :func:`attend_slots`, THE slot attention of
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 _SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux", "sinks")
+
+#: torch's SDPA backends a CUDA decode read may use: everything but cuDNN, whose plan cache is keyed on the key
+#: length, so a decode step (one more key every step) would build new plans on the host at every call
+_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decode_backends(query: torch.Tensor):
+    """Context for an SDPA call of ``query [B, H, T, D]``: on CUDA with one query token, the backends of
+    :data:`_DECODE_BACKENDS` (a local choice for this call; torch's global flags are left as the user set them);
+    otherwise (prefill, verification, the CPU) torch's own choice."""
+    if query.is_cuda and query.shape[-2] == 1:
+        return sdpa_kernel(_DECODE_BACKENDS)
+    return contextlib.nullcontext()
 
 
 def plain_sdpa_call(kwargs) -> bool:
@@ -38,7 +54,9 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                              scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
-    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    with decode_backends(query):
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
     return out
 
 
@@ -114,7 +132,8 @@ def _cpu_flash(q, k, v, mask, scaling):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scaling)
 
 
-def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None, *, log_weight=None, return_lse=False):
+def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None, *, log_weight=None, return_lse=False,
+                 dense=False):
     """THE slot attention of every compressed store: queries over held slots, masked by the slots' own positions.
 
     query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]`` (H divides Hq); pos ``[B, Hp, n]`` int (Hp = 1 or H;
@@ -125,8 +144,9 @@ def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None, *, lo
 
     Returns ``[B, T, Hq, D]`` in query's dtype, and with ``return_lse`` also the log-sum-exp ``[B, Hq, T]`` fp32
     (for :func:`kvkit.kernels.merge_attn`). A query that sees no slot reads zeros (lse ``-inf``).
-    The query heads of each KV head are folded into one block, so K/V are read once per KV head; a single
-    decode query over slots that are all visible runs unmasked.
+    The query heads of each KV head are folded into one block, so K/V are read once per KV head. ``dense=True``
+    is the caller's promise that every slot is visible to the (single) query (no padding, no dead slot, no
+    extra mask): the read then runs unmasked. Nothing here reads a device value on the host (no synchronisation).
     """
     B, Hq, T, D = query.shape
     H, n = keys.shape[1], keys.shape[2]
@@ -137,7 +157,7 @@ def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None, *, lo
         out = query.new_zeros(B, Hq, T, D).transpose(1, 2)
         lse = torch.full((B, Hq, T), float("-inf"), device=query.device)
         return (out, lse) if return_lse else out
-    if T > 1 or extra_mask is not None or bool((pos < 0).any()) or bool((pos > qpos[-1]).any()):
+    if not (dense and T == 1 and extra_mask is None):
         allowed = (pos[:, :, None, :] <= qpos.view(1, 1, T, 1)) & (pos[:, :, None, :] >= 0)  # [B, Hp, T, n]
         if extra_mask is not None:
             allowed = allowed & extra_mask
@@ -158,7 +178,8 @@ def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None, *, lo
         out = (s - lse.unsqueeze(-1)).exp().nan_to_num(0.0) @ values.float()
         out = out.to(query.dtype)
     else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        with decode_backends(query):
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
         lse = None
     if mask is not None:  # a query with nothing visible (padding inside a chunk) gives NaN
         out = torch.nan_to_num(out, nan=0.0)

@@ -176,6 +176,12 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
         self.pos: torch.Tensor | None = None
         self.first_pos: torch.Tensor | None = None  # [B] first non-padding position of each row
         self.committed = 0  # seen at the last compression: crop may not go below it
+        #: some held slot may be unreadable (padding, a retired slot: ``pos < 0``); a Python flag updated at
+        #: prefill, multi-token forwards and compression events (which may synchronise), read by decode steps
+        #: (which may not) to choose the unmasked single-query path
+        self.has_dead = False
+        #: the current forward carries a padding mask (transformers passes None when no row has padding)
+        self.step_masked = False
 
     # ---- transformers Cache API -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -189,6 +195,7 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
         if self.keys is not None and self.should_compress():
             self.compress()
             self.committed = self.seen
+            self.refresh_dead()
         self.append(key_states, value_states)
         return key_states, value_states
 
@@ -197,6 +204,7 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
         self.keys = self.values = self.pos = self.first_pos = None
         self.seen = 0
         self.committed = 0
+        self.has_dead = self.step_masked = False
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -271,20 +279,32 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
         return grow_in_place(self.__dict__.setdefault("_bufs", {}), name, cur, new, self.headroom)
 
     def mark_padding(self, attention_mask: torch.Tensor | None, T: int) -> None:
-        """Read which of the ``T`` newest tokens are padding from the model's mask ``[B, 1, T, kv]``."""
+        """Read which of the ``T`` newest tokens are padding from the model's mask ``[B, 1, T, kv]`` (their
+        positions become -1). A single-token step writes the mask into ``pos`` without reading it on the host;
+        a prefill or multi-token forward also updates :attr:`has_dead` (one synchronisation)."""
         B = self.keys.shape[0]
         if self.first_pos is None:
             self.first_pos = torch.full((B,), self.seen - T, dtype=torch.int32, device=self.keys.device)
+        self.step_masked = attention_mask is not None
         if attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
             return
         valid = attention_mask[:, 0, -1, self.seen - T : self.seen].to(self.keys.device)  # [B, T]
-        if bool(valid.all()):
-            return
         tail = self.pos[..., -T:]
         self.pos[..., -T:] = torch.where(valid[:, None, :], tail, torch.full_like(tail, -1))
         if self.seen == T:  # prefill: first real token of each row (left padding)
             first = torch.where(valid, torch.arange(T, device=valid.device), T).amin(dim=-1)
             self.first_pos = first.to(torch.int32).to(self.keys.device)
+        if T > 1 and not self.has_dead:
+            self.has_dead = not bool(valid.all())
+
+    def refresh_dead(self) -> None:
+        """Recompute :attr:`has_dead` from ``pos`` (one synchronisation: compression events and prefill only)."""
+        self.has_dead = self.pos is not None and bool((self.pos < 0).any())
+
+    def dense_decode(self, T: int) -> bool:
+        """True when a ``T``-token read may skip the mask: one query, no padding mask this step, no dead slot
+        held (a single decoded token is the newest position, so every held slot is causally visible)."""
+        return T == 1 and not self.step_masked and not self.has_dead
 
     def keep_slots(self, idx: torch.Tensor) -> None:
         """Keep only slots ``idx [B, Hi, k]`` (Hi = 1 or H; sorted ascending) and drop the rest."""
@@ -346,10 +366,12 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
             out = hf_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             self.on_prefill(query, module)
             self.committed = self.seen
+            self.refresh_dead()
             return out
         qpos = torch.arange(self.seen - T, self.seen, device=query.device, dtype=torch.int32)
         return self.decode(query, qpos, scaling)
 
     def decode(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
         """Read the held slots for queries at ``qpos``; returns ``[B, T, Hq, D]``."""
-        return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, self.visible(qpos))
+        return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, self.visible(qpos),
+                            dense=self.dense_decode(query.shape[2]))

@@ -182,7 +182,7 @@ class QuantizedSegmentStore(SlotStore):
             return
         valid = self.pos[:, 0] >= 0
         self.segments.append(self.quantize_block(self.keys, self.values, valid, score))
-        self._read = None
+        self._build_read()
         self.keys = self.keys[..., :0, :]
         self.values = self.values[..., :0, :]
         self.pos = self.pos[..., :0]
@@ -196,6 +196,13 @@ class QuantizedSegmentStore(SlotStore):
     def compress(self) -> None:
         self.compress_tail(self.tail_score())
 
+    def _build_read(self) -> None:
+        """What decode reads from the segments: the packed parts and their lengths (None where every row holds
+        the whole part). Built at a compression event (it reads the lengths on the host), reused by every step."""
+        parts = self.parts()
+        self._read = ([k for k, _, _ in parts], [v for _, v, _ in parts],
+                      [None if int(n.min()) >= k.shape[-2] else n for k, _, n in parts]) if parts else None
+
     # ---- attention -------------------------------------------------------------------------------
     def decode(self, query, qpos, scaling):
         """Queries ``[B, Hq, T, D]`` at ``qpos [T]`` over every segment (all older than the queries) and the
@@ -203,12 +210,11 @@ class QuantizedSegmentStore(SlotStore):
         B, Hq, T, D = query.shape
         out = lse = None
         if self.keys is not None and self.keys.shape[-2]:
-            o, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True)
+            o, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True,
+                                  dense=self.dense_decode(T))
             out = o.transpose(1, 2)
         if self._read is None and self.segments:
-            parts = self.parts()
-            self._read = ([k for k, _, _ in parts], [v for _, v, _ in parts],
-                          [None if int(n.min()) >= k.shape[-2] else n for k, _, n in parts])
+            self._build_read()
         if self._read is not None:  # the tail's partial attention is merged in by quant_decode (prior=...)
             ks, vs, ns = self._read
             out, lse = quant_decode(query, ks, vs, scale=scaling, valid=ns, return_lse=True,

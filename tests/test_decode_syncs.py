@@ -1,0 +1,90 @@
+"""A decode step makes no host synchronisation beyond unpatched transformers' own (the GPU decode rule, checked on
+the CPU with :class:`kvkit.hostsync.HostSyncCounter`), for every registered policy; compression events may
+synchronise (they are told apart by a layer's ``committed`` point moving)."""
+
+import pytest
+import torch
+
+import kvkit
+from kvkit.compat import cache_kw, output_cache
+from kvkit.hostsync import HostSyncCounter
+from kvkit.registry import policy_class
+from kvkit.testing import left_padded_batch, tiny_model
+
+POLICIES = kvkit.available_policies()
+STEPS = 12
+
+
+def _opts(policy, layers=3):
+    opts = dict(policy_class(policy).test_options)
+    if "pattern" in opts:
+        opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(layers)]
+    return opts
+
+
+def _marks(cache):
+    """Every store's last compression point (``committed``), nested stores (duo's two halves) included."""
+    out = []
+    for layer in cache.layers:
+        for obj in (layer, *vars(layer).values()):
+            if hasattr(obj, "committed") and hasattr(obj, "seen"):
+                out.append(obj.committed)
+    return out
+
+
+@torch.no_grad()
+def _decode_syncs(model, lengths, steps=STEPS):
+    """Per single-token step: (host syncs, whether a layer compressed in it)."""
+    ids, mask, _ = left_padded_batch(lengths, seed=4)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    cache = output_cache(out)
+    rows = []
+    for _ in range(steps):
+        nxt = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+        before = _marks(cache)
+        with HostSyncCounter() as syncs:
+            out = model(input_ids=nxt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
+                        **cache_kw(cache), use_cache=True)
+        rows.append((syncs, _marks(cache) != before))
+    return rows
+
+
+@pytest.mark.parametrize("lengths", [(90, 70), (80,)], ids=["left-padded", "single"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_decode_step_makes_no_host_sync_beyond_transformers(policy, lengths):
+    model = tiny_model("llama")
+    base = [s.count for s, _ in _decode_syncs(model, lengths)]
+    kvkit.patch(model, policy, **_opts(policy))
+    try:
+        rows = _decode_syncs(model, lengths)
+    finally:
+        kvkit.unpatch(model)
+    plain = [(i, s) for i, (s, event) in enumerate(rows) if not event]
+    assert len(plain) >= STEPS // 2, f"{policy}: too few steps between compression events to check"
+    for i, s in plain:
+        assert s.count <= base[i], (
+            f"{policy}: decode step {i} made {s.count} host syncs (unpatched transformers: {base[i]}): {dict(s.where())}")
+
+
+def test_counter_sees_every_kind_of_sync():
+    t = torch.arange(6)
+    with HostSyncCounter() as s:
+        t.sum().item()
+        bool(t[0])
+        int(t[1])
+        t.tolist()
+        _ = t[t > 2]
+        t.nonzero()
+        torch.equal(t, t)
+        torch.repeat_interleave(t, t)
+    assert s.count == 8, s.calls
+    assert all(w.startswith("tests/test_decode_syncs.py:") for w in s.where()), s.where()  # the caller's line
+    with HostSyncCounter() as s:  # fixed-shape device work reads nothing on the host
+        m = t > 2
+        torch.where(m, t, -1).cumsum(0).topk(2)
+        t.masked_fill(m, 0)
+        torch.repeat_interleave(t, t, output_size=15)
+    assert s.count == 0, s.calls
+    assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # the wrapper is removed on exit
