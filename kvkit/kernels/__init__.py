@@ -2,6 +2,7 @@
 
 Public API (shapes: B batch, Hq query heads, Hkv KV heads, Tq query tokens, N stored tokens, D head dim)
 
+* :func:`decode` -- one query token over a :class:`DecodeView` (the decode seam: fixed capacity, no host sync).
 * :func:`sparse_decode` -- attention over listed token indices (per KV head or per query head).
 * :func:`merge_attn` -- combine two partial results through their log-sum-exp.
 * :func:`weighted_decode` -- dense attention with an additive per-key log-weight.
@@ -41,8 +42,10 @@ from ._triton import require_triton, triton_available
 from .quant import Packed, dequantize, packed_nbytes, quantize
 from .reference import merge_attn
 from .scoring import chunk_scores, topk_indices
+from .view import DecodeView, PackedPart, check_view, check_view_ranges
 
 __all__ = [
+    "DecodeView", "PackedPart", "decode",
     "Packed", "backend", "chunk_scores", "dequantize", "lowrank_decode", "merge_attn",
     "packed_nbytes", "quant_decode", "quantize", "sparse_decode",
     "topk_indices", "use_triton", "weighted_decode",
@@ -319,3 +322,33 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
         o2, l2 = weighted_decode(q4, extra_k, extra_v, None, scale=scale, valid=extra_valid, return_lse=True)
         out, lse = merge_attn(out, lse, o2, l2)
     return _finish(out, lse, q.dim() == 3, return_lse)
+
+
+def decode(q, view, *, scale=None, return_lse=False, num_splits=None):
+    """Decode attention of one query token per row over a :class:`DecodeView` (the decode seam).
+
+    q ``[B, Hq, D]`` (or ``[B, Hq, 1, D]``); view: keys/values ``[B, H, cap, D]`` of q's dtype with Hq a
+    multiple of H, read through its ``length`` / ``index`` / ``pos``+``qpos`` / ``log_weight`` and merged with
+    its ``parts`` by log-sum-exp (see :mod:`kvkit.kernels.view` for the slot rule). Returns out in q's shape
+    and dtype (zeros where no key is visible) [+ lse ``[B, Hq]`` fp32, -inf there].
+
+    No host synchronisation and fixed shapes: checks look at shapes, dtypes and devices only (``KVKIT_DEBUG=1``
+    adds a range check that syncs), and the split-K factor depends on shapes only, so a step can be captured
+    by CUDA graphs or ``torch.compile(fullgraph=True)``. Paths: Triton (``fused_decode``; packed parts through
+    ``quant_attn``) or the torch reference (``reference.decode_ref``, fp32 math), chosen by :func:`use_triton`.
+    ``num_splits``: split-K factor of the Triton kernels (default: sized to the device).
+    """
+    fn = "decode"
+    q3, squeeze = check_view(fn, q, view)
+    scale = default_scale(scale, q3.shape[-1])
+    if debug():
+        check_view_ranges(fn, view)
+    if use_triton(q, *view.tensors()):
+        from .fused_decode import decode_triton
+
+        with _on_device(q):
+            out, lse = decode_triton(q3, view, scale=scale, num_splits=num_splits)
+    else:
+        out, lse = _ref.decode_ref(q3, view, scale=scale)
+    out = out.to(q.dtype) if squeeze else out.to(q.dtype)[:, :, None]
+    return (out, lse) if return_lse else out

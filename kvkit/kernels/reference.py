@@ -258,3 +258,81 @@ def chunk_scores(q, lm, *, reduce="max", softmax=False, scale=None, chunk_mask=N
     if reduce == "mean":
         return s.mean(dim=2)
     raise ValueError(f"kvkit.kernels.chunk_scores: reduce must be 'max' or 'mean', got {reduce!r}")
+
+
+# ---- the decode seam: DecodeView (kvkit.kernels.view) -------------------------------------------------
+# Fixed shapes and no host synchronisation (no .item(), bool(t), nonzero or boolean-mask indexing): this is
+# also the compiled CPU path of kvkit.kernels.decode.
+def dense_view_ref(q, view, *, scale, upcast=True):
+    """Attention of one query token ``q [B, Hq, D]`` over the keys of ``view`` itself (not its parts).
+
+    Slot rule (see :mod:`kvkit.kernels.view`): listed by ``index`` (or all cap slots), in ``[0, cap)``, below
+    ``length``, with ``0 <= pos <= qpos``; ``log_weight`` added to the score. Returns out ``[B, Hq, D]``
+    (q.dtype) and lse ``[B, Hq]`` (fp32; fp64 for fp64 inputs).
+    """
+    B, Hq, D = q.shape
+    k, v = view.k, view.v
+    H, cap = k.shape[1], k.shape[2]
+    dev = q.device
+    L = view.index.shape[2] if view.index is not None else cap
+    if cap == 0 or L == 0:  # shapes only: nothing to read
+        stat = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_zeros(B, Hq, D), torch.full((B, Hq), NEG_INF, dtype=stat, device=dev)
+    if view.index is not None:
+        slot = view.index.long()  # [B, H, L]
+        ok = (slot >= 0) & (slot < cap)
+        slot = slot.clamp(0, cap - 1)
+        heads = torch.arange(H, device=dev)
+        kg, vg = _gather_rows(k, slot[:, :, None], heads), _gather_rows(v, slot[:, :, None], heads)  # [B,H,1,L,D]
+    else:
+        slot = torch.arange(cap, device=dev).expand(B, H, cap)
+        ok = torch.ones(B, H, cap, dtype=torch.bool, device=dev)
+        kg, vg = k[:, :, None], v[:, :, None]
+    if view.length is not None:
+        ok = ok & (slot < view.length.reshape(B, -1, 1))  # [B, H or 1, 1]
+    if view.pos is not None:
+        p = view.pos.expand(B, H, cap)
+        p = p.gather(2, slot) if view.index is not None else p
+        ok = ok & (p >= 0) & (p <= view.qpos.reshape(-1, 1, 1))
+    bias = None
+    if view.log_weight is not None:
+        bias = view.log_weight.gather(2, slot) if view.index is not None else view.log_weight
+        bias = bias[:, :, None]
+    out, lse = attend(q[:, :, None], kg, vg, ok[:, :, None], bias, scale=scale, upcast=upcast)
+    return out[:, :, 0], lse[:, :, 0]
+
+
+def packed_part_ref(q, part, *, scale, upcast=True):
+    """A :class:`kvkit.kernels.view.PackedPart` read by dequantizing: ``q [B, Hq, D]`` -> out, lse ``[B, Hq]``."""
+    N = part.k.shape[-2]
+    mask = None
+    if part.length is not None:
+        mask = torch.arange(N, device=q.device)[None, :] < part.length[:, None]
+    out, lse = quant_decode_ref(q[:, :, None], part.k, part.v, scale=scale, mask=mask, upcast=upcast)
+    return out[:, :, 0], lse[:, :, 0]
+
+
+def decode_ref(q, view, *, scale, upcast=True):
+    """The reference of :func:`kvkit.kernels.decode`: one query token ``q [B, Hq, D]`` over a
+    :class:`kvkit.kernels.DecodeView` and its parts, merged by log-sum-exp (:func:`merge_attn`).
+
+    ``upcast=True`` computes in fp32; ``upcast=False`` runs the matmuls in the inputs' dtype (fp64 inputs:
+    the ground truth; bf16: the low-precision yardstick). Returns out ``[B, Hq, D]`` (q.dtype) and lse ``[B, Hq]``.
+    """
+    res = []
+    if view.k is not None:
+        res.append(dense_view_ref(q, view, scale=scale, upcast=upcast))
+    for part in view.parts:
+        kind = getattr(part, "kind", None)
+        if kind == "dense":
+            res.append(decode_ref(q, part, scale=scale, upcast=upcast))
+        elif kind == "packed":
+            res.append(packed_part_ref(q, part, scale=scale, upcast=upcast))
+        else:
+            raise ValueError(f"kvkit.kernels.decode: cannot read a view part of type {type(part).__name__}")
+    if not res:
+        raise ValueError("kvkit.kernels.decode: the view holds nothing (no k/v and no parts)")
+    out, lse = res[0]
+    for o, s in res[1:]:
+        out, lse = merge_attn(out, lse, o, s)
+    return out.to(q.dtype), lse
