@@ -314,8 +314,19 @@ def cmd_bench(args) -> int:
     from kvkit.evals.common import atomic_write_json, atomic_write_jsonl, resolve_policy_options, run_label
     from kvkit.evals.report import write_summary
 
+    if args.shape:  # the shaped-model decode benchmark (random weights; kvkit/evals/gpu_bench.py)
+        from kvkit.evals import gpu_bench
+
+        if args.lengths:
+            _ints(args.lengths, "--lengths")
+        return gpu_bench.run_cli(args, _command())
+    for flag in ("policies", "no_compile", "no_interleave", "no_cudnn_sdpa"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --shape only")
+    args.dtype = args.dtype or "float32"
+    args.steps = 4 if args.steps is None else args.steps
     policy, options = _policy(args)
-    lengths = _ints(args.lengths, "--lengths")
+    lengths = _ints(args.lengths or "2048,4096,8192", "--lengths")
     if args.decode_tokens < 1:
         raise ValueError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:
@@ -490,7 +501,9 @@ def add_commands(sub) -> None:
 
     b = sub.add_parser("bench", help="prefill time, decode tok/s, peak memory, KV bytes: policy vs full")
     _common(b, with_out=False)
-    b.add_argument("--lengths", default="2048,4096,8192", help="comma-separated prompt lengths")
+    b.set_defaults(dtype=None)  # float32; --shape: bfloat16 on CUDA
+    b.add_argument("--lengths", default=None, help="comma-separated prompt lengths (default 2048,4096,8192; "
+                   "--shape: 16384)")
     b.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after the prefill")
     b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="also run chunked prefill (kvkit.prefill, N tokens per forward) for the policy and the "
@@ -504,7 +517,8 @@ def add_commands(sub) -> None:
     b.add_argument("--threads", default=None, metavar="N[,N...]", help="torch CPU threads of the decode steps "
                    "(comma-separated: each measured; default: torch's current count)")
     b.add_argument("--rounds", type=int, default=3, help="--batch: interleaved rounds per thread count")
-    b.add_argument("--steps", type=int, default=4, help="--batch: timed decode steps per policy per round")
+    b.add_argument("--steps", type=int, default=None, help="--batch: timed decode steps per policy per round "
+                   "(default 4); --shape: timed decode steps per row over all rounds (default 20)")
     b.add_argument("--memory", type=float, default=None, metavar="GIB",
                    help="--batch: the largest batch whose KV fits in GIB GiB for each policy, and the decode "
                         "throughput measured there (capped at --max-batch)")
@@ -516,5 +530,21 @@ def add_commands(sub) -> None:
                         "model and prompts (it does not depend on the policies)")
     b.add_argument("--oneshot", default="all", choices=("all", "full"),
                    help="--prefill-chunk: which settings also run the one-shot prefill (default all)")
-    b.add_argument("--out", default=None, help="output folder (default results/bench/<model>-<policy>-<len>)")
+    b.add_argument("--shape", default=None, metavar="NAME",
+                   help="decode benchmark on random weights of a model shape (tiny | llama-3.2-1b | llama-3.1-8b; "
+                        "nothing downloaded) instead of the bundled model: transformers' DynamicCache and compiled "
+                        "StaticCache, kvkit full and every policy in one run (kvkit/evals/gpu_bench.py); default "
+                        "--batch 16 --lengths 16384")
+    b.add_argument("--policies", nargs="+", action="extend", default=None, metavar="ROW[:KEY=VALUE,...]",
+                   help="--shape: the rows (hf-dynamic, hf-static, full, any kvkit policy with options; default all)")
+    b.add_argument("--warmup", type=int, default=3, help="--shape: untimed decode steps per row")
+    b.add_argument("--time-limit", type=float, default=420.0, metavar="S",
+                   help="--shape: seconds from the start after which the remaining rows are skipped")
+    b.add_argument("--no-compile", action="store_true", help="--shape: run hf-static eager (no torch.compile)")
+    b.add_argument("--no-interleave", action="store_true",
+                   help="--shape: do not keep kvkit full alive to interleave its steps with every row's")
+    b.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="--shape: torch.backends.cuda.enable_cudnn_sdp(False) for the whole run")
+    b.add_argument("--out", default=None, help="output folder (default results/bench/<model>-<policy>-<len>; "
+                                               "--shape: results/bench/gpu/<shape>-b<B>-<L>)")
     b.set_defaults(func=cmd_bench)

@@ -1,0 +1,858 @@
+"""``kvkit bench --shape NAME``: one decode step of a real architecture's shape, timed for every cache in one run.
+
+What it measures. A ``LlamaForCausalLM`` with random weights of a named shape (:data:`SHAPES`; built directly on
+the device, ``with torch.device(dev): LlamaForCausalLM(config)``, then ``.to(dtype)``: bf16 on CUDA, fp32 on the
+CPU; nothing is downloaded) gets a batch of ``B`` rows of ``L`` random token ids, and one decode step (one query
+token per row, ``input_ids [B, 1]``, the previous step's greedy token fed back) is timed for each row of the table:
+
+* ``hf-dynamic``: transformers unpatched, eager, its ``DynamicCache``;
+* ``hf-static``: transformers' ``StaticCache`` (``max_cache_len = L`` + the steps run) with the decode forward
+  compiled by ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs; ``mode="default"`` on the
+  CPU; eager with ``--no-compile``);
+* ``full``: kvkit's ``full`` policy (the reference of the ratios below);
+* every compressed kvkit policy with settings that make sense at this length (:func:`default_options`; e.g.
+  streaming keeps ``L/4``, snapkv 4096 tokens, shadowkv a 2048-token budget), each prefilled, then timed.
+
+Prefill: all ``B`` rows together, in chunks of ``C`` tokens per forward (``--prefill-chunk``; default
+``min(L, max(256, 16384 // B))``): :func:`kvkit.prefill` for kvkit's policies (compressing policies compress
+between chunks, see its docstring), the same chunked loop into transformers' caches for the ``hf-*`` rows. Every
+row's output says how it was prefilled.
+
+Timing. After ``--warmup`` untimed steps, ``--steps`` timed steps in ``--rounds`` rounds; with interleaving (the
+default where memory allows) the kvkit ``full`` cache stays alive and decodes as many steps right after each
+round of a row, so each row is compared with ``full`` steps taken under the same conditions. On CUDA each step
+sits between two CUDA events (``torch.cuda.synchronize()`` before and after each block of steps, none between
+steps: a step that keeps the device busy is timed as its device time, one that waits on the host as the wall
+time between its launches); on the CPU ``time.perf_counter`` around each step. Reported: the median step and its
+10th / 90th percentiles. A row whose timed steps pass a per-row cap (``max(5 s, time limit / 20)``) stops
+early (at least 3 steps). ``hf-static`` is not interleaved (switching kvkit's patch on and off between compiled
+calls could invalidate the compiled graph).
+
+Columns. ``KV held`` = ``KVCache.nbytes()`` (transformers' caches: their key/value tensors); ``KV read/step`` =
+``KVCache.read_nbytes()`` (a ``DynamicCache`` step reads all it holds; a ``StaticCache`` step reads its whole
+``max_cache_len`` buffer, masked); ``weights`` = the parameter bytes a decode step reads (each tensor once; the
+input embedding table only when it is tied to the output head, else only ``B`` of its rows are read, not counted);
+``bandwidth`` = a large device-to-device copy, (bytes read + bytes written) / time, measured in the same run;
+``byte bound ms`` = (weights + KV read/step) / bandwidth; ``speed-up`` = ``t_full / t_row``;
+``fraction`` = ``(t_full - t_row) / (t_full - t_bound_row)`` with no clamping (1: the row runs at its byte bound;
+0: as fast as kvkit ``full``; negative: slower than ``full``; None when ``t_full`` is at or under the row's bound).
+``t_full`` is the median of the ``full`` steps interleaved with that row when there are any, else ``full``'s own
+median. ``syncs/step``: host synchronisations of one extra step, counted by :class:`kvkit.hostsync.HostSyncCounter`
+(``hf-static``: its eager forward, the graph that the compiled one replays); ``attention``: which attention ran
+(transformers' sdpa or a kvkit store, the fused sdpa ops that step dispatched, and the compile mode).
+
+A row that fails (out of memory, an error) is a row with the error message; memory is freed between rows.
+After ``--time-limit`` seconds (counted from the start of the command) the remaining rows are skipped and marked
+so; a row is also skipped when the median duration of the rows done so far would carry it past the limit.
+
+Output: ``results/bench/gpu/<shape>-b<B>-<L>/`` (or ``--out``): ``config.json`` (command, versions, device,
+git commit, shape, settings, bandwidth), ``rows.jsonl`` (one object per row), ``summary.md`` (the table and the
+command); rewritten after every row, so a run stopped early keeps its rows. The table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from kvkit.hostsync import HostSyncCounter
+
+#: model shapes (transformers ``LlamaConfig`` fields); random weights of these are built on the device
+SHAPES: dict[str, dict] = {
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=131072, tie_word_embeddings=True,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                              high_freq_factor=4.0, low_freq_factor=1.0,
+                                              original_max_position_embeddings=8192)),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                              high_freq_factor=4.0, low_freq_factor=1.0,
+                                              original_max_position_embeddings=8192)),
+}
+
+#: the transformers rows (unpatched model)
+HF_ROWS = ("hf-dynamic", "hf-static")
+#: the rows run when ``--policies`` is not given, in this order (``full`` always runs first: it is the reference)
+DEFAULT_ROWS = ("hf-dynamic", "hf-static", "full", "streaming", "snapkv", "tidal", "duo", "cake", "chelsea",
+                "zipcache", "shadowkv", "kvzip")
+#: the length the default budgets below were chosen for (the issue's 16 x 16,384 reference workload)
+REFERENCE_LENGTH = 16384
+#: GPU-sensible options per policy at long context (streaming: a quarter of the length, see :func:`default_options`)
+GPU_OPTIONS: dict[str, dict] = {
+    "snapkv": dict(budget=4096), "tidal": dict(budget=4096), "duo": dict(sparsity=0.5), "cake": dict(budget=4096),
+    "chelsea": dict(ratio=0.25), "zipcache": {}, "shadowkv": dict(budget=2048), "kvzip": dict(budget=4096),
+}
+
+
+# ------------------------------------------------------------------------------------------- set-up
+
+
+def known_rows() -> list[str]:
+    from kvkit.registry import available_policies
+
+    return list(HF_ROWS) + available_policies()
+
+
+def shape_config(name: str):
+    """The ``LlamaConfig`` of shape ``name`` (ValueError naming the known shapes otherwise)."""
+    from transformers import LlamaConfig
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known shapes: {', '.join(SHAPES)}")
+    return LlamaConfig(**SHAPES[name])
+
+
+def parse_rows(specs: list[str] | None) -> list[tuple[str, dict]]:
+    """``["full", "streaming:budget=512,sink=4", ...]`` -> ``[(name, user options)]``, ``full`` first (added when
+    missing), duplicates dropped. Unknown rows / options raise ValueError naming the known ones."""
+    from kvkit.cli import parse_options
+    from kvkit.evals.common import resolve_policy_options
+
+    items = [s for spec in (specs or DEFAULT_ROWS) for s in ([spec] if ":" in spec else spec.split(",")) if s.strip()]
+    out: list[tuple[str, dict]] = []
+    known = known_rows()
+    for item in items:
+        name, _, opts = item.strip().partition(":")
+        name = name.strip()
+        if name not in known:
+            raise ValueError(f"unknown row {name!r} in --policies; known: {', '.join(known)}")
+        if name in HF_ROWS:
+            if opts.strip():
+                raise ValueError(f"--policies {item!r}: the transformers row {name!r} takes no options")
+            user = {}
+        else:
+            user = resolve_policy_options(name, parse_options([opts] if opts else None))
+        if (name, user) not in out:
+            out.append((name, user))
+    if ("full", {}) not in out:
+        out.insert(0, ("full", {}))
+    else:
+        out.remove(("full", {}))
+        out.insert(0, ("full", {}))
+    return out
+
+
+def default_options(policy: str, shape: str, length: int, config, seed: int = 0) -> tuple[dict, dict]:
+    """``(options, label options)`` for ``policy`` on this shape and length, before the user's own.
+
+    Real shapes: :data:`GPU_OPTIONS` (streaming keeps ``length // 4``). ``tiny``: the policy's ``test_options``
+    (budgets of a few tokens) with streaming at ``length // 4``, chelsea ratio 0.25, duo sparsity 0.5. duo always
+    gets a random gate pattern ``[layers, kv_heads]`` (seeded; random weights have no calibrated one), shown as
+    ``pattern=random`` in labels."""
+    import torch
+
+    from kvkit.registry import policy_class
+
+    if policy in ("full", *HF_ROWS):
+        return {}, {}
+    opts = dict(policy_class(policy).test_options) if shape == "tiny" else dict(GPU_OPTIONS.get(policy, {}))
+    if policy == "streaming":
+        opts["budget"] = max(8, length // 4)
+    if shape == "tiny" and policy == "chelsea":
+        opts["ratio"] = 0.25
+    label = dict(opts)
+    if policy == "duo":
+        g = torch.Generator().manual_seed(seed)
+        alpha = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=g)
+        opts.update(pattern=[[round(float(a), 4) for a in r] for r in alpha], sparsity=opts.get("sparsity", 0.5))
+        label.update(pattern=f"random(seed {seed})", sparsity=opts["sparsity"])
+    return opts, label
+
+
+def build_model(shape: str, device, dtype, seed: int = 0):
+    """Random-weight ``LlamaForCausalLM`` of ``shape`` built on ``device`` in ``dtype``, eval mode, sdpa attention."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    cfg = shape_config(shape)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def weight_read_bytes(model) -> int:
+    """Parameter bytes one decode step reads: every tensor once (tied tensors once); the input embedding table
+    is left out unless it is tied to the output head (a step then reads it whole as the head)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = (p.data_ptr(), p.numel())
+        if key in seen or (p is emb and not tied):
+            continue
+        seen.add(key)
+        total += p.numel() * p.element_size()
+    return total
+
+
+def byte_bound_ms(weights: int, kv_read: int, bandwidth: float) -> float:
+    """Milliseconds to move ``weights + kv_read`` bytes at ``bandwidth`` bytes/s (the step's byte floor)."""
+    return (weights + kv_read) / bandwidth * 1e3
+
+
+def fraction_to_bound(t_full: float | None, t_row: float | None, t_bound: float | None) -> float | None:
+    """``(t_full - t_row) / (t_full - t_bound)``, not clamped: 1 = the row runs at its byte bound, 0 = as fast as
+    kvkit ``full``, < 0 = slower than ``full``; None when a time is missing or ``t_full <= t_bound``."""
+    if t_full is None or t_row is None or t_bound is None or t_full <= t_bound:
+        return None
+    return (t_full - t_row) / (t_full - t_bound)
+
+
+def measure_bandwidth(device, nbytes: int | None = None, reps: int = 10) -> dict:
+    """Copy bandwidth of ``device``: a ``nbytes`` buffer copied ``reps`` times after a warm-up, (bytes read +
+    bytes written) / median copy time. Default size: 1 GiB on CUDA (less when memory is short), 64 MiB on the CPU."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    if nbytes is None:
+        nbytes = 64 << 20
+        if cuda:
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            nbytes = int(min(1 << 30, free // 8)) // 4096 * 4096
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = statistics.median(_time_block(lambda: dst.copy_(src), reps, cuda))
+    return dict(bandwidth=2 * nbytes / t, copy_bytes=nbytes, copy_ms=round(t * 1e3, 4), reps=reps)
+
+
+def _sync(cuda: bool) -> None:
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _time_block(step, n: int, cuda: bool) -> list[float]:
+    """Run ``step`` ``n`` times; seconds of each (CUDA events around each step, one synchronisation before and
+    after the block; on the CPU ``perf_counter``)."""
+    import torch
+
+    _sync(cuda)
+    if cuda:
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for s, e in ev:
+            s.record()
+            step()
+            e.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 for s, e in ev]
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """``q``-quantile (linear interpolation) of ``xs``."""
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _free(cuda: bool) -> None:
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------- rows
+
+
+class _StepWatch(HostSyncCounter):
+    """:class:`HostSyncCounter` that also records the fused attention ops dispatched (which sdpa backend ran)."""
+
+    ATTN = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+    def __init__(self):
+        super().__init__()
+        self.attn_ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from kvkit.hostsync import _is_sync
+
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        if any(a in name for a in self.ATTN):
+            self.attn_ops[name.lstrip("_")] += 1
+        if _is_sync(func, args, kwargs):
+            self.calls.append((str(func), _watch_caller()))
+        return func(*args, **kwargs)
+
+
+def _watch_caller() -> str:
+    """file:line of the innermost frame outside torch and the counters (as :func:`kvkit.hostsync._caller`)."""
+    import traceback
+
+    for fr in reversed(traceback.extract_stack()[:-1]):
+        f = fr.filename.replace("\\", "/")
+        if "/torch/" in f or f.endswith("hostsync.py") or fr.name in ("__torch_dispatch__", "_watch_caller"):
+            continue
+        return f"{f.split('/site-packages/')[-1].split('/work/main/')[-1]}:{fr.lineno}"
+    return "?"
+
+
+class _Row:
+    """One cache being measured: prefill, a decode step, its byte counts."""
+
+    interleave = True
+    compile_mode = "eager"
+
+    def __init__(self, model, name: str, options: dict, label_options: dict):
+        self.model, self.name, self.options = model, name, options
+        self.label = name + (" " + ",".join(f"{k}={v}" for k, v in label_options.items()) if label_options else "")
+        self.label_options = label_options
+        self.cache = None
+        self.nxt = None
+
+    @contextlib.contextmanager
+    def active(self):
+        yield
+
+    def _forward(self, ids, **kw):
+        from kvkit.compat import cache_kw
+
+        return self.model(input_ids=ids, **cache_kw(self.cache), use_cache=True, **kw)
+
+    def prefill(self, ids, chunk: int) -> None:
+        """Feed ``ids [B, L]`` in chunks of ``chunk`` tokens; keep the greedy next token."""
+        import torch
+
+        with torch.no_grad(), self.active():
+            last = None
+            for s in range(0, ids.shape[1], chunk):
+                last = self._forward(ids[:, s:s + chunk], logits_to_keep=1).logits[:, -1]
+            self.nxt = last.argmax(-1, keepdim=True)
+
+    def step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            self.nxt = self._forward(self.nxt).logits[:, -1].argmax(-1, keepdim=True)
+
+    def count_step(self) -> _StepWatch:
+        with self.active(), _StepWatch() as w:
+            self.step()
+        return w
+
+    def attention(self, ops: Counter) -> str:
+        return "sdpa"
+
+    def kv_held(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+    def kv_read(self) -> int:
+        return self.kv_held()
+
+    def kv_offloaded(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.cache = self.nxt = None
+
+
+class _HFDynamic(_Row):
+    prefill_how = "chunks of {chunk} tokens x {batch} rows per forward into transformers' DynamicCache"
+
+    def prefill(self, ids, chunk):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        super().prefill(ids, chunk)
+
+
+class _HFStatic(_Row):
+    interleave = False
+    prefill_how = "chunks of {chunk} tokens x {batch} rows per forward into transformers' StaticCache (eager)"
+
+    def __init__(self, model, name, options, label_options, max_cache_len: int, compile_mode: str | None):
+        super().__init__(model, name, options, label_options)
+        self.max_cache_len = max_cache_len
+        self.compile_mode = compile_mode or "eager"
+        self.fn = None
+        self.cuda = next(model.parameters()).is_cuda
+
+    def prefill(self, ids, chunk):
+        import torch
+        from transformers import StaticCache
+
+        self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
+        super().prefill(ids, chunk)
+        self.fn = self.model.forward
+        if self.compile_mode != "eager":
+            self.fn = torch.compile(self.model.forward, mode=self.compile_mode, fullgraph=True)
+
+    def step(self) -> None:
+        import torch
+
+        from kvkit.compat import cache_kw
+
+        if self.cuda and self.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            out = self.fn(input_ids=self.nxt, **cache_kw(self.cache), use_cache=True)
+            self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def count_step(self) -> _StepWatch:
+        """One step of the *eager* forward (the graph the compiled one replays; a dispatch mode cannot look
+        inside a CUDA graph replay)."""
+        fn, self.fn = self.fn, self.model.forward
+        mode, self.compile_mode = self.compile_mode, "eager"
+        try:
+            return super().count_step()
+        finally:
+            self.fn, self.compile_mode = fn, mode
+
+    def close(self) -> None:
+        import torch
+
+        super().close()
+        self.fn = None
+        if self.compile_mode != "eager":
+            torch._dynamo.reset()
+            with contextlib.suppress(Exception):
+                from torch._inductor import cudagraph_trees
+
+                cudagraph_trees.reset_cudagraph_trees()
+
+
+class _Kvkit(_Row):
+    prefill_how = "kvkit.prefill: chunks of {chunk} tokens x {batch} rows per forward"
+
+    @contextlib.contextmanager
+    def active(self):
+        import kvkit
+
+        kvkit.patch(self.model, self.name, **self.options)
+        try:
+            yield
+        finally:
+            kvkit.unpatch(self.model)
+
+    def prefill(self, ids, chunk):
+        import torch
+
+        import kvkit
+
+        with torch.no_grad(), self.active():
+            self.cache, last = kvkit.prefill(self.model, ids, chunk_size=chunk)
+            self.nxt = last.argmax(-1, keepdim=True)
+
+    def attention(self, ops: Counter) -> str:
+        stores = sorted({type(layer).__name__ for layer in self.cache.layers})
+        return "kvkit " + "/".join(stores)
+
+    def kv_held(self) -> int:
+        return int(self.cache.nbytes())
+
+    def kv_read(self) -> int:
+        return int(self.cache.read_nbytes())
+
+    def kv_offloaded(self) -> int:
+        return int(self.cache.offloaded_nbytes())
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+class Bench:
+    """One shaped-model run: every row of ``rows`` at batch ``batch`` and ``length`` tokens (see the module
+    docstring). ``run()`` returns the row dicts; ``on_row(rows)`` is called after each row."""
+
+    def __init__(self, shape: str, device: str, dtype, rows: list[tuple[str, dict]], batch: int, length: int,
+                 steps: int = 20, warmup: int = 3, rounds: int = 3, prefill_chunk: int | None = None,
+                 compile_mode: str | None = "auto", interleave: bool = True, time_limit: float = 420.0,
+                 seed: int = 0, t0: float | None = None, model=None, log=None, on_row=None):
+        import torch
+
+        for v, what in ((batch, "--batch"), (length, "--lengths"), (steps, "--steps"), (rounds, "--rounds")):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"--warmup must be an integer >= 0, got {warmup!r}")
+        self.config = shape_config(shape)
+        self.shape, self.device, self.rows_spec = shape, torch.device(device), rows
+        self.cuda = self.device.type == "cuda"
+        self.dtype = dtype
+        self.batch, self.length, self.steps, self.warmup, self.rounds = batch, length, steps, warmup, min(rounds, steps)
+        self.chunk = prefill_chunk or min(length, max(256, 16384 // batch))
+        if compile_mode == "auto":
+            compile_mode = "reduce-overhead" if self.cuda else "default"
+        self.compile_mode = compile_mode
+        self.interleave_wanted = interleave
+        self.time_limit, self.seed = time_limit, seed
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.row_cap = max(5.0, time_limit / 20)
+        self.model = model
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.on_row = on_row
+        limit = self.config.max_position_embeddings
+        if length + self._extra() > limit:
+            raise ValueError(f"--lengths {length} + {self._extra()} decode steps exceed the shape's "
+                             f"max_position_embeddings {limit}")
+        self.info: dict = {}
+
+    def _extra(self) -> int:
+        return self.warmup + 3 + self.steps + 8  # decode steps any row may take (warm-up, timed, counted) + slack
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # -- set-up -----------------------------------------------------------------------------------------------
+    def setup(self) -> dict:
+        import torch
+
+        if self.model is None:
+            self.log(f"building {self.shape} (random weights) on {self.device} in {self.dtype} ...")
+            self.model = build_model(self.shape, self.device, self.dtype, self.seed)
+        g = torch.Generator().manual_seed(self.seed)
+        self.ids = torch.randint(0, self.config.vocab_size, (self.batch, self.length), generator=g).to(self.device)
+        self.weights = weight_read_bytes(self.model)
+        bw = measure_bandwidth(self.device)
+        self.bandwidth = bw["bandwidth"]
+        self.info = dict(weights_read_bytes=self.weights, param_bytes=sum(p.numel() * p.element_size()
+                                                                           for p in self.model.parameters()),
+                         bandwidth_bytes_s=self.bandwidth, bandwidth_copy=bw, prefill_chunk=self.chunk,
+                         compile_mode=self.compile_mode)
+        self.log(f"weights read/step {_mib(self.weights)}; copy bandwidth {self.bandwidth / 1e9:.1f} GB/s "
+                 f"(read + write); prefill in chunks of {self.chunk} tokens x {self.batch} rows")
+        return self.info
+
+    def _make(self, name: str, user: dict) -> _Row:
+        opts, label = default_options(name, self.shape, self.length, self.config, self.seed)
+        opts.update(user)
+        label.update(user)
+        if name == "hf-dynamic":
+            return _HFDynamic(self.model, name, {}, {})
+        if name == "hf-static":
+            return _HFStatic(self.model, name, {}, {}, self.length + self._extra(), self.compile_mode)
+        return _Kvkit(self.model, name, opts, label)
+
+    # -- one row ----------------------------------------------------------------------------------------------
+    def _measure(self, row: _Row, ref: _Row | None) -> dict:
+        import torch
+
+        res = dict(row=row.label, name=row.name, options=row.label_options, batch=self.batch, length=self.length)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        row.prefill(self.ids, self.chunk)
+        _sync(self.cuda)
+        res["prefill_s"] = round(time.perf_counter() - t, 3)
+        res["prefill"] = row.prefill_how.format(chunk=self.chunk, batch=self.batch)
+        if self.chunk >= self.length:
+            res["prefill"] += " (one forward)"
+        warm = self.warmup + (2 if row.compile_mode == "reduce-overhead" else 0)
+        with row.active():
+            t = time.perf_counter()
+            if warm:
+                row.step()
+                _sync(self.cuda)
+            res["first_step_s"] = round(time.perf_counter() - t, 3)  # includes torch.compile for hf-static
+            for _ in range(max(0, warm - 1)):
+                row.step()
+        _sync(self.cuda)
+        times, paired = [], []
+        interleave = ref is not None and ref is not row and row.interleave
+        per_round = [self.steps // self.rounds + (i < self.steps % self.rounds) for i in range(self.rounds)]
+        t_timed = time.perf_counter()
+        for k in per_round:
+            with row.active():
+                times += _time_block(row.step, k, self.cuda)
+            if interleave:
+                with ref.active():
+                    paired += _time_block(ref.step, k, self.cuda)
+            if time.perf_counter() - t_timed > self.row_cap and len(times) >= 3:
+                res["note"] = f"timing stopped after {len(times)} steps (per-row cap {self.row_cap:.0f} s)"
+                break
+        res.update(self._stats(times, "step"))
+        if paired:
+            res["full_ms_paired"] = round(statistics.median(paired) * 1e3, 4)
+        res.update(kv_held=row.kv_held(), kv_read_step=row.kv_read(), kv_offloaded=row.kv_offloaded())
+        w = row.count_step()
+        res.update(syncs_per_step=w.count, sync_sites=dict(w.where().most_common(8)), attn_ops=dict(w.attn_ops))
+        ops = ",".join(sorted(w.attn_ops)) or "no fused sdpa op"
+        res["attention"] = f"{row.attention(w.attn_ops)} [{ops}]"
+        res["compile"] = row.compile_mode if row.name == "hf-static" else "eager"
+        if self.cuda:
+            res["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated())
+        return res
+
+    @staticmethod
+    def _stats(times: list[float], key: str) -> dict:
+        ms = [x * 1e3 for x in times]
+        return {f"{key}_ms": round(statistics.median(ms), 4), f"{key}_ms_p10": round(_pct(ms, 0.1), 4),
+                f"{key}_ms_p90": round(_pct(ms, 0.9), 4), f"{key}_ms_mean": round(sum(ms) / len(ms), 4),
+                "steps": len(ms)}
+
+    def _finish(self, rows: list[dict]) -> None:
+        """Byte bound, speed-up and fraction of every measured row (against kvkit ``full``)."""
+        full = next((r for r in rows if r["name"] == "full" and r.get("status") == "ok"), None)
+        for r in rows:
+            if r.get("status") != "ok":
+                continue
+            r["weights_bytes"] = self.weights
+            r["bandwidth_bytes_s"] = round(self.bandwidth)
+            r["byte_bound_ms"] = _sig(byte_bound_ms(self.weights, r["kv_read_step"], self.bandwidth), 5)
+            t_full = r.get("full_ms_paired") or (full["step_ms"] if full else None)
+            r["t_full_ms"] = t_full
+            r["speedup_vs_full"] = _sig(t_full / r["step_ms"]) if t_full else None
+            f = fraction_to_bound(t_full, r["step_ms"], r["byte_bound_ms"])
+            r["fraction_to_bound"] = None if f is None else _sig(f)
+
+    # -- all rows ---------------------------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        import torch
+
+        if self.model is None or not self.info:
+            self.setup()
+        rows: list[dict] = []
+        ref: _Row | None = None
+        durations: list[float] = []
+        full_bytes = 2 * self.config.num_hidden_layers * self.config.num_key_value_heads * self.config.head_dim * \
+            self.batch * (self.length + self._extra()) * torch.empty((), dtype=self.dtype).element_size()
+        interleave = self.interleave_wanted
+        if interleave and self.cuda:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            if self.weights + 3.5 * full_bytes > 0.85 * total:  # reference + a full-size row + its prefill
+                interleave = False
+                self.info["interleave_note"] = "off: the full cache kept alive would not leave room for another"
+        self.info["interleave"] = interleave
+        for name, user in self.rows_spec:
+            row = self._make(name, user)
+            el = self.elapsed()
+            est = statistics.median(durations) if durations else 0.0
+            if el > self.time_limit or (durations and el + est > self.time_limit):
+                rows.append(dict(row=row.label, name=name, options=row.label_options, batch=self.batch,
+                                 length=self.length, status="skipped",
+                                 error=f"skipped: time limit {self.time_limit:.0f} s (elapsed {el:.0f} s, a row "
+                                       f"takes ~{est:.0f} s)"))
+                self.log(f"[{el:6.1f}s] {row.label}: skipped (time limit)")
+                self._emit(rows)
+                continue
+            self.log(f"[{el:6.1f}s] {row.label} ...")
+            t = time.perf_counter()
+            try:
+                res = self._measure(row, ref)
+                res["status"] = "ok"
+            except Exception as e:  # noqa: BLE001 -- an OOM / a policy error is a row, not the end of the run
+                msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+                res = dict(row=row.label, name=name, options=row.label_options, batch=self.batch,
+                           length=self.length, status="error", error=msg[:500])
+                with contextlib.suppress(Exception):
+                    import kvkit
+
+                    if kvkit.patched_policy(self.model) is not None:
+                        kvkit.unpatch(self.model)
+            res["row_s"] = round(time.perf_counter() - t, 2)
+            durations.append(res["row_s"])
+            rows.append(res)
+            self.log(f"[{self.elapsed():6.1f}s] {row.label}: " + (
+                f"{res['step_ms']:.3f} ms/step" if res["status"] == "ok" else res["error"][:200]))
+            if name == "full" and res["status"] == "ok" and interleave:
+                ref = row  # kept alive: the interleaved reference of every later row
+            else:
+                row.close()
+            del row
+            _free(self.cuda)
+            self._finish(rows)
+            self._emit(rows)
+        if ref is not None:
+            ref.close()
+        _free(self.cuda)
+        self.info["elapsed_s"] = round(self.elapsed(), 1)
+        return rows
+
+    def _emit(self, rows):
+        if self.on_row is not None:
+            self.on_row(rows)
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+def _mib(n) -> str | None:
+    from kvkit.cli import fmt_bytes
+
+    return None if n is None else fmt_bytes(n)
+
+
+def table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    header = ["row", "attention / compile", "prefill s", "step ms (p10-p90)", "KV held", "KV read/step", "weights",
+              "byte bound ms", "speed-up vs full", "fraction to bound", "syncs/step", "status"]
+    out = []
+    for r in rows:
+        if r.get("status") != "ok":
+            out.append([r["row"], None, None, None, None, None, None, None, None, None, None, r.get("error")])
+            continue
+        out.append([r["row"], f"{r['attention']} / {r['compile']}", r["prefill_s"],
+                    f"{r['step_ms']:.3f} ({r['step_ms_p10']:.3f}-{r['step_ms_p90']:.3f})", _mib(r["kv_held"]),
+                    _mib(r["kv_read_step"]), _mib(r["weights_bytes"]), f"{r['byte_bound_ms']:.4g}",
+                    r["speedup_vs_full"], r["fraction_to_bound"], r["syncs_per_step"], r.get("note") or "ok"])
+    return header, out
+
+
+def summary_md(config: dict, rows: list[dict]) -> str:
+    from kvkit.evals.report import markdown_table
+
+    h, t = table(rows)
+    bw = config.get("bandwidth_bytes_s")
+    lines = [f"# kvkit bench --shape {config['shape']} - {config['batch']} x {config['length']} tokens - "
+             f"{config['device_name']}", "",
+             f"Random weights, {config['dtype']}; one decode step (B x 1 token) timed: median of the timed steps "
+             f"(p10-p90) after {config['warmup']} warm-up steps; interleaved with kvkit full: "
+             f"{config.get('interleave')}. Prefill: chunks of {config.get('prefill_chunk')} tokens x "
+             f"{config['batch']} rows per forward (kvkit.prefill for kvkit rows).",
+             f"Copy bandwidth {bw / 1e9:.1f} GB/s (read + write, measured in this run); "
+             f"weights read/step {_mib(config.get('weights_read_bytes', 0))}; kvkit kernels: "
+             f"{config.get('kvkit_kernels')}; torch {config.get('torch')}, transformers {config.get('transformers')}."
+             if bw else "",
+             "byte bound = (weights + KV read/step) / bandwidth; speed-up = t_full / t_row; fraction = "
+             "(t_full - t_row) / (t_full - byte bound of the row), not clamped (1: at its byte bound, 0: as fast as "
+             "kvkit full, < 0: slower); t_full = kvkit full's steps interleaved with the row (else its own median).",
+             "", markdown_table(h, t),
+             f"Command: `{config.get('command') or '(called from Python: kvkit.cli.main)'}`", ""]
+    return "\n".join(lines)
+
+
+def _git() -> tuple[str | None, list | None]:
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=here).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvkit"], capture_output=True, text=True,
+                               timeout=10, cwd=here).stdout.split("\n") if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    commit = commit or os.environ.get("KVKIT_GIT_COMMIT") or None
+    return commit, None if dirty is None else [x.strip() for x in dirty if x.strip()]
+
+
+def device_name(device) -> str:
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cuda":
+        return torch.cuda.get_device_name(d)
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def environment(device) -> dict:
+    import torch
+    import transformers
+
+    import kvkit
+    from kvkit.kernels import backend
+
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = None
+    commit, dirty = _git()
+    env = dict(torch=torch.__version__, transformers=transformers.__version__, triton=triton_v,
+               kvkit=kvkit.__version__, python=platform.python_version(), device_name=device_name(device),
+               git_commit=commit, git_dirty_kvkit=dirty, kvkit_kernels=backend(device),
+               threads=torch.get_num_threads())
+    if torch.device(device).type == "cuda":
+        b = torch.backends.cuda
+        env.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                   sdpa_enabled=dict(cudnn=b.cudnn_sdp_enabled(), flash=b.flash_sdp_enabled(),
+                                     mem_efficient=b.mem_efficient_sdp_enabled(), math=b.math_sdp_enabled()),
+                   total_memory=torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return env
+
+
+def write(out: Path, config: dict, rows: list[dict]) -> str:
+    from kvkit.evals.common import atomic_write_json, atomic_write_jsonl, atomic_write_text
+
+    atomic_write_json(out / "config.json", config)
+    atomic_write_jsonl(out / "rows.jsonl", rows)
+    md = summary_md(config, rows)
+    atomic_write_text(out / "summary.md", md)
+    return md
+
+
+def run_cli(args, command: str = "") -> int:
+    """``kvkit bench --shape NAME ...`` (called by :func:`kvkit.evals.cli.cmd_bench`)."""
+    import torch
+
+    t0 = time.perf_counter()
+    shape_config(args.shape)  # unknown shape: clear error before anything runs
+    for flag, bad in (("--add", args.add), ("--budget", args.budget is not None), ("--opt", args.opt),
+                      ("--policy-options", args.policy_options), ("--policy", args.policy != "full"),
+                      ("--memory", args.memory is not None), ("--profile", args.profile),
+                      ("--prefill-cache", args.prefill_cache), ("--model", args.model != "default")):
+        if bad:
+            raise ValueError(f"{flag} does not apply to --shape (random weights of a named shape); give the rows "
+                             "and their options with --policies ROW[:KEY=VALUE,...] ...")
+    rows_spec = parse_rows(args.policies)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available here")
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype_name!r}")
+    lengths = [int(x) for x in (args.lengths or str(REFERENCE_LENGTH)).split(",") if x.strip()]
+    batch = args.batch or (16 if args.shape != "tiny" else 2)
+    if args.threads:
+        torch.set_num_threads(int(str(args.threads).split(",")[0]))
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
+        raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
+    steps = 20 if args.steps is None else args.steps
+    env = environment(device)
+    model = None
+    for L in lengths:
+        label = f"{args.shape}-b{batch}-{L}"
+        out = Path(args.out) / (label if len(lengths) > 1 else "") if args.out else Path("results/bench/gpu") / label
+        bench = Bench(args.shape, str(device), dtype, rows_spec, batch, L, steps=steps,
+                      warmup=args.warmup, rounds=args.rounds, prefill_chunk=args.prefill_chunk,
+                      compile_mode=None if args.no_compile else "auto", interleave=not args.no_interleave,
+                      time_limit=args.time_limit, seed=args.seed, t0=t0, model=model)
+        config = dict(benchmark="bench --shape", command=command, shape=args.shape, shape_config=SHAPES[args.shape],
+                      batch=batch, length=L, dtype=dtype_name, device=str(device), steps=steps,
+                      warmup=args.warmup, rounds=bench.rounds, time_limit_s=args.time_limit, seed=args.seed,
+                      no_cudnn_sdpa=bool(args.no_cudnn_sdpa),
+                      rows_requested=[[n, o] for n, o in rows_spec], **env)
+        config.update(bench.setup())
+        bench.on_row = lambda rows, o=out, c=config: write(o, c, rows)
+        rows = bench.run()
+        config.update(bench.info)
+        md = write(out, config, rows)
+        print(md, flush=True)
+        print(f"wrote {out}/config.json, rows.jsonl, summary.md", file=sys.stderr)
+        model = bench.model
+    return 0
