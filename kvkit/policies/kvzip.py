@@ -25,6 +25,10 @@ tokenizer (``instruct=True`` adds the reference's "Repeat the previous context e
 answer header); a slot's score is its probability in the model's own softmax over every held slot (the reference
 renormalises over the sinks, the chunk's own tokens and the repeat). Cost: about two prefills more (each chunk's
 queries attend to every held slot), paid once per compressed context.
+Memory: the reconstruction's attention and scores, and the decode queries' scores (:meth:`KVzipStore.score`), are
+computed in blocks of at most ``max(E, G x n)`` ``[query rows x held slots]`` elements (``E =``
+:data:`~kvkit.stores.reconstruct.SCORE_BLOCK_ELEMENTS`, ``G`` query heads per KV head, ``n`` held slots) and reduced
+by maxima, never as one ``[B, Hq, queries, n]`` tensor (:mod:`kvkit.stores.reconstruct` has the formula).
 """
 
 from __future__ import annotations
@@ -38,7 +42,13 @@ from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.base import SlotStore, tensor_bytes
-from kvkit.stores.reconstruct import ReconstructionScoring, forward_to_repeat, reconstruct
+from kvkit.stores.reconstruct import (
+    ReconstructionScoring,
+    block_part,
+    forward_to_repeat,
+    reconstruct,
+    score_blocks,
+)
 from kvkit.stores.scored import ScoredStore, window_attention
 
 
@@ -65,8 +75,10 @@ class KVzip(Policy):
     window : int
         Newest tokens always kept; also the decode queries that score the tokens added after a reconstruction.
     chunk : int
-        Tokens per reconstruction forward (reference: 2048; smaller bounds the scoring memory,
-        ``chunk x held slots`` fp32 per query head).
+        Tokens per reconstruction forward (reference: 2048). The forward's attention and scores run in blocks of
+        at most :data:`~kvkit.stores.reconstruct.SCORE_BLOCK_ELEMENTS` ``[query rows x held slots]`` elements
+        (:mod:`kvkit.stores.reconstruct`), so the scoring memory grows with neither ``chunk`` nor ``batch x
+        context``; ``chunk`` sizes the forward's own activations (``batch x chunk`` tokens).
     overlap : int
         Tokens of the previous chunk repeated before each chunk (reference: 8).
     tail : int
@@ -218,13 +230,28 @@ class KVzipStore(ReconstructionScoring, ScoredStore):
         unscored = s < 0
         if self.obs is not None and bool(unscored.any()):  # added after the last reconstruction
             q, qpos = self.observed()
-            s = torch.where(unscored, self._group_max(window_attention(q, self.keys, self.pos, qpos, self.scaling)), s)
+            s = torch.where(unscored, self._window_scores(q, qpos), s)
         return s
 
-    def _group_max(self, a: torch.Tensor) -> torch.Tensor:
-        """``a [B, Hq, w, n]`` -> the maximum over the queries and each KV head's group ``[B, H, n]``."""
-        B, Hq, _, n = a.shape
-        return a.amax(dim=2).view(B, self.keys.shape[1], Hq // self.keys.shape[1], n).amax(dim=2)
+    def _window_scores(self, q: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """The observed queries' score of every held slot ``[B, H, n]``: the largest attention probability
+        (:func:`~kvkit.stores.scored.window_attention`, each query's softmax over every held slot) a query of the
+        KV head's group pays it. ``q [B, Hq, w, D]``, ``qpos [w]``.
+
+        Computed in the blocks of :func:`~kvkit.stores.reconstruct.score_blocks` (whole (row, KV head) pairs, or
+        runs of the ``w`` queries) and reduced by a running maximum, exact: the same scores as one ``[B, Hq, w, n]``
+        probability tensor, with at most ``max(E, G x n)`` of its elements (fp32) per block, ``E =``
+        :data:`~kvkit.stores.reconstruct.SCORE_BLOCK_ELEMENTS`, ``G`` query heads per KV head. No synchronisation."""
+        B, Hq, w, _ = q.shape
+        H, n = self.keys.shape[1], self.keys.shape[2]
+        G = Hq // H
+        best = torch.zeros(B, H, n, device=self.keys.device)  # probabilities are >= 0: max(0, p) = p
+        for rows, h0, h1, ts in score_blocks(B, H, G, w, n):
+            a = window_attention(q[rows, h0 * G : h1 * G, ts], self.keys[rows, h0:h1],
+                                 block_part(self.pos, rows, h0, h1), qpos[ts], self.scaling)  # [b, hq, t, n]
+            part = best[rows, h0:h1]
+            torch.maximum(part, a.amax(dim=2).view(a.shape[0], h1 - h0, G, n).amax(dim=2), out=part)
+        return best
 
     def compress(self) -> None:
         super().compress()

@@ -16,6 +16,23 @@ Two pieces:
 
 Users: ``kvzip`` (eviction by these scores) and ``chelsea`` with ``protect_score="reconstruct"`` (the slots kept
 exact from merging).
+
+Memory (``B`` rows, ``Hq`` query heads over ``H`` KV heads, ``G = Hq / H``, head size ``D``): a repeat forward of
+``T`` queries (``chunk`` + ``overlap``) over ``n = S + T`` held slots has ``B x Hq x T x n`` attention logits, and
+the chunk's scores come from ``B x Hq x T x C`` probabilities (its ``C <= chunk`` own slots). Neither is held
+whole: :func:`score_blocks` cuts both into blocks of at most ``max(E, G x n)`` elements, ``E =``
+:data:`SCORE_BLOCK_ELEMENTS`, by whole (row, KV head) pairs or, when one pair is larger than ``E``, by runs of query
+positions. A query row always lies whole in one block (its softmax over all ``n`` slots: the exact normaliser, so
+the block's probabilities are final), and a slot's score is a maximum over blocks (exact), so the blocked pass does
+the unblocked arithmetic row by row; only the matrix shapes handed to the matmul kernels shrink (a kernel chosen
+for another shape may round a dot product differently in the last bit).
+
+Extra memory, per block: the attention ``17 x max(E, G x n)`` bytes (at most four ``[rows x n]`` tensors of at most
+4 bytes and a bool mask alive at once, :meth:`ReconstructionScoring.scoring_attend`) plus the block's K/V in fp32
+(``8 x p x n x D`` bytes for its ``p`` (row, KV head) pairs; ``p = 1`` whenever query positions are cut); the
+scoring ``12 x max(E, G x C)`` bytes plus the chunk's keys in fp32 (``4 x B x H x C x D``). Neither grows with
+``B x S`` (a block grows with ``n`` only once ``n > E / G``). The whole call keeps its output, its ``[B, Hq, T]``
+log-sum-exp and the ``[B, H, n]`` score accumulator.
 """
 
 from __future__ import annotations
@@ -27,6 +44,44 @@ import torch
 from kvkit.compat import cache_kw
 from kvkit.model_info import context_limit
 from kvkit.stores.attend import attend_slots, prefix_suffix_attention
+
+#: ``E``: the most elements of one block of the scoring's ``[query rows x slots]`` tensors (:func:`score_blocks`),
+#: unless one query position of a KV head's group is larger (``G x n``); 2**24 = 64 MiB per fp32 tensor, so a
+#: block's tensors stay under ``17 x E`` bytes = 272 MiB. Read at each call (tests lower it to force blocks).
+SCORE_BLOCK_ELEMENTS = 1 << 24
+
+
+def score_blocks(B: int, H: int, G: int, T: int, n: int, split_queries: bool = True):
+    """The blocks of a ``[B, H, G x T, n]`` scoring computation (``B`` rows, ``H`` KV heads of ``G`` query heads
+    each, ``T`` query positions, ``n`` columns), as ``(rows, h0, h1, positions)``: ``rows`` and ``positions`` slices
+    of the batch and of the query positions, ``h0:h1`` KV heads (query heads ``h0 x G : h1 x G``).
+
+    With ``E = SCORE_BLOCK_ELEMENTS`` (read at each call), a block holds at most ``max(E, G x n)`` of the
+    ``[rows x n]`` elements: whole (row, KV head) pairs while one pair (``G x T x n`` elements) fits ``E`` (as many
+    heads of a row as fit, then as many rows), else one pair cut into the fewest runs of query positions of at most
+    ``max(1, E // (G x n))`` positions each, evened out. ``split_queries=False``: positions are never cut (a block
+    is then at least one pair, ``G x T x n``). From the shapes alone: no synchronisation."""
+    E = SCORE_BLOCK_ELEMENTS
+    pair = max(G * T * n, 1)
+    hb = bb = pieces = 1
+    if pair <= E or not split_queries:
+        hb = max(1, min(H, E // pair))
+        if hb == H:
+            bb = max(1, min(B, E // (pair * H)))
+    else:
+        per = max(1, E // max(G * n, 1))  # query positions per run
+        pieces = -(-T // per)
+    cuts = [i * T // pieces for i in range(pieces + 1)]  # runs of T // pieces or T // pieces + 1 positions
+    for b0 in range(0, B, bb):
+        for h0 in range(0, H, hb):
+            for t0, t1 in zip(cuts[:-1], cuts[1:]):
+                yield slice(b0, min(b0 + bb, B)), h0, min(h0 + hb, H), slice(t0, t1)
+
+
+def block_part(x: torch.Tensor, rows: slice, h0: int, h1: int) -> torch.Tensor:
+    """Rows ``rows`` and heads ``h0:h1`` of ``x [B|1, H|1, ...]`` (a dimension of size 1 is broadcast: kept)."""
+    x = x if x.shape[0] == 1 else x[rows]
+    return x if x.shape[1] == 1 else x[:, h0:h1]
 
 
 class ReconstructionScoring:
@@ -44,27 +99,58 @@ class ReconstructionScoring:
     def scoring_attend(self, query, attention_mask, scaling, log_weight=None):
         """The repeat forward's attention (the repeat's K/V were appended by ``update``): exact over every held slot
         and causal over the repeat (``log_weight [B, H, n]``: added to the held slots' scores, e.g. Chelsea's
-        ``log(cluster size)``); records the chunk's scores."""
+        ``log(cluster size)``); records the chunk's scores.
+
+        Runs block by block (:func:`score_blocks` over the ``[B, H, G x T, n]`` logits): each block is one call of
+        :func:`~kvkit.stores.attend.attend_slots` on its rows, KV heads (with their query heads) and query positions
+        over all ``n`` held slots, so every query row gets the output and log-sum-exp the whole call would give it.
+        Extra memory per block: ``attend_slots``' masked path (the fp32 math every non-CPU device runs, as written)
+        keeps at most four ``[rows x n]`` tensors of at most 4 bytes alive at once (the bool or ``log_weight`` mask,
+        the logits, the shifted logits and their exponentials) besides the bool causal mask they come from (at
+        most 1 byte per element): ``17 x max(E, G x n)`` bytes, ``E =`` :data:`SCORE_BLOCK_ELEMENTS`; plus its K/V
+        in fp32, ``8 x p x n x D`` bytes for ``p`` (row, KV head) pairs. The CPU path without padding
+        (:func:`~kvkit.stores.attend.prefix_suffix_attention`: flash kernel over the prefix, a ``[G x T, T]`` causal
+        suffix per pair) is cut by whole pairs only, at most ``max(E, G x T x T)`` suffix elements per block. The
+        whole call keeps its output ``[B, Hq, T, D]`` and fp32 log-sum-exp ``[B, Hq, T]``. No synchronisation
+        beyond the padding check."""
         T = query.shape[2]
         self.mark_padding(attention_mask, T)
         qpos = torch.arange(self.seen - T, self.seen, device=query.device, dtype=torch.int32)
-        n = self.keys.shape[2]
-        if (log_weight is None and query.device.type == "cpu" and n > T and query.shape[1] % self.keys.shape[1] == 0
-                and not bool((self.pos < 0).any())):  # no padding: unmasked prefix + causal repeat
-            out, lse = prefix_suffix_attention(query, self.keys, self.values, scaling)
-        else:
-            out, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, log_weight=log_weight,
-                                    return_lse=True)
+        B, Hq = query.shape[:2]
+        H, n = self.keys.shape[1], self.keys.shape[2]
+        G = Hq // H
+        # CPU without padding: unmasked prefix + causal repeat (its suffix is [G x T, T] per pair: cut by pairs)
+        split = not (log_weight is None and query.device.type == "cpu" and n > T and Hq % H == 0
+                     and not bool((self.pos < 0).any()))
+        out = query.new_empty(B, Hq, T, self.values.shape[-1])
+        lse = torch.empty(B, Hq, T, dtype=torch.float32, device=query.device)
+        for rows, h0, h1, ts in score_blocks(B, H, G, T, n if split else T, split_queries=split):
+            q, k, v = query[rows, h0 * G : h1 * G], self.keys[rows, h0:h1], self.values[rows, h0:h1]
+            if split:
+                lw = None if log_weight is None else block_part(log_weight, rows, h0, h1)
+                o, l_ = attend_slots(q[:, :, ts], k, v, block_part(self.pos, rows, h0, h1), qpos[ts], scaling,
+                                     log_weight=lw, return_lse=True)
+            else:
+                o, l_ = prefix_suffix_attention(q, k, v, scaling)
+            out[rows, h0 * G : h1 * G, ts] = o.transpose(1, 2)
+            lse[rows, h0 * G : h1 * G, ts] = l_
         self._score_chunk(query.detach(), lse, T, scaling)
-        return out
+        return out.transpose(1, 2)  # [B, T, Hq, D], the layout attend_slots returns
 
     def _score_chunk(self, query, lse, T, scaling) -> None:
         """Each slot of the chunk being repeated (positions ``score_range``) takes the largest attention
         probability a repeat query of its KV head's group pays it (the model's own softmax, over every held slot:
-        ``exp(q.k * scaling - lse)``); padding queries score nothing."""
+        ``exp(q.k * scaling - lse)``); padding queries score nothing.
+
+        The ``[B, H, G, T, C]`` probabilities (``C <= T`` slots of the chunk) are computed in the blocks of
+        :func:`score_blocks` (at most ``max(E, G x C)`` elements each; the row's ``lse`` is the whole softmax's,
+        so a block's probabilities are final) and reduced by a running maximum, which is exact: the same scores
+        as one ``[B, H, G, T, C]`` tensor. Extra memory: at most three fp32 block tensors alive at once
+        (``12 x max(E, G x C)`` bytes) and the chunk's keys in fp32 (``4 x B x H x C x D`` bytes)."""
         lo, hi = self.score_range
         B, Hq, _, D = query.shape
         H, n = self.keys.shape[1], self.keys.shape[2]
+        G = Hq // H
         C = min(hi - lo, n)
         pos = self.pos  # [B, Hp, n], ascending per row and head before the repeat: the range is <= C consecutive slots
         held = pos[..., : n - T].contiguous()  # the slots before the repeat (the repeat's padding is -1, unsorted)
@@ -73,11 +159,19 @@ class ReconstructionScoring:
         p_idx = pos.expand(B, H, n).gather(2, idx)
         inside = (p_idx >= lo) & (p_idx < hi)
         k = self.keys.gather(2, idx.unsqueeze(-1).expand(B, H, C, D)).float()
-        q = query.float().view(B, H, Hq // H, T, D)
-        logit = torch.einsum("bhgtd,bhcd->bhgtc", q, k) * scaling - lse.view(B, H, Hq // H, T, 1)
-        real_q = (self.pos[:, :1, -T:] >= 0).view(B, 1, 1, T, 1)  # padding queries of the repeat score nothing
-        prob = logit.exp().masked_fill(~real_q, 0.0).nan_to_num(0.0)
-        best = prob.amax(dim=(2, 3)).masked_fill(~inside, -1.0)  # [B, H, C]
+        real_q = self.pos[:, :1, -T:] >= 0  # [B, 1, T] padding queries of the repeat score nothing
+        best = torch.zeros(B, H, C, device=self.keys.device)  # probabilities are >= 0: max(0, p) = p
+        for rows, h0, h1, ts in score_blocks(B, H, G, T, C):
+            q = query[rows, h0 * G : h1 * G, ts].float()
+            b, t = q.shape[0], q.shape[2]
+            q = q.reshape(b, h1 - h0, G, t, D)
+            logit = (torch.einsum("bhgtd,bhcd->bhgtc", q, k[rows, h0:h1]) * scaling
+                     - lse[rows, h0 * G : h1 * G, ts].reshape(b, h1 - h0, G, t, 1))
+            prob = logit.exp().masked_fill(~real_q[rows, :, ts].view(b, 1, 1, t, 1), 0.0).nan_to_num(0.0)
+            part = best[rows, h0:h1]
+            torch.maximum(part, prob.amax(dim=(2, 3)), out=part)
+            del logit, prob  # not alive while the next block is computed
+        best = best.masked_fill(~inside, -1.0)  # [B, H, C]
         if self.acc is None:
             self.acc = torch.full((B, H, n - T), -1.0, device=self.keys.device)
         self.acc.scatter_reduce_(2, idx.clamp(max=n - T - 1), best, reduce="amax")
