@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -57,13 +58,87 @@ def _load(args):
     return load_model(args.model, device=args.device, dtype=args.dtype)
 
 
-def _read_prompts(path) -> list[dict]:
+def _read_prompts(path, bench: str = "ruler", need_index: bool = False) -> list[dict]:
+    """The samples of a ``--dump-prompts`` file, every row checked (:func:`_prompt_checker`) before anything runs:
+    a bad row is refused naming the file, the line and the sample, instead of failing after samples ran."""
     from kvkit.evals.common import read_jsonl
 
-    rows = read_jsonl(path, required=PROMPT_FIELDS)
+    rows = read_jsonl(path, required=PROMPT_FIELDS + (("target_length", "depth") if bench == "niah" else ()),
+                      check=_prompt_checker(need_index))
     if not rows:
         raise ValueError(f"{path}: no prompts in the file")
     return rows
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompt_checker(need_index: bool):
+    """A check of one prompts-file row: field types and ranges, a RULER metric (:func:`kvkit.evals.metrics.
+    ruler_metric`), ids unique in the file."""
+    from kvkit.evals.metrics import ruler_metric
+
+    seen: set = set()
+
+    def check(row: dict) -> None:
+        rid = row["id"]
+        if not (_int(rid) or isinstance(rid, str) and rid):
+            raise ValueError(f"'id' must be a non-empty string or an integer, got {rid!r}")
+        if rid in seen:
+            raise ValueError(f"sample id {rid!r} appears twice in the file")
+        seen.add(rid)
+        what = f"sample {rid!r}:"
+        if not isinstance(row["task"], str) or not row["task"]:
+            raise ValueError(f"{what} 'task' must be a non-empty string, got {row['task']!r}")
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            raise ValueError(f"{what} 'prompt' must be a non-empty string")
+        outs = row["outputs"]
+        if not isinstance(outs, list) or not outs or not all(isinstance(o, str) for o in outs):
+            raise ValueError(f"{what} 'outputs' must be a non-empty list of strings, got {outs!r}")
+        n = row["tokens_to_generate"]
+        if not _int(n) or n < 1:
+            raise ValueError(f"{what} 'tokens_to_generate' must be a positive integer, got {n!r}")
+        try:
+            ruler_metric(row["metric"])
+        except ValueError as e:
+            raise ValueError(f"{what} {e}") from None
+        if "index" in row and not (_int(row["index"]) and row["index"] >= 0):
+            raise ValueError(f"{what} 'index' must be an integer >= 0, got {row['index']!r}")
+        if need_index and "index" not in row:
+            raise ValueError(f"{what} no 'index' field (--samples takes the first N samples of each task by it)")
+        ce = row.get("context_end")
+        if ce is not None and not (_int(ce) and 0 <= ce <= len(row["prompt"])):
+            raise ValueError(f"{what} 'context_end' must be a character offset in the prompt (0 to "
+                             f"{len(row['prompt'])}), got {ce!r}")
+        tl = row.get("target_length")
+        if tl is not None and not (_int(tl) and tl >= 1):
+            raise ValueError(f"{what} 'target_length' must be a positive integer, got {tl!r}")
+        d = row.get("depth")
+        if d is not None and not (isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 100):
+            raise ValueError(f"{what} 'depth' must be a percentage from 0 to 100, got {d!r}")
+        if "seed" in row and not _int(row["seed"]):
+            raise ValueError(f"{what} 'seed' must be an integer, got {row['seed']!r}")
+
+    return check
+
+
+def _generate_seed(args) -> int:
+    """``--seed`` of a run that generates its samples (RULER's default 42)."""
+    return 42 if args.seed is None else args.seed
+
+
+def _prompts_seed(args, samples: list[dict]):
+    """The seed the ``--prompts`` samples were made with (what the run's config records: the prompts decide the
+    samples, not ``--seed``); a ``--seed`` that disagrees is refused."""
+    seeds = sorted({s["seed"] for s in samples if "seed" in s})
+    if not seeds:
+        return _generate_seed(args)
+    if args.seed is not None and seeds != [args.seed]:
+        raise ValueError(f"--seed {args.seed}: the prompts of {args.prompts} were made with seed "
+                         f"{', '.join(map(str, seeds))} (the prompts decide the samples); drop --seed, or make prompts "
+                         f"of seed {args.seed} with --dump-prompts --seed {args.seed}")
+    return seeds[0] if len(seeds) == 1 else seeds
 
 
 def _dump(path, samples: list[dict]) -> None:
@@ -94,14 +169,17 @@ def _cap(args, samples: list[dict]) -> list[dict]:
 
 
 def _config(args, bench: str, policy: str, options: dict, model=None, **extra) -> dict:
+    """A run's config.json: every setting that changes its rows (checked on ``--resume``: RunDir) plus where and how
+    it ran. File-valued policy options (duo's ``pattern``) are recorded by content (``option_files``)."""
     import kvkit
-    from kvkit.evals.common import calibration_used
+    from kvkit.evals.common import calibration_used, option_files
 
-    cfg = dict(benchmark=bench, model=args.model, policy=policy, options=options, seed=args.seed,
-               device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__, command=_command(),
-               max_new_tokens=getattr(args, "max_new_tokens", None),
+    cfg = dict(benchmark=bench, model=args.model, policy=policy, options=options, option_files=option_files(options),
+               seed=args.seed, device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__,
+               command=_command(), max_new_tokens=getattr(args, "max_new_tokens", None),
                full_prompt_prefill=getattr(args, "full_prompt_prefill", False), **extra)
     if model is not None:
+        # the calibrated values themselves (what changes the rows; the file's other policies and notes do not)
         cfg["calibration"] = calibration_used(model, policy, options)
     return cfg
 
@@ -128,6 +206,7 @@ def cmd_ruler(args) -> int:
     else:
         names = ruler.parse_tasks(args.tasks)
         length = args.length
+        args.seed = _generate_seed(args)
         model, tok = _load(args)
         check_length(model, length)
         n = 10 if args.samples is None else args.samples
@@ -135,15 +214,15 @@ def cmd_ruler(args) -> int:
         if args.dump_prompts:
             _dump(args.dump_prompts, samples)
             return 0
-    run = RunDir(_out(args, "ruler", run_label(args.model, policy, options, length)),
-                 _config(args, "ruler", policy, options, model=model, length=length, tasks=names, chat=not args.no_chat,
-                         prompts=str(args.prompts) if args.prompts else None),
-                 resume=args.resume)
-    rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
-                       lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER {policy}",
-                       full_prompt_prefill=args.full_prompt_prefill)
-    _ruler_summary(run, rows, names, length, args.model, policy, options)
-    print((run.path / "summary.md").read_text())
+    with RunDir(_out(args, "ruler", run_label(args.model, policy, options, length)),
+                _config(args, "ruler", policy, options, model=model, length=length, tasks=names, chat=not args.no_chat,
+                        prompts=str(args.prompts) if args.prompts else None),
+                resume=args.resume) as run:
+        rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
+                           lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER {policy}",
+                           full_prompt_prefill=args.full_prompt_prefill)
+        _ruler_summary(run, rows, names, length, args.model, policy, options)
+        print((run.path / "summary.md").read_text())
     return 0
 
 
@@ -153,11 +232,12 @@ def _ruler_prompts(args):
     from kvkit.evals import ruler
 
     _check_counts(args)
-    samples = _read_prompts(args.prompts)
+    samples = _read_prompts(args.prompts, "ruler", need_index=args.samples is not None)
     names = ruler.parse_tasks(args.tasks) if args.tasks != "all" else list(dict.fromkeys(s["task"] for s in samples))
     samples = [s for s in samples if s["task"] in names and (args.samples is None or s["index"] < args.samples)]
     if not samples:
         raise ValueError(f"{args.prompts}: no prompts for tasks {', '.join(names)}")
+    args.seed = _prompts_seed(args, samples)
     length = max(s.get("target_length", 0) for s in samples)
     model, tok = _load(args)
     _check_prompt_lengths(model, tok, samples, "prompt length")
@@ -204,19 +284,21 @@ def cmd_sweep(args) -> int:
     if len(set(names_seen)) != len(names_seen):
         raise ValueError(f"--run names must be unique, got {names_seen}")
     samples, tasks, length, model, tok = _ruler_prompts(args)
-    runs = []
-    for name, policy, options in specs:
-        cfg = _config(args, "ruler", policy, options, model=model, length=length, tasks=tasks, chat=True,
-                      prompts=str(args.prompts))
-        cfg["full_prompt_prefill"] = False
-        runs.append((RunDir(Path(args.out_root) / name, cfg, resume=args.resume), policy, options))
-    run_sweep(model, tok, _cap(args, samples), runs, lambda s, p: ruler.score(s["metric"], p, s["outputs"]),
-              desc=f"RULER sweep x{len(runs)}")
-    order = {s["id"]: i for i, s in enumerate(samples)}
-    for (run, policy, options), (name, _, _) in zip(runs, specs):
-        rows = sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])
-        _ruler_summary(run, rows, tasks, length, args.model, policy, options)
-        print(f"== {name}\n" + (run.path / "summary.md").read_text())
+    with contextlib.ExitStack() as held:  # every run folder locked until the sweep ends
+        runs = []
+        for name, policy, options in specs:
+            cfg = _config(args, "ruler", policy, options, model=model, length=length, tasks=tasks, chat=True,
+                          prompts=str(args.prompts))
+            cfg["full_prompt_prefill"] = False
+            runs.append((held.enter_context(RunDir(Path(args.out_root) / name, cfg, resume=args.resume)), policy,
+                         options))
+        run_sweep(model, tok, _cap(args, samples), runs, lambda s, p: ruler.score(s["metric"], p, s["outputs"]),
+                  desc=f"RULER sweep x{len(runs)}")
+        order = {s["id"]: i for i, s in enumerate(samples)}
+        for (run, policy, options), (name, _, _) in zip(runs, specs):
+            rows = sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])
+            _ruler_summary(run, rows, tasks, length, args.model, policy, options)
+            print(f"== {name}\n" + (run.path / "summary.md").read_text())
     return 0
 
 
@@ -225,21 +307,21 @@ def cmd_sweep(args) -> int:
 
 def cmd_niah(args) -> int:
     from kvkit.evals import niah
-    from kvkit.evals.common import RunDir, check_length, run_label, run_samples
-    from kvkit.evals.metrics import string_match_all
-    from kvkit.evals.report import write_heatmap, write_summary
+    from kvkit.evals.common import RunDir, check_length, run_label
 
     _check_counts(args)
     policy, options = _policy(args)
     if args.prompts:
-        samples = _read_prompts(args.prompts)
+        samples = _read_prompts(args.prompts, "niah")
         lengths = sorted({s["target_length"] for s in samples})
         depths = sorted({s["depth"] for s in samples})
+        args.seed = _prompts_seed(args, samples)
         model, tok = _load(args)
         _check_prompt_lengths(model, tok, samples, "prompt length")
     else:
         lengths = _ints(args.lengths, "--lengths")
         depths = niah.depth_grid(args.depths)
+        args.seed = _generate_seed(args)
         model, tok = _load(args)
         check_length(model, max(lengths), "--lengths")
         samples = niah.generate_samples(tok, lengths, depths, args.samples, seed=args.seed, task=args.task,
@@ -247,11 +329,21 @@ def cmd_niah(args) -> int:
         if args.dump_prompts:
             _dump(args.dump_prompts, samples)
             return 0
-    run = RunDir(_out(args, "niah", run_label(args.model, policy, options, f"{max(lengths)}")),
-                 _config(args, "niah", policy, options, model=model, length=max(lengths), lengths=lengths, depths=depths,
-                         task=args.task, chat=not args.no_chat), resume=args.resume)
+    with RunDir(_out(args, "niah", run_label(args.model, policy, options, f"{max(lengths)}")),
+                _config(args, "niah", policy, options, model=model, length=max(lengths), lengths=lengths, depths=depths,
+                        task=args.task, chat=not args.no_chat), resume=args.resume) as run:
+        _niah_run(args, run, model, tok, samples, policy, options, lengths, depths)
+    return 0
+
+
+def _niah_run(args, run, model, tok, samples, policy, options, lengths, depths) -> None:
+    """The samples of a NIAH run not yet in ``run`` (each scored by its own metric), then its grid summary and heatmap."""
+    from kvkit.evals import niah, ruler
+    from kvkit.evals.common import run_samples
+    from kvkit.evals.report import write_heatmap, write_summary
+
     rows = run_samples(model, tok, _cap(args, samples), run, policy, options,
-                       lambda s, p: string_match_all(p, s["outputs"]), desc=f"NIAH {policy}",
+                       lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"NIAH {policy}",
                        full_prompt_prefill=args.full_prompt_prefill)
     grid = niah.grid_scores(rows, lengths, depths)
     cells = [v for line in grid for v in line if v is not None]
@@ -265,7 +357,6 @@ def cmd_niah(args) -> int:
     write_heatmap(run.path / "heatmap.png", grid, lengths, depths,
                   title=f"NIAH {args.model} {policy} {options or ''}".strip())
     print((run.path / "summary.md").read_text())
-    return 0
 
 
 # ---------------------------------------------------------------------------------------- longbench
@@ -281,19 +372,21 @@ def cmd_longbench(args) -> int:
     if args.length is not None:
         longbench.check_length(names, args.length)  # before the (slow) model load
     longbench.check_data_dir(args.data_dir, names)
+    args.seed = _generate_seed(args)  # not used by LongBench (its records are the samples); recorded as before
     model, tok = _load(args)
     length = args.length or model_context(model) or 4096
     from kvkit.evals.common import check_length
 
     check_length(model, length)
     samples = longbench.make_samples(tok, args.data_dir, names, length, limit=args.samples, chat=not args.no_chat)
-    run = RunDir(_out(args, "longbench", run_label(args.model, policy, options, length)),
-                 _config(args, "longbench", policy, options, model=model, length=length, tasks=names, chat=not args.no_chat,
-                         data_dir=str(args.data_dir), sample_ids="task/line"), resume=args.resume)
-    rows = run_samples(model, tok, _cap(args, samples), run, policy, options, longbench.score, desc=f"LongBench {policy}",
-                       full_prompt_prefill=args.full_prompt_prefill)
-    _task_summary(run, rows, names, f"LongBench {length} - {args.model} - {policy} {options or ''}".strip())
-    print((run.path / "summary.md").read_text())
+    with RunDir(_out(args, "longbench", run_label(args.model, policy, options, length)),
+                _config(args, "longbench", policy, options, model=model, length=length, tasks=names,
+                        chat=not args.no_chat, data_dir=str(args.data_dir), sample_ids="task/line"),
+                resume=args.resume) as run:
+        rows = run_samples(model, tok, _cap(args, samples), run, policy, options, longbench.score,
+                           desc=f"LongBench {policy}", full_prompt_prefill=args.full_prompt_prefill)
+        _task_summary(run, rows, names, f"LongBench {length} - {args.model} - {policy} {options or ''}".strip())
+        print((run.path / "summary.md").read_text())
     return 0
 
 
@@ -301,7 +394,7 @@ def cmd_compare(args) -> int:
     from kvkit.evals.report import compare, compare_matched
 
     fn = compare_matched if args.matched else compare
-    print(fn(args.dirs, Path(args.out) if args.out else None))
+    print(fn(args.dirs, Path(args.out) if args.out else None, baselines=args.baseline))
     return 0
 
 
@@ -314,6 +407,7 @@ def cmd_bench(args) -> int:
     from kvkit.evals.common import atomic_write_json, atomic_write_jsonl, resolve_policy_options, run_label
     from kvkit.evals.report import write_summary
 
+    args.seed = _generate_seed(args)
     if args.shape:  # the shaped-model decode benchmark (random weights; kvkit/evals/gpu_bench.py)
         from kvkit.evals import gpu_bench
 
@@ -432,7 +526,8 @@ def _common(p, with_out=True):
     p.add_argument("--budget", type=int, default=None, help="sets the policy's `budget` option")
     p.add_argument("--opt", action="append", metavar="KEY=VALUE[,KEY=VALUE]", help="policy option (repeatable)")
     p.add_argument("--policy-options", default=None, metavar="JSON", help="policy options as a JSON object")
-    p.add_argument("--seed", type=int, default=42, help="seed of the generated samples (RULER's default 42)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the generated samples (default RULER's 42; with --prompts: the file's)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     if with_out:
@@ -469,7 +564,8 @@ def add_commands(sub) -> None:
     sw.add_argument("--tasks", default="all", help="all | comma-separated task names")
     sw.add_argument("--samples", type=int, default=None, help="first N samples per task")
     sw.add_argument("--max-new-tokens", type=int, default=None, help="cap the generation length (quick checks only)")
-    sw.add_argument("--seed", type=int, default=42, help="recorded in each run's config")
+    sw.add_argument("--seed", type=int, default=None,
+                    help="the seed the prompts were made with (default: the file's; another is refused)")
     sw.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     sw.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     sw.set_defaults(func=cmd_sweep)
@@ -496,7 +592,12 @@ def add_commands(sub) -> None:
     c.add_argument("dirs", nargs="+", help="eval output folders (or summary.json files)")
     c.add_argument("--out", default=None, help="also write compare.md / compare.csv here")
     c.add_argument("--matched", action="store_true",
-                   help="score every run only on the samples it shares with the full run (from samples.jsonl)")
+                   help="score every run only on the samples it shares with its baseline (from samples.jsonl: same "
+                        "id and same prompt; runs of another seed, dtype, length or generation length are refused)")
+    c.add_argument("--baseline", action="append", metavar="DIR",
+                   help="the run retention is relative to (repeatable: one per benchmark/model/length/seed/dtype "
+                        "setting). Default: the one `full` run of each setting; several full runs of one setting "
+                        "need --baseline")
     c.set_defaults(func=cmd_compare)
 
     b = sub.add_parser("bench", help="prefill time, decode tok/s, peak memory, KV bytes: policy vs full")

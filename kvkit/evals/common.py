@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import tempfile
 import time
 import warnings
@@ -56,8 +58,11 @@ def atomic_write_bytes(path, data: bytes) -> None:
         raise
 
 
-def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
-    """Read a jsonl file; a bad line raises ValueError naming the file and the line number."""
+def read_jsonl(path, required: tuple[str, ...] = (), check=None) -> list[dict]:
+    """Read a jsonl file; a bad line raises ValueError naming the file and the line number.
+
+    ``check(row)``, when given, is called on every row as it is read; a ValueError it raises is re-raised with
+    the file and the line number in front (so a bad row is refused before anything runs on the rows)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: file not found")
@@ -75,6 +80,11 @@ def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
             missing = [k for k in required if k not in row]
             if missing:
                 raise ValueError(f"{path}, line {lineno}: missing field(s) {', '.join(missing)}")
+            if check is not None:
+                try:
+                    check(row)
+                except ValueError as e:
+                    raise ValueError(f"{path}, line {lineno}: {e}") from None
             rows.append(row)
     return rows
 
@@ -223,11 +233,167 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
 
 # ------------------------------------------------------------------------------------- run folders
 
+#: config keys that do not change a row: where it ran (device), which subset of the samples this process runs
+#: (samples, tasks), the command line and the kvkit version. Every other key (model, dtype, seed, policy, options,
+#: option_files, calibration, length, chat, max_new_tokens, ...) changes the rows and is checked on ``--resume``.
+#: (dtype was here: rows of float32 and bfloat16 then mixed under one summary.)
+_FREE_KEYS = {"device", "samples", "command", "tasks", "kvkit_version", "resume"}
+#: keys recorded since some folders were made: a folder without one still resumes (nothing to compare it with)
+_RECORDED_LATER = {"calibration", "option_files"}
+
+
+def config_diff(old: dict, new: dict) -> dict:
+    """``{key: (old value, new value)}`` of the row-changing settings in which ``new`` differs from ``old``
+    (``new`` is compared as it reads back from JSON: a tuple equals the list it is written as)."""
+    new = json.loads(json.dumps(new))
+    return {k: (old.get(k), v) for k, v in new.items()
+            if k not in _FREE_KEYS and old.get(k) != v and not (k in _RECORDED_LATER and k not in old)}
+
+
+def diff_text(diff: dict, theirs: str = "the folder has", ours: str = "this run asks for") -> str:
+    return "; ".join(f"{k}: {theirs} {a!r}, {ours} {b!r}" for k, (a, b) in diff.items())
+
+
+def sample_digest(sample: dict) -> str:
+    """The identity of a sample's content: what the model is given and how it is scored (the prompt text, the
+    context/question split, the generation length, the references and the metric). Two rows with the same
+    ``id`` but another digest come from other prompts (another seed, tokenizer, chat template, data or prompts
+    file, ``--max-new-tokens``): ``--resume`` and ``compare --matched`` never take one for the other."""
+    key = {k: sample.get(k) for k in ("prompt", "context_end", "tokens_to_generate", "outputs", "all_classes", "metric")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def option_files(options: dict) -> dict:
+    """``{option: sha256}`` of the policy options that name a file (duo's ``pattern``): the run depends on the
+    file's content, not its name, so the content is what ``--resume`` checks."""
+    return {k: file_sha256(v) for k, v in sorted(options.items())
+            if isinstance(v, (str, os.PathLike)) and str(v) and os.path.isfile(v)}
+
+
+LOCK_NAME = ".lock"
+
+
+class RunLock:
+    """A writer's hold on an eval folder for its whole run: a ``flock`` on ``<folder>/.lock``.
+
+    A second writer is refused with the folder and the holder's process id (two runs of other settings into one
+    ``--out`` used to both exit 0, one run's rows and summary lost). The kernel drops the lock when its process
+    ends, however it ends, so the file a killed run leaves behind blocks nothing. Runs of the *same* settings may
+    share a folder when the later ones pass ``--resume`` (one job split over processes by ``--tasks``; their rows
+    are merged by :meth:`RunDir.add`): the holders then hold the lock shared. Every take and release happens under
+    the folder's own flock (:class:`_folder_lock`), so no one sees the lock file half-written or half-removed.
+    The last holder to leave removes the file. No-op where ``fcntl`` is missing."""
+
+    def __init__(self, folder, config: dict, join: bool = False):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.fd = None
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with _folder_lock(self.folder):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fresh = True
+                except BlockingIOError:
+                    fresh = False
+                if fresh:
+                    info = {"pids": [os.getpid()], "host": socket.gethostname(), "config": config}
+                else:
+                    info = _read_lock(fd)
+                    diff = config_diff(info.get("config") or {}, config) if "config" in info else None
+                    if not join or diff is None or diff:
+                        raise ValueError(_held_message(self.folder, info, diff, join))
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the holders hold it shared: this succeeds
+                    info["pids"] = [*info.get("pids", []), os.getpid()]
+                _write_lock(fd, info)
+                if fresh:  # shared from now on, so a --resume of the same settings can join; nobody can take
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # it between (every taker waits on the folder lock we hold)
+            except BaseException:
+                os.close(fd)
+                raise
+        self.fd = fd
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        import fcntl
+
+        try:
+            with _folder_lock(self.folder):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # others still write here: leave the file, take our pid off it
+                    info = _read_lock(fd)
+                    pids = list(info.get("pids", []))
+                    if os.getpid() in pids:
+                        pids.remove(os.getpid())
+                    _write_lock(fd, dict(info, pids=pids))
+                else:  # the last holder: remove the file (if it is still ours)
+                    try:
+                        if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                            os.unlink(self.path)
+                    except FileNotFoundError:
+                        pass
+        finally:
+            os.close(fd)
+
+
+def _read_lock(fd) -> dict:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = b""
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+        info = json.loads(data.decode("utf-8")) if data.strip() else {}
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_lock(fd, info: dict) -> None:
+    data = (json.dumps(info, ensure_ascii=False) + "\n").encode("utf-8")
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, data)
+
+
+def _held_message(folder: Path, info: dict, diff: dict | None, join: bool) -> str:
+    pids = info.get("pids") or []
+    who = (f"process {', '.join(map(str, pids))}" + (f" on {info['host']}" if info.get("host") and
+                                                     info["host"] != socket.gethostname() else "")
+           if pids else "another process")
+    msg = f"{folder} is being written by another kvkit eval run ({who}; lock file {folder / LOCK_NAME})"
+    if diff:
+        msg += f" with other settings ({diff_text(diff, 'it runs', 'this run asks for')})"
+    if diff or diff is None or join:
+        return msg + "; wait for it to finish or choose another --out"
+    return (msg + "; wait for it to finish or choose another --out (a run of the same settings may share the folder, "
+            "e.g. one job split by --tasks over several processes: pass --resume)")
+
 
 @dataclass
 class RunDir:
     """An ``--out`` folder: ``config.json`` first, then ``samples.jsonl`` rewritten atomically after
-    every sample, so a crash leaves only whole files and ``--resume`` skips finished samples."""
+    every sample, so a crash leaves only whole files and ``--resume`` skips finished samples.
+
+    The folder is locked (:class:`RunLock`) from here until :meth:`close` (``with RunDir(...) as run:``), so a
+    second run cannot write into it meanwhile; on ``--resume`` every row-changing setting of ``config`` must
+    equal the folder's (:func:`config_diff`), and :meth:`check_samples` refuses finished rows made from other
+    prompts."""
 
     path: Path
     config: dict
@@ -236,23 +402,60 @@ class RunDir:
 
     def __post_init__(self):
         self.path = Path(self.path)
+        self._lock = None
+        self._lock = RunLock(self.path, self.config, join=self.resume)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
         cfg_path = self.path / "config.json"
         samples = self.path / "samples.jsonl"
         if self.resume and cfg_path.exists():
             old = json.loads(cfg_path.read_text())
-            diff = {k: (old.get(k), v) for k, v in self.config.items() if k not in _FREE_KEYS and old.get(k) != v
-                    and not (k == "calibration" and k not in old)}  # folders made before it was recorded
+            diff = config_diff(old, self.config)
             if diff:
-                shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-                raise ValueError(f"--resume: {self.path} was made with a different configuration ({shown})")
+                raise ValueError(f"--resume: {self.path} was made with a different configuration ({diff_text(diff)}); "
+                                 f"resume it with the folder's settings or choose another --out")
             if samples.exists():
                 self.rows = read_rows(samples)
         elif not self.resume and samples.exists():
             raise ValueError(f"{self.path} already holds results; pass --resume to continue it or choose another --out")
         atomic_write_json(cfg_path, self.config)
 
+    def close(self) -> None:
+        """Release the folder (idempotent)."""
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
     def done(self) -> set:
         return {r["id"] for r in self.rows}
+
+    def check_samples(self, samples: list[dict]) -> None:
+        """Refuse (ValueError) when a finished row has the id of one of ``samples`` but was made from another
+        sample (:func:`sample_digest`): the prompts file, data, tokenizer, seed or generation length changed since."""
+        digest = {s["id"]: sample_digest(s) for s in samples}
+        bad = [r["id"] for r in self.rows if r["id"] in digest and "sample_sha" in r and r["sample_sha"] != digest[r["id"]]]
+        if bad:
+            shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise ValueError(f"--resume: {self.path}: {len(bad)} finished row(s) ({shown}) were made from other prompts "
+                             f"than this run's samples of the same id (another prompts or data file, tokenizer, chat "
+                             f"template, seed or --max-new-tokens); resume with the folder's inputs or choose another --out")
 
     def add(self, row: dict) -> None:
         """Append ``row`` and rewrite ``samples.jsonl``. Rows another process wrote to the same folder
@@ -267,7 +470,7 @@ class RunDir:
 
 
 class _folder_lock:
-    """An exclusive ``fcntl`` lock on the folder itself (leaves no lock file behind; no-op where fcntl
+    """An exclusive ``fcntl`` lock on the folder itself, held briefly (leaves no lock file behind; no-op where fcntl
     is missing)."""
 
     def __init__(self, folder: Path):
@@ -291,9 +494,6 @@ class _folder_lock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
-
-
-_FREE_KEYS = {"device", "dtype", "samples", "command", "tasks", "kvkit_version", "resume"}
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
@@ -371,6 +571,7 @@ def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str,
     ``outputs``, ``tokens_to_generate``); returns all rows in sample order."""
     import kvkit
 
+    run.check_samples(samples)
     done = run.done()
     # index-major, as run_sweep: a run stopped early still covers every task with the same count
     todo = sorted((s for s in samples if s["id"] not in done), key=lambda s: s.get("index", 0))
@@ -391,7 +592,8 @@ def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str,
 
 
 def _row(s: dict, g: Generation, score: float) -> dict:
-    row = {k: s[k] for k in ("id", "task", "index") if k in s}
+    row = {k: s[k] for k in ("id", "task", "index", "seed") if k in s}
+    row["sample_sha"] = sample_digest(s)  # what --resume and compare --matched match rows on, with the id
     row.update(
         prediction=g.text,
         reference=s["outputs"],
@@ -423,6 +625,8 @@ def run_sweep(model, tokenizer, samples: list[dict], runs: list, score_fn, desc:
         if not replayable(policy, options):
             raise ValueError(f"policy {policy!r} with {options or 'its defaults'} cannot share a replayed prefill; run "
                              "it alone with `kvkit eval ruler`")
+    for run, _, _ in runs:
+        run.check_samples(samples)
     done = [run.done() for run, _, _ in runs]
     todo = [s for s in samples if any(s["id"] not in d for d in done)]
     # index-major (every task's sample 0, then every task's sample 1, ...): a sweep stopped early still

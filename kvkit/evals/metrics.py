@@ -174,6 +174,19 @@ METRICS = {
 }
 
 
+#: the metrics a RULER / NIAH sample (``kvkit eval ruler|niah|sweep --prompts``) may name: ``metric(prediction,
+#: references: list[str])``. The LongBench metrics score one reference string at a time (``best_of``).
+RULER_METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+
+
+def ruler_metric(name):
+    """The RULER metric called ``name``; anything else (a LongBench metric, a typo, another attribute of this
+    module) is a ValueError listing the known ones."""
+    if not isinstance(name, str) or name not in RULER_METRICS:
+        raise ValueError(f"unknown metric {name!r}; known metrics: {', '.join(RULER_METRICS)}")
+    return RULER_METRICS[name]
+
+
 def best_of(metric, prediction: str, references: list, **kw) -> float:
     """LongBench scoring: the best score over the reference answers."""
     if not references:

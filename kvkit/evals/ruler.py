@@ -491,4 +491,4 @@ def generate_samples(tokenizer, tasks: list[str], length: int, samples: int, see
 def score(metric: str, prediction: str, outputs: list[str]) -> float:
     from kvkit.evals import metrics
 
-    return getattr(metrics, metric)(prediction, outputs)
+    return metrics.ruler_metric(metric)(prediction, outputs)
