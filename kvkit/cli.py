@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import stat
 import sys
 
 # the demo: full next to two policies that keep the needle with fewer bytes on the default model (duo: half the
 # KV; zipcache with its calibrated 4-bit setting: ~7x fewer bytes) and StreamingLLM, which drops the middle
 DEMO_POLICIES = ("duo", "zipcache", "streaming")
 DEMO_OPTIONS = {"streaming": {"budget": 256}}
+DEMO_CONTEXT_TOKENS, DEMO_DEPTH = 3000, 0.5
 
 
 def _split_pairs(item: str) -> list[str]:
@@ -79,25 +82,108 @@ def cmd_policies(args) -> int:
     return 0
 
 
-def read_prompt_file(path) -> str:
-    """The text of ``--prompt-file``, or a one-line ValueError (missing, a directory, unreadable, not
-    UTF-8, empty); called before the model loads."""
-    import os
+#: The largest --prompt-file read (a million-token prompt is ~4-5 MiB of text).
+MAX_PROMPT_BYTES = 64 << 20
 
-    if not os.path.exists(path):
-        raise ValueError(f"--prompt-file {path}: no such file")
-    if os.path.isdir(path):
-        raise ValueError(f"--prompt-file {path} is a directory; pass a text file")
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def read_text_file(path, what: str, limit: int) -> str:
+    """The UTF-8 text of the regular file ``path`` of at most ``limit`` bytes, or a one-line ValueError that starts
+    with ``what`` and names the file (missing, a directory / device / FIFO, a symlink loop, over the limit, not
+    UTF-8). Nothing is read before the file is known to be a regular file within the limit (``/dev/zero`` or a
+    FIFO never blocks or fills the memory), and no more than ``limit`` + 1 bytes are read (a file that grows)."""
+    path = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompt-file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        fd = os.open(path, flags)  # non-blocking: opening a FIFO with no writer does not hang
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path}: no such file") from None
     except OSError as e:
-        raise ValueError(f"--prompt-file {path}: cannot read it ({e.strerror})") from None
+        raise ValueError(f"{what} {path}: cannot open it ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)  # the file opened, not whatever the path names by now
+        if stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{what} {path} is a directory; pass a text file")
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{what} {path} is {_file_kind(st.st_mode)}, not a regular file; pass a text file")
+        too_big = f"{what} {path} is larger than the limit of {limit:,} bytes ({limit / 2**20:.0f} MiB)"
+        if st.st_size > limit:
+            raise ValueError(f"{too_big}: it has {st.st_size:,} bytes")
+        chunks, n = [], 0
+        while n <= limit:
+            b = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+        if n > limit:
+            raise ValueError(too_big)
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def read_prompt_file(path, limit: int | None = None) -> str:
+    """The text of ``--prompt-file`` (:func:`read_text_file`: a regular UTF-8 file of at most ``limit`` bytes),
+    or a one-line ValueError (also when it is empty); called before the model loads."""
+    text = read_text_file(path, "--prompt-file", MAX_PROMPT_BYTES if limit is None else limit)
     if not text.strip():
         raise ValueError(f"--prompt-file {path} is empty; put the prompt text in it")
     return text
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
+    return v
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0 <= v <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return v
+
+
+#: ``kvkit run`` options of the built-in demo (its needle prompt) and of a --prompt-file run: one mode's options are
+#: refused in the other, instead of being silently ignored.
+DEMO_ONLY = {"context_tokens": "--context-tokens", "depth": "--depth"}
+PROMPT_FILE_ONLY = {"question": "--question"}
+
+
+def check_run_mode(args) -> None:
+    """Refuse an option that does not apply to the mode ``kvkit run`` is in (before the model loads)."""
+    if args.prompt_file is None:
+        given = [flag for k, flag in PROMPT_FILE_ONLY.items() if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"{given[0]} needs --prompt-file: it is appended to the prompt file's text (the built-in "
+                             "demo asks its own needle question); pass --prompt-file FILE --question '...'")
+    else:
+        given = [flag for k, flag in DEMO_ONLY.items() if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only shape{'s' if len(given) == 1 else ''} the built-in demo's "
+                             "prompt; with --prompt-file the prompt is the file (drop them)")
 
 
 def cmd_run(args) -> int:
@@ -105,12 +191,18 @@ def cmd_run(args) -> int:
 
     from kvkit.demo import chat_ids, needle_prompt, run_policy
     from kvkit.models import load
+    from kvkit.registry import get_policy
 
     torch.manual_seed(0)
+    check_run_mode(args)
     policies = [p for item in (args.policy or list(DEMO_POLICIES)) for p in item.split(",") if p]
     options = parse_options(args.opt, args.options)
     if args.budget is not None:
         options["budget"] = args.budget
+    plan = [(name, {} if name == "full" else (options or DEMO_OPTIONS.get(name, {})))
+            for name in ["full", *[p for p in policies if p != "full"]]]
+    for name, opts in plan:  # unknown policies and refused options before the model loads
+        get_policy(name, **opts)
     text = read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
     print(f"loading model {args.model!r} ...", flush=True)
     model, tok = load(args.model, device=args.device)
@@ -120,13 +212,11 @@ def cmd_run(args) -> int:
             text = f"{text}\n\n{args.question}"
         ids = chat_ids(tok, text)
     else:
-        ids, expected = needle_prompt(tok, context_tokens=args.context_tokens, depth=args.depth, seed=args.seed)
-        print(f"demo: needle question over {ids.shape[1]} tokens of essays (needle at depth {args.depth:.0%})")
-    runs = []
-    for name in ["full", *[p for p in policies if p != "full"]]:
-        opts = {} if name == "full" else (options or DEMO_OPTIONS.get(name, {}))
-        res = run_policy(model, tok, ids, name, max_new_tokens=args.max_new_tokens, **opts)
-        runs.append(res)
+        context = DEMO_CONTEXT_TOKENS if args.context_tokens is None else args.context_tokens
+        depth = DEMO_DEPTH if args.depth is None else args.depth
+        ids, expected = needle_prompt(tok, context_tokens=context, depth=depth, seed=args.seed)
+        print(f"demo: needle question over {ids.shape[1]} tokens of essays (needle at depth {depth:.0%})")
+    runs = [run_policy(model, tok, ids, name, max_new_tokens=args.max_new_tokens, **opts) for name, opts in plan]
     full = runs[0]
     print()
     print(f"{'policy':<44} {'KV bytes':>11} {'vs full':>8} {'prefill':>8} {'decode':>10}  answer")
@@ -134,10 +224,9 @@ def cmd_run(args) -> int:
         ratio = full.kv_bytes / max(r.kv_bytes, 1)
         ok = "" if expected is None else ("  [correct]" if expected in r.answer else f"  [expected {expected}]")
         off = f" (+{fmt_bytes(r.kv_offloaded)} offloaded)" if r.kv_offloaded else ""
-        print(
-            f"{r.policy[:44]:<44} {fmt_bytes(r.kv_bytes):>11} {ratio:>7.1f}x {r.prefill_s:>7.2f}s "
-            f"{r.decode_tok_s:>6.1f} tok/s  {r.answer!r}{ok}{off}"
-        )
+        speed = f"{r.decode_tok_s:>6.1f} tok/s" if r.decode_tok_s is not None else f"{'n/a':>12}"
+        print(f"{r.policy[:44]:<44} {fmt_bytes(r.kv_bytes):>11} {ratio:>7.1f}x {r.prefill_s:>7.2f}s "
+              f"{speed}  {r.answer!r}{ok}{off}")
     return 0
 
 
@@ -151,14 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="answer a long prompt with a policy and compare KV bytes / speed with full")
     r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
     r.add_argument("--policy", action="append", help="policy name(s), comma separated (full is always run)")
-    r.add_argument("--budget", type=int, default=None, help="sets the policy's `budget` option")
+    r.add_argument("--budget", type=positive_int, default=None, help="sets the policy's `budget` option")
     r.add_argument("--opt", action="append", metavar="KEY=VALUE", help="policy option, repeatable")
     r.add_argument("--options", default=None, help="policy options as JSON")
     r.add_argument("--prompt-file", default=None, help="text file with the prompt (default: built-in needle demo)")
-    r.add_argument("--question", default=None, help="question appended after the prompt file")
-    r.add_argument("--context-tokens", type=int, default=3000, help="demo haystack size in tokens")
-    r.add_argument("--depth", type=float, default=0.5, help="demo needle depth in [0, 1]")
-    r.add_argument("--max-new-tokens", type=int, default=16)
+    r.add_argument("--question", default=None, help="question appended after the prompt file (needs --prompt-file)")
+    r.add_argument("--context-tokens", type=positive_int, default=None,
+                   help=f"demo haystack size in tokens (default {DEMO_CONTEXT_TOKENS}; not with --prompt-file)")
+    r.add_argument("--depth", type=fraction, default=None,
+                   help=f"demo needle depth in [0, 1] (default {DEMO_DEPTH}; not with --prompt-file)")
+    r.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens to generate (>= 1)")
     r.add_argument("--device", default="cpu")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=cmd_run)

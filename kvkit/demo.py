@@ -55,35 +55,55 @@ class RunResult:
     prompt_tokens: int
     new_tokens: int
     prefill_s: float
-    decode_tok_s: float
+    decode_tok_s: float | None  # None: no decode step after the warm-up one (an answer of one or two tokens)
     kv_bytes: int
     kv_offloaded: int
 
 
+#: Decode steps run before the decode timer starts: the first step of a policy builds (on first use in this
+#: process and machine) and loads its C kernels, and pays other first-use costs, none of which is decoding.
+WARMUP_STEPS = 1
+
+
 @torch.no_grad()
 def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **options) -> RunResult:
-    """Patch ``policy``, prefill, decode greedily with an explicit loop (timed), unpatch."""
-    import kvkit
+    """Patch ``policy``, prefill, decode greedily with an explicit loop (timed), unpatch.
 
+    Timing: ``prefill_s`` and the decode speed leave out the seconds spent compiling C kernels on first use
+    (:func:`kvkit.kernels.cbuild.build_seconds`), and the decode timer starts after :data:`WARMUP_STEPS` untimed
+    steps (``decode_tok_s`` is None when no step is left to time)."""
+    import kvkit
+    from kvkit.kernels.cbuild import build_seconds
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     kvkit.patch(model, policy, **options)
     try:
         ids = input_ids.to(model.device)
         cache = kvkit.KVCache(model)
+        built = build_seconds()
         t0 = time.perf_counter()
         # logits of the last position only: a 256K-vocab model (Gemma 3) would otherwise build [T, 256K] fp32 logits
         out = model(input_ids=ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
-        prefill = time.perf_counter() - t0
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        first = int(nxt)  # (waits for the device)
+        prefill = time.perf_counter() - t0 - (build_seconds() - built)
         eos = set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         toks = []
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
+        t0 = None
         for i in range(max_new_tokens):
-            toks.append(int(nxt))
-            if int(nxt) in eos or i == max_new_tokens - 1:
+            tok = first if i == 0 else int(nxt)  # (waits for the step that made it)
+            if i == WARMUP_STEPS:  # the warm-up steps are done: time from here
+                t0, built = time.perf_counter(), build_seconds()
+            toks.append(tok)
+            if tok in eos or i == max_new_tokens - 1:
                 break
             out = model(input_ids=nxt, **cache_kw(cache), use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        decode = time.perf_counter() - t0
+        timed = len(toks) - 1 - WARMUP_STEPS  # decode steps after the warm-up
+        speed = None
+        if t0 is not None and timed > 0:
+            speed = timed / max(time.perf_counter() - t0 - (build_seconds() - built), 1e-9)
         answer = tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True).strip()
         return RunResult(
             policy=str(kvkit.patched_policy(model)),
@@ -91,7 +111,7 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **
             prompt_tokens=ids.shape[1],
             new_tokens=len(toks),
             prefill_s=prefill,
-            decode_tok_s=(len(toks) - 1) / max(decode, 1e-9),
+            decode_tok_s=speed,
             kv_bytes=cache.nbytes(),
             kv_offloaded=cache.offloaded_nbytes(),
         )

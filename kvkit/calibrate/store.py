@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from importlib import resources
@@ -38,6 +39,7 @@ from pathlib import Path
 
 FORMAT = "kvkit-calibration"
 VERSION = 1
+MAX_FILE_BYTES = 16 << 20  # a calibration file is a few KiB; its evidence a few hundred at most
 
 #: The options each policy's calibration may set. The calibration applies only when the user left all
 #: of them at their defaults (so it never mixes with a setting the user chose).
@@ -139,7 +141,7 @@ def check_section(policy: str, section, path) -> dict:
     try:
         policy_class(policy)(**opts)
     except (TypeError, ValueError) as e:
-        raise _bad(path, f"policies.{policy}.options {json.dumps(section['options'])} are refused by the policy: {e}")
+        raise _bad(path, f"policies.{policy}.options {json.dumps(section['options'])} are refused by the policy: {e}") from None
     return opts
 
 
@@ -180,12 +182,45 @@ def read(path) -> dict:
         raise CalibrationError(f"kvkit calibration file {str(path)!r} cannot be read: {e}") from None
     key = (str(path), st.st_mtime_ns, st.st_size)
     if key not in _CACHE:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _bad(path, f"not valid JSON ({e})") from None
-        _CACHE[key] = check(data, path)
+        _CACHE[key] = check(_parse(path), path)
     return _CACHE[key]
+
+
+def _parse(path):
+    """The JSON of a calibration file: a regular UTF-8 file of at most :data:`MAX_FILE_BYTES` (checked before it is
+    read), parsed with every number finite (``1e999`` / ``NaN`` / ``Infinity`` are refused by their path)."""
+    from kvkit.cli import read_text_file
+
+    try:
+        text = read_text_file(path, "kvkit calibration file", MAX_FILE_BYTES)
+    except ValueError as e:
+        raise CalibrationError(str(e)) from None
+    try:
+        data = json.loads(text, parse_constant=_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(path, f"not valid JSON ({e})") from None
+    except ValueError as e:  # a constant
+        raise _bad(path, str(e)) from None
+    where = _non_finite(data)
+    if where is not None:
+        raise _bad(path, f"{where} is not a finite number")
+    return data
+
+
+def _constant(name):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _non_finite(obj, where: str = "") -> str | None:
+    """The dotted path of the first non-finite float in ``obj`` (``1e999`` parses as inf), or None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "the file"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def matches(model: dict, ident: dict) -> bool:
@@ -228,9 +263,46 @@ def resolve(policy, config):
         return policy
     opts, path = found
     try:
-        return dataclasses.replace(policy, **opts)
+        resolved = dataclasses.replace(policy, **opts)
     except (TypeError, ValueError) as e:
         raise _bad(path, f"policies.{policy.name}.options do not combine with the other options: {e}") from None
+    check_fits(policy, resolved, opts, path, config)
+    return resolved
+
+
+_ERRORS = (TypeError, ValueError, ArithmeticError)
+
+
+def _fits(policy, config) -> Exception | None:
+    """The error the policy's model checks raise for ``config`` (None when it runs there). ``calibrated=False``:
+    the checks see the policy as it is (they resolve the calibration themselves otherwise)."""
+    try:
+        dataclasses.replace(policy, calibrated=False).validate(_text_config(config))
+    except _ERRORS as e:
+        return e
+    return None
+
+
+def check_fits(policy, resolved, opts: dict, path, config) -> None:
+    """Refuse, naming the file and the field, calibrated options (``opts`` from ``path``, giving ``resolved``) that
+    fail the policy's checks against this model (layers that do not exist, a rank wider than the keys, shares
+    whose budgets overflow, ...) where the policy with its own options passes them: otherwise the failure would
+    surface later, inside a cache, without the file that caused it."""
+    err = _fits(resolved, config)
+    if err is None or _fits(policy, config) is not None:
+        return  # fits; or the policy fails there anyway (its own checks report it, not the file's fault)
+    bad = []
+    for k in opts:
+        try:
+            alone = dataclasses.replace(policy, **{k: opts[k]})
+        except _ERRORS:
+            continue
+        if _fits(alone, config) is not None:
+            bad.append(k)
+    fields = ", ".join(f"policies.{policy.name}.options.{k}" for k in (bad or opts))
+    msg = (str(err).splitlines() or [""])[0] or type(err).__name__
+    raise _bad(path, f"{fields} {'does' if len(bad or opts) == 1 else 'do'} not fit this model "
+                     f"({_text_config(config).model_type}, {_text_config(config).num_hidden_layers} layers): {msg}")
 
 
 def describe(policy, config) -> str:
