@@ -13,20 +13,52 @@ from transformers.cache_utils import Cache
 from kvkit.model_info import layer_infos, make_rope_fn
 from kvkit.stores.full import SlidingStore
 
+#: the policies whose stores have a static variant (``KVCache(..., static=True)``)
+STATIC_POLICIES = ("full", "streaming", "snapkv", "duo", "cake", "tidal")
+
+
+def static_policies() -> tuple[str, ...]:
+    return STATIC_POLICIES
+
+
+def check_static(static, max_length) -> bool:
+    """Validate the ``static`` / ``max_length`` options (of ``kvkit.patch`` and ``KVCache``); returns ``static``."""
+    if static is None:
+        static = False
+    if not isinstance(static, bool):
+        raise ValueError(f"static must be True or False, got {static!r}")
+    if max_length is not None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
+            raise ValueError(f"max_length must be a positive integer (tokens), got {max_length!r}")
+        if not static:
+            raise ValueError("max_length is the capacity of a static cache: pass static=True with it")
+    return static
+
 
 class KVCache(Cache):
     """A transformers ``Cache`` whose layers are the stores of a kvkit policy.
 
-    ``KVCache(model)`` uses the policy ``kvkit.patch`` installed on the model (``full`` if none);
-    ``KVCache(model, "streaming", budget=512)`` builds one for a given policy.
+    ``KVCache(model)`` uses the policy ``kvkit.patch`` installed on the model (``full`` if none) and the patch's
+    ``static`` / ``max_length``; ``KVCache(model, "streaming", budget=512)`` builds one for a given policy.
+
+    ``static=True`` builds every layer's static store (fixed-capacity buffers written at an index tensor, lengths
+    on the device: a decode step of fixed shapes, ``is_compileable``) or raises ``ValueError`` for a policy that
+    has none; ``max_length`` is the least capacity of its uncompressed layers (default: sized at the prefill, or by
+    :meth:`ensure_capacity`; ``generate`` on a patched model sizes it to the prompt + ``max_new_tokens``).
+    ``is_compileable`` (transformers' property: every layer compileable) is what ``generate`` reads to compile the
+    decode step; :attr:`compile_refusal` says why not.
     """
 
-    def __init__(self, model, policy=None, **options):
+    def __init__(self, model, policy=None, *, static: bool | None = None, max_length: int | None = None,
+                 **options):
         from kvkit.registry import get_policy
 
+        state = getattr(model, "_kvkit_state", None)
         if policy is None:
-            state = getattr(model, "_kvkit_state", None)
             policy = state.policy if state is not None and not options else "full"
+            if static is None and state is not None and not options:
+                static, max_length = state.static, max_length if max_length is not None else state.max_length
+        static = check_static(static, max_length)
         self.policy = get_policy(policy, **options)
         self._model_config = getattr(model, "config", None)
         rope = make_rope_fn(model) if hasattr(model, "named_modules") else None
@@ -34,6 +66,7 @@ class KVCache(Cache):
         self.shared = self.policy.new_shared(self.infos)
         for info in self.infos:
             info.shared = self.shared
+            info.static, info.max_length = static, max_length
         layers = []
         for info in self.infos:
             if info.layer_type in ("sliding_attention", "chunked_attention") and info.sliding_window:
@@ -46,6 +79,10 @@ class KVCache(Cache):
                     f"(layer {info.layer_idx}); supported: full_attention, sliding_attention"
                 )
         super().__init__(layers=layers)
+        if static and not self.is_compileable:
+            raise ValueError(f"static=True: a {self.policy.name!r} cache for this model has a layer without a static "
+                             f"store: {self.compile_refusal}. Policies with static stores: "
+                             f"{', '.join(static_policies())}")
         #: a policy's own scoring forward is running (KVzip's reconstruction): its tokens are rolled back
         #: afterwards, so the context-length check and the policy's after-forward hook skip it
         self.scoring_pass = False
@@ -97,6 +134,34 @@ class KVCache(Cache):
         finally:
             for layer in self.layers:
                 layer.set_verifying(False)
+
+    # ---- static caches (a compileable decode step) ---------------------------------------------------------
+    @property
+    def compile_refusal(self) -> str | None:
+        """Why a decode step over this cache cannot be compiled whole (None when ``is_compileable``): the first
+        layer that is not compileable and its store's reason."""
+        for i, layer in enumerate(self.layers):
+            if not layer.is_compileable:
+                why = getattr(layer, "compile_refusal", None) or "not compileable"
+                return f"layer {i} ({type(layer).__name__}): {why}"
+        return None
+
+    def ensure_capacity(self, n: int) -> None:
+        """Let every static layer hold ``n`` tokens (prompt + new ones) without re-allocating: call it before a
+        compiled decode loop (a compiled step cannot grow its buffers). No-op for growing layers."""
+        for layer in self.layers:
+            if hasattr(layer, "ensure_capacity"):
+                layer.ensure_capacity(n)
+
+    def before_compiled_step(self, T: int) -> None:
+        """Eager work before a compiled forward of ``T`` new tokens (``StoreMixin.before_compiled_step``)."""
+        for layer in self.layers:
+            layer.before_compiled_step(T)
+
+    def after_compiled_step(self, T: int) -> None:
+        """Eager bookkeeping after it (``StoreMixin.after_compiled_step``)."""
+        for layer in self.layers:
+            layer.after_compiled_step(T)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):

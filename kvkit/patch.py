@@ -6,10 +6,17 @@
 * a forward pre-hook on the base model swaps in a ``KVCache`` when ``generate()``/the caller gives
   none or an empty transformers cache;
 * a forward pre-hook on each attention module hands the attention function its layer store;
-* a forward hook on the base model runs the policy's ``after_forward`` (KVzip's reconstruction pass).
+* a forward hook on the base model runs the policy's ``after_forward`` (KVzip's reconstruction pass);
+* ``model.generate`` checks the request's length first (and hands a static patch's request a cache sized
+  for it), ``model.get_compiled_call`` runs each compiled decode step through :func:`_compiled_step`.
 
 No forward is replaced and no modeling file is copied; ``unpatch`` removes the hooks and restores the
 previous attention implementation.
+
+Static caches (``patch(model, policy, static=True)``) and ``torch.compile``: the hooks trace without graph
+breaks (under ``torch.compiler.is_compiling()`` they skip the checks that read device values; the context
+length is checked by the step wrapper and by ``generate`` on host ints), so a single-token decode forward
+compiles whole with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvkit.attention import kvkit_attention
-from kvkit.cache import KVCache
+from kvkit.cache import KVCache, check_static
 from kvkit.compat import get_cache, set_cache
 from kvkit.model_info import context_limit
 from kvkit.policies.base import Policy
@@ -43,6 +50,9 @@ class PatchState:
     allow_beyond_context: bool = False
     warned_beyond_context: bool = False
     own_generate: bool = False  # patch() set the context-checking model.generate (unpatch removes it)
+    own_compiled_call: bool = False  # patch() set model.get_compiled_call (compiled steps through _compiled_step)
+    static: bool = False  # the caches it builds are static (``KVCache(..., static=True)``)
+    max_length: int | None = None  # their least capacity
 
 
 def _register() -> None:
@@ -106,7 +116,7 @@ def _check_inputs(args, kwargs) -> None:
     if isinstance(emb, torch.Tensor):
         if emb.shape[1] == 0:
             raise ValueError("empty prompt: inputs_embeds has no positions")
-        if not bool(torch.isfinite(emb).all()):
+        if not torch.compiler.is_compiling() and not bool(torch.isfinite(emb).all()):  # a sync: eager only
             raise ValueError("inputs_embeds contains NaN or inf values")
 
 
@@ -152,10 +162,16 @@ def _new_tokens(args, kwargs) -> int:
 
 
 def _model_pre_hook(model_ref, module, args, kwargs):
-    """Check the inputs and the context length; swap an absent or empty transformers cache for a ``KVCache``."""
-    model = model_ref()
+    """Check the inputs and the context length; swap an absent or empty transformers cache for a ``KVCache``.
+
+    Under ``torch.compile`` (a compiled decode step) it only checks what costs no host read: the cache was built
+    and checked by the eager prefill, and the context length of a ``generate`` request by ``model.generate``
+    before it ran (a compiled loop of one's own is checked by nobody: keep it within the context)."""
     _check_inputs(args, kwargs)
     pkv = get_cache(kwargs)
+    if torch.compiler.is_compiling() and isinstance(pkv, KVCache):
+        return None
+    model = model_ref()
     if isinstance(pkv, KVCache) and pkv.infos and model is not None:
         tc = model.config.get_text_config(decoder=True)
         want = (tc.num_hidden_layers, tc.num_key_value_heads or tc.num_attention_heads)
@@ -191,18 +207,59 @@ def _model_post_hook(module, args, kwargs, output):
 
 def _generate_checked(model_ref, generate, *args, **kwargs):
     """``model.generate`` while patched: refuse a request whose prompt + ``max_new_tokens`` crosses the trained
-    context before anything runs (instead of at the crossing step, losing the tokens generated so far)."""
+    context before anything runs (instead of at the crossing step, losing the tokens generated so far).
+
+    With a static patch and no cache given, it hands ``generate`` a static ``KVCache`` with room for the prompt +
+    the tokens to generate: transformers sees a compileable cache before its loop starts, so it compiles the decode
+    forward on CUDA (``GenerationMixin._valid_auto_compile_criteria``), and no compiled step needs to grow it."""
     model = model_ref()
     ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     n = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() >= 1 else 0
     gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    max_len = kwargs.get("max_length", getattr(gc, "max_length", None))
     max_new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None) if "max_length" not in kwargs else None)
     if max_new is None:
-        max_len = kwargs.get("max_length", getattr(gc, "max_length", None))
         max_new = max(max_len - n, 0) if isinstance(max_len, int) else 0
     if n and isinstance(max_new, int) and max_new > 0:
         check_context(model, 0, n + max_new, where=f"the request (prompt {n} + max_new_tokens {max_new})")
+    state = getattr(model, "_kvkit_state", None)
+    if (state is not None and state.static and get_cache(kwargs) is None and kwargs.get("use_cache") is not False
+            and kwargs.get("cache_implementation") is None and kwargs.get("custom_generate") is None):
+        emb = kwargs.get("inputs_embeds")
+        n = n or (emb.shape[1] if isinstance(emb, torch.Tensor) and emb.dim() >= 2 else 0)
+        room = max_new if isinstance(max_new, int) and max_new > 0 else (max_len if isinstance(max_len, int) else 0)
+        cache = KVCache(model)
+        cache.ensure_capacity(n + room)
+        set_cache(kwargs, cache)
     return generate(*args, **kwargs)
+
+
+def _compiled_call(model_ref, get_compiled_call, compile_config=None):
+    """``model.get_compiled_call`` while patched (what ``generate`` decodes with when it compiles): transformers'
+    compiled ``__call__``, run through :func:`_compiled_step`."""
+    return functools.partial(_compiled_step, model_ref, get_compiled_call(compile_config))
+
+
+def _compiled_step(model_ref, compiled, *args, **kwargs):
+    """One compiled single-token forward over a ``KVCache``, with the eager work around it: the context check and
+    the stores' ``before_compiled_step`` (due compression events, room) before, ``after_compiled_step`` (the host
+    copies of the lengths) after, all on host copies (no synchronisation). Forwards of several tokens and the
+    first forward into an empty cache (prefill, chunked prefill, speculative verification) run eagerly. Also the
+    entry point of a compiled loop of one's own: ``step = model.get_compiled_call(CompileConfig(fullgraph=True))``,
+    then ``step(input_ids=..., cache=..., use_cache=True)``."""
+    cache = get_cache(kwargs)
+    if not isinstance(cache, KVCache):
+        return compiled(*args, **kwargs)
+    T = _new_tokens(args, kwargs)
+    model = model_ref()
+    if T != 1 or cache.get_seq_length() == 0:  # a prefill (chunk) or a verification forward: eager, as always
+        return model(*args, **kwargs)
+    if not cache.scoring_pass:
+        check_context(model, cache.get_seq_length(), T)
+    cache.before_compiled_step(T)
+    out = compiled(*args, **kwargs)
+    cache.after_compiled_step(T)
+    return out
 
 
 def _attn_pre_hook(module, args, kwargs):
@@ -233,7 +290,8 @@ def check_transformers(version: str | None = None) -> None:
         )
 
 
-def patch(model, policy="full", *, allow_beyond_context: bool = False, **options):
+def patch(model, policy="full", *, allow_beyond_context: bool = False, static: bool = False,
+          max_length: int | None = None, **options):
     """Install a kvkit policy on ``model`` (in place) and return the model.
 
     ``kvkit.patch(model, "streaming", budget=512)``; afterwards ``model.generate`` and
@@ -242,17 +300,26 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, **options
 
     A forward whose cached + new tokens exceed the model's trained context (``max_position_embeddings``)
     raises a ``ValueError``; ``allow_beyond_context=True`` runs it anyway with a warning.
+
+    ``static=True``: the caches kvkit builds are static (:class:`kvkit.KVCache`): a decode step of fixed shapes
+    that ``torch.compile(fullgraph=True)`` captures whole; ``model.generate`` then hands transformers a cache
+    sized to the prompt + ``max_new_tokens`` (at least ``max_length``), which it compiles on CUDA by itself (on
+    the CPU with a ``compile_config`` whose ``_compile_all_devices`` is True). Raises ``ValueError`` for a policy
+    without static stores.
     """
     if not isinstance(allow_beyond_context, bool):
         raise ValueError(f"allow_beyond_context must be True or False, got {allow_beyond_context!r}")
+    check_static(static, max_length)
     check_transformers()
     pol = get_policy(policy, **options)
     check_model(model, pol)
+    if static:
+        KVCache(model, pol, static=True, max_length=max_length)  # refuses a policy without static stores
     if getattr(model, "_kvkit_state", None) is not None:
         unpatch(model)
     _register()
     state = PatchState(policy=pol, old_impl=model.config._attn_implementation,
-                       allow_beyond_context=allow_beyond_context)
+                       allow_beyond_context=allow_beyond_context, static=static, max_length=max_length)
     model.set_attn_implementation(ATTN_NAME)
     hook = functools.partial(_model_pre_hook, weakref.ref(model))
     state.handles.append(model.base_model.register_forward_pre_hook(hook, with_kwargs=True))
@@ -264,6 +331,9 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, **options
     state.own_generate = "generate" not in vars(model)
     if state.own_generate:
         model.generate = functools.partial(_generate_checked, weakref.ref(model), model.generate)
+    state.own_compiled_call = "get_compiled_call" not in vars(model)
+    if state.own_compiled_call:
+        model.get_compiled_call = functools.partial(_compiled_call, weakref.ref(model), model.get_compiled_call)
     model._kvkit_state = state
     return model
 
@@ -281,6 +351,8 @@ def unpatch(model):
     model.set_attn_implementation(state.old_impl)
     if getattr(state, "own_generate", False) and "generate" in vars(model):
         del model.generate
+    if getattr(state, "own_compiled_call", False) and "get_compiled_call" in vars(model):
+        del model.get_compiled_call
     del model._kvkit_state
     return model
 

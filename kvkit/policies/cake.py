@@ -48,6 +48,7 @@ from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_po
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
+from kvkit.stores.base import new_ring, ring_last, ring_write, static_store
 from kvkit.stores.scored import POOL_WINDOWS, pool_group, window_attention
 
 #: CAKE's tau1/tau2 at cache size 1024 (paper / reference config): name fragment -> (tau1, tau2)
@@ -177,7 +178,8 @@ class Cake(Policy):
         from kvkit.calibrate.store import resolve
 
         p = resolve(self, info.config)
-        return CakeStore(info, p, *p.taus(info.config))
+        cls = static_store(CakeStore) if info.static else CakeStore
+        return cls(info, p, *p.taus(info.config))
 
 
 @dataclass
@@ -228,7 +230,8 @@ class CakeStore(SlotStore):
         self.tau1, self.tau2 = tau1, tau2
         self.score: torch.Tensor | None = None  # [B, H, n] prefill indicator (+inf window, -inf dead)
         self.size: torch.Tensor | None = None  # [B] live tokens a row keeps at decode (budget + window)
-        self.qbuf: torch.Tensor | None = None  # [B, Hq, nq, D] last decode queries
+        self.qbuf: torch.Tensor | None = None  # [B, Hq, nq, D] last decode queries (static: a ring, see below)
+        self.qbuf_pos: torch.Tensor | None = None  # static: [tail + QUERY_SLACK] the ring's positions
         #: tokens still to append before some row reaches ``size + tail`` live slots (the compression trigger),
         #: counted on the host so a decode step reads nothing from the device; None: re-read at the next check
         self.countdown: int | None = None
@@ -237,7 +240,7 @@ class CakeStore(SlotStore):
 
     def reset(self) -> None:
         super().reset()
-        self.score = self.size = self.qbuf = self.countdown = None
+        self.score = self.size = self.qbuf = self.qbuf_pos = self.countdown = None
 
     def arm(self) -> None:
         """Read how many tokens may be appended before the first row triggers a compression (one host read, at
@@ -245,11 +248,21 @@ class CakeStore(SlotStore):
         gains no live slot, so the countdown can only run out early, never late (an early check compresses no
         row: :meth:`compress` decides per row on the device)."""
         self.countdown = None if self.size is None else int((self.size + self.tail - self.live()[:, 0]).min())
+        if self.static and self.size is not None:  # the capacity follows the decode size (a host read here too)
+            self._bound = int(self.size.max()) + self.tail + 1
+            self._fit()
+            if self.qbuf is None:  # the decode-query ring exists before the first compiled step (fixed inputs)
+                B, _, _, D = self.keys.shape
+                self.qbuf, self.qbuf_pos = new_ring(B, self.info.num_heads, self.tail + QUERY_SLACK, D,
+                                                    self.keys.dtype, self.keys.device)
 
-    def append(self, k, v) -> None:
-        super().append(k, v)
+    def slots_bound(self) -> int | None:
+        """Static capacity: the largest row's decode size + ``tail`` (known once the cascade ran)."""
+        return getattr(self, "_bound", None)
+
+    def appended(self, T: int) -> None:
         if self.countdown is not None:
-            self.countdown -= k.shape[2]
+            self.countdown -= T
 
     def _apply_batch(self, fn) -> None:
         super()._apply_batch(fn)
@@ -273,7 +286,9 @@ class CakeStore(SlotStore):
         self.countdown = None  # the dropped tokens may have been padding: re-read
         if self.score is not None:
             self.score = self.score[..., :-n]
-        if self.qbuf is not None:
+        if self.qbuf is not None and self.static:
+            self.qbuf_pos.masked_fill_(self.qbuf_pos >= self.seen - n, -1)
+        elif self.qbuf is not None:
             self.qbuf = self.qbuf[:, :, : max(self.qbuf.shape[2] - n, 0)]
 
     def _evict_to(self, score: torch.Tensor, keep: torch.Tensor) -> None:
@@ -300,11 +315,22 @@ class CakeStore(SlotStore):
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         self.scaling = scaling
         out = super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-        if self.seen > query.shape[2]:  # a decode forward: remember its queries for decode scoring
+        self.record_queries(query)
+        return out
+
+    def record_queries(self, query: torch.Tensor) -> None:
+        """A decode forward's queries, for decode scoring: the last ``tail + QUERY_SLACK`` of them (a static store
+        keeps them in a ring written in place, :func:`~kvkit.stores.base.ring_write`)."""
+        T = query.shape[2]
+        if self.static:
+            if torch.compiler.is_compiling() or self.seen > T:
+                self.qbuf, self.qbuf_pos = ring_write(self.qbuf, self.qbuf_pos, query.detach(), self.seen_t - T,
+                                                      self.tail + QUERY_SLACK)
+            return
+        if self.seen > T:
             q = query.detach()
             self.qbuf = q if self.qbuf is None else torch.cat([self.qbuf, q], dim=2)
             self.qbuf = self.qbuf[:, :, -(self.tail + QUERY_SLACK) :]
-        return out
 
     def _window_attention(self, qw: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         return window_attention(qw, self.keys, self.pos, qpos, self.scaling)
@@ -386,11 +412,14 @@ class CakeStore(SlotStore):
         n = self.keys.shape[-2]
         w = min(self.window, n)
         B, H = self.keys.shape[:2]
-        if self.qbuf is None or self.qbuf.shape[2] == 0:  # no decode query yet: keep the newest
-            return self.pos.float()
-        q = self.qbuf[:, :, -self.tail :]
-        nq = q.shape[2]
-        qpos = torch.arange(self.seen - nq, self.seen, device=q.device, dtype=torch.int32)
+        if self.qbuf is None or self.qbuf.shape[2] == 0 or (self.static and not bool((self.qbuf_pos >= 0).any())):
+            return self.pos.float()  # no decode query yet: keep the newest
+        if self.static:
+            q, qpos = ring_last(self.qbuf, self.qbuf_pos, self.tail, self.seen)
+        else:
+            q = self.qbuf[:, :, -self.tail :]
+            nq = q.shape[2]
+            qpos = torch.arange(self.seen - nq, self.seen, device=q.device, dtype=torch.int32)
         A = self._window_attention(q, qpos).mean(dim=2)  # [B, Hq, n]
         nw = self._pool_group(A[..., : n - w])
         win = torch.full((B, H, w), float("inf"), device=nw.device)

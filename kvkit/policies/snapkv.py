@@ -29,6 +29,7 @@ from typing import ClassVar
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
+from kvkit.stores.base import static_store
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
 
 
@@ -98,7 +99,8 @@ class SnapKV(Policy):
         return (p.kernel if p.kernel is not None else 5), (p.pooling or "avg"), (p.pool_window or "centered")
 
     def new_layer(self, info: LayerInfo):
-        return SnapKVStore(info, self, *self.settings(info.config))
+        cls = static_store(SnapKVStore) if info.static else SnapKVStore
+        return cls(info, self, *self.settings(info.config))
 
 
 class SnapKVStore(ScoredStore):

@@ -26,6 +26,7 @@ import torch
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
+from kvkit.stores.base import static_store
 from kvkit.stores.scored import ScoredStore
 
 
@@ -65,7 +66,8 @@ class Streaming(Policy):
             )
 
     def new_layer(self, info: LayerInfo):
-        return StreamingStore(info, self.budget, self.sink, self.tail)
+        cls = static_store(StreamingStore) if info.static else StreamingStore
+        return cls(info, self.budget, self.sink, self.tail)
 
 
 class StreamingStore(ScoredStore):
@@ -80,10 +82,9 @@ class StreamingStore(ScoredStore):
         held = self.keys.shape[-2]
         return held >= self.budget + self.tail or (self.rolled_back and held > self.budget)
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        out = super().update(key_states, value_states, *args, **kwargs)
+    def compress_if_due(self) -> None:
+        super().compress_if_due()
         self.rolled_back = False
-        return out
 
     def on_round_end(self) -> None:
         self.rolled_back = True  # also on crop(0): every rollback call ends a round
@@ -98,6 +99,6 @@ class StreamingStore(ScoredStore):
         self.rolled_back = False
 
     def visible(self, qpos: torch.Tensor) -> torch.Tensor:
-        window = min(self.window, self.seen + 1)  # a python int below 2**31: no int32 overflow
-        recent = self.pos[:, :, None, :] > (qpos.view(1, 1, -1, 1) - window)
+        # int64: qpos - window cannot overflow; no host int, so a compiled step reads it as well
+        recent = self.pos[:, :, None, :].long() > (qpos.view(1, 1, -1, 1).long() - self.window)
         return recent | self.sinks()[:, :, None, :]

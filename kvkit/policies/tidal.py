@@ -68,6 +68,7 @@ from kvkit.kernels import decode_cpu, sparse_decode, use_triton
 from kvkit.policies.base import Policy, check_choice, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
+from kvkit.stores.base import static_store
 
 FULL_LAYERS = 2  # TidalDecode: layers 0 and 1 use full attention
 SELECT_LAYER = 2  # TidalDecode: the first token-selection layer
@@ -231,7 +232,8 @@ class Tidal(Policy):
     def new_layer(self, info: LayerInfo):
         from kvkit.calibrate.store import resolve
 
-        return TidalStore(info, resolve(self, info.config))
+        cls = static_store(TidalStore) if info.static else TidalStore
+        return cls(info, resolve(self, info.config))
 
 
 @dataclass
@@ -305,7 +307,12 @@ class TidalSelection:
 
 class TidalStore(SlotStore):
     """All tokens held (never evicts) in preallocated buffers; decode reads all of them or only the shared
-    selection."""
+    selection.
+
+    Static (``static_store(TidalStore)``, a compiled step): the buffers hold ``cap`` slots (free ones at position
+    -1), so the step selects among all ``cap`` slots with the masked path (free slots are no candidates), the token's
+    own slot is ``nslots - T + arange(T)``, a reuse layer trusts the selection of the same forward (no host check)
+    and reads its rows with :func:`gather_attend_torch` (one gather, fixed shapes)."""
 
     def __init__(self, info: LayerInfo, policy: Tidal):
         super().__init__(info)
@@ -346,7 +353,11 @@ class TidalStore(SlotStore):
                 sel.clear()
             self.last_read = self.last_full_read
             return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, dense=self.dense_decode(T))
-        if self.role == "select" or sel.idx is None or sel.seen != self.seen or sel.T != T:
+        if self.role == "select":
+            return self._select(query, qpos, scaling)
+        if torch.compiler.is_compiling():  # a selection layer ran earlier in this same forward: no host check
+            return self._reuse(query, sel, scaling)
+        if sel.idx is None or sel.seen != self.seen or sel.T != T:
             return self._select(query, qpos, scaling)
         return self._reuse(query, sel, scaling)
 
@@ -388,8 +399,12 @@ class TidalStore(SlotStore):
             top = score.topk(k, dim=-1)
             ranked_ok = top.values > float("-inf")
         Hs = top.indices.shape[1]
-        cur = torch.arange(n - T, n, device=query.device).view(1, 1, T, 1).expand(B, Hs, T, 1)
-        cur_ok = None if plain else (self.pos[:, 0, n - T :] >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
+        if torch.compiler.is_compiling():  # static buffers: the tokens sit at the device count, not at the end
+            cur_slot = self.nslots - T + torch.arange(T, device=query.device)
+        else:
+            cur_slot = torch.arange(n - T, n, device=query.device)
+        cur = cur_slot.view(1, 1, T, 1).expand(B, Hs, T, 1)
+        cur_ok = None if plain else (self.pos[:, 0].index_select(-1, cur_slot) >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
         sel = self.info.shared
         sel.set(self.seen, T, top.indices, ranked_ok, n, cur, cur_ok, slot_order=not self.shared_budgets)
         if not self.attend_selected:
@@ -414,7 +429,10 @@ class TidalStore(SlotStore):
     def _reuse(self, query, sel, scaling):
         """Attention over the selected rows plus the current token only; returns ``[B, T, Hq, D]``."""
         idx, valid = sel.view(self.budget, query.device)  # [B, Hs, T, k+1]: this layer's top-k of the selection
-        out = gather_attend(query, self.keys, self.values, idx, valid, scaling, bufs=sel.bufs)
+        if torch.compiler.is_compiling():
+            out = gather_attend_torch(query, self.keys, self.values, idx, valid, scaling)
+        else:
+            out = gather_attend(query, self.keys, self.values, idx, valid, scaling, bufs=sel.bufs)
         self.last_read = idx.numel() * self._row_bytes()
         return out
 
@@ -480,6 +498,27 @@ def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
         if ok is not None:
             p = torch.nan_to_num(p, nan=0.0)  # a list with no real entry reads zeros
         torch.bmm(p.to(vg.dtype), vg, out=out[r0:r1])
+    return out.view(B, Hs, T, Gq, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv).to(query.dtype)
+
+
+def gather_attend_torch(query, keys, values, idx, valid, scaling):
+    """:func:`gather_attend` in plain torch, one gather of every listed row (no kernel, no loop, no buffer reuse):
+    what a compiled step traces. Same arguments and result ``[B, T, Hq, D]``; keys/values must be contiguous."""
+    B, Hq, T, D = query.shape
+    H, cap = keys.shape[1], keys.shape[2]
+    Hs, L, Dv = idx.shape[1], idx.shape[-1], values.shape[-1]
+    Gq = Hq // Hs  # query heads per list
+    base = (torch.arange(B, device=idx.device).view(B, 1) * H
+            + torch.arange(Hs, device=idx.device).view(1, Hs) // (Hs // H)).view(B, Hs, 1, 1)
+    flat = (idx + base * cap).reshape(-1)
+    kg = keys.reshape(-1, D).index_select(0, flat).view(B * Hs * T, L, D)
+    vg = values.reshape(-1, Dv).index_select(0, flat).view(B * Hs * T, L, Dv)
+    q = query.reshape(B, Hs, Gq, T, D).transpose(2, 3).reshape(B * Hs * T, Gq, D).to(keys.dtype)
+    s = torch.bmm(q, kg.transpose(1, 2)).float() * scaling  # [rows, Gq, L]
+    if valid is not None:
+        s = s.masked_fill(~valid.reshape(B * Hs * T, 1, L), float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # a list with no real entry reads zeros
+    out = torch.bmm(p.to(vg.dtype), vg)
     return out.view(B, Hs, T, Gq, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv).to(query.dtype)
 
 

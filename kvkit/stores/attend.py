@@ -60,6 +60,34 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
     return out
 
 
+def attend_static(module, query, keys, values, attention_mask, length, scaling, dropout=0.0, **kwargs):
+    """Attention of a static layer's step (:class:`kvkit.stores.full.StaticFullStore`): fixed shapes, no host read.
+
+    query ``[B, Hq, T, D]`` are the T newest tokens, written at slots ``length - T .. length - 1`` of the buffers
+    keys/values ``[B, H, cap, D]``; attention_mask ``[B, 1, T, cap]`` bool (transformers' causal + padding mask over
+    the capacity; True = read) or None (then slot j is read by query t iff ``j <= length - T + t``). The query heads
+    of each KV head are folded into one block (K/V read once per KV head, not once per query head as transformers'
+    masked GQA does). With transformers' extras (softcap, sinks, position bias), dropout or a float mask it is
+    transformers' own sdpa over the buffers. Returns ``[B, T, Hq, D]``.
+    """
+    B, Hq, T, D = query.shape
+    H, cap = keys.shape[1], keys.shape[2]
+    m = attention_mask
+    if (dropout or any(kwargs.get(k) is not None for k in _SDPA_EXTRAS) or Hq % H
+            or (m is not None and (m.dtype != torch.bool or m.dim() != 4))):
+        return hf_sdpa(module, query, keys, values, attention_mask, scaling, dropout, **kwargs)
+    G = Hq // H
+    if m is None:
+        qpos = length - T + torch.arange(T, device=query.device)
+        m = (torch.arange(cap, device=query.device)[None, :] <= qpos[:, None])[None, None]  # [1, 1, T, cap]
+    m = m[:, :, None].expand(m.shape[0], m.shape[1], G, T, cap).reshape(m.shape[0], m.shape[1], G * T, cap)
+    q = query.reshape(B, H, G * T, D)  # query head h*G + g reads KV head h; row g*T + t
+    with decode_backends(query):
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scaling)
+    out = torch.nan_to_num(out, nan=0.0)  # a row that sees nothing (padding query) reads zeros
+    return out.reshape(B, Hq, T, D).transpose(1, 2)
+
+
 def causal_suffix_attention(query, keys, values, attention_mask, scaling):
     """Attention of the T newest tokens of a cache over all n held, as prefix + suffix; CPU only.
 

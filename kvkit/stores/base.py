@@ -29,6 +29,11 @@ class LayerInfo:
     rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
     #: the policy's cross-layer state of one KVCache (``Policy.new_shared``; e.g. TidalDecode's selection)
     shared: Any = field(default=None, repr=False)
+    #: build the static (compileable) variant of the store: fixed-capacity buffers written at an index tensor,
+    #: lengths on the device (``KVCache(..., static=True)``); policies without one refuse it
+    static: bool = False
+    #: the least capacity, in tokens, of a static store's uncompressed buffers (None: sized at the prefill)
+    max_length: int | None = None
 
     @property
     def groups(self) -> int:
@@ -43,6 +48,8 @@ class StoreMixin:
     """What every kvkit layer store adds to transformers' ``CacheLayerMixin``."""
 
     info: LayerInfo
+    #: why a decode step over this store cannot be compiled whole (``is_compileable`` False); None when it can
+    compile_refusal: str | None = "its buffers and its read change shape as tokens arrive (no static variant)"
 
     def nbytes(self) -> int:
         """Bytes of KV data (and slot metadata) this layer holds on its device."""
@@ -97,6 +104,15 @@ class StoreMixin:
         """Multi-token forwards between ``set_verifying(True)`` and ``(False)`` are speculative verifications
         (causal over the cache, no padding); stores may take a faster exact path for them."""
 
+    # ---- compiled steps (static stores; ``KVCache.before_compiled_step``) ------------------------------------
+    def before_compiled_step(self, T: int) -> None:
+        """Eager, right before a compiled forward of ``T`` new tokens: what the compiled step cannot do (a due
+        compression event, room for ``T`` more tokens). Default: nothing."""
+
+    def after_compiled_step(self, T: int) -> None:
+        """Eager, right after that compiled forward: bring the host copies of the lengths forward by ``T`` (the
+        compiled step only moved the device counters). Default: nothing."""
+
 
 def grow_in_place(bufs: dict, name: str, cur: torch.Tensor, new: torch.Tensor, headroom: int) -> torch.Tensor:
     """``cat([cur, new], dim=2)`` written in place into the preallocated buffer ``bufs[name]`` of which ``cur`` is a
@@ -129,6 +145,42 @@ def crop_count(seen: int, tokens_to_remove: int) -> int:
     if -tokens_to_remove > seen:
         raise ValueError(f"cannot crop {-tokens_to_remove} tokens: the cache has seen only {seen}")
     return -tokens_to_remove
+
+
+def new_ring(B: int, H: int, size: int, D: int, dtype, device):
+    """An empty query ring ``([B, H, size, D] zeros, [size] -1)``, at fixed addresses for CUDA graphs."""
+    buf = torch.zeros(B, H, size, D, dtype=dtype, device=device)
+    buf_pos = torch.full((size,), -1, dtype=torch.int64, device=device)
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(buf)
+        torch._dynamo.mark_static_address(buf_pos)
+    return buf, buf_pos
+
+
+def ring_write(buf, buf_pos, q: torch.Tensor, first: torch.Tensor, size: int):
+    """Write queries ``q [B, Hq, T, D]`` at positions ``first + arange(T)`` (``first`` a 0-d device tensor) into a
+    ring of ``size`` slots (slot = position % size; the last ``size`` of them when T is larger), allocating it when
+    ``buf`` is None or of another batch size. Returns ``(buf [B, Hq, size, D], buf_pos [size] int64, -1 = empty)``.
+    In place, no host read: what a static store's compiled step records (observation windows)."""
+    if q.shape[2] > size:
+        first = first + (q.shape[2] - size)
+        q = q[:, :, -size:]
+    if buf is None or buf.shape[0] != q.shape[0]:
+        buf, buf_pos = new_ring(q.shape[0], q.shape[1], size, q.shape[3], q.dtype, q.device)
+    qp = first + torch.arange(q.shape[2], device=q.device)
+    slot = qp % size
+    buf.index_copy_(2, slot, q)
+    buf_pos.index_copy_(0, slot, qp)
+    return buf, buf_pos
+
+
+def ring_last(buf, buf_pos, k: int, seen: int):
+    """The ring's queries at the last ``k`` positions before ``seen``, in position order: ``(q [B, Hq, k', D],
+    qpos [k'] int32)`` with k' = min(k, size); a slot holding none of them reads position -1 (it sees no key)."""
+    order = buf_pos.argsort()[-k:]
+    qpos = buf_pos[order]
+    qpos = torch.where(qpos >= seen - k, qpos, -1).to(torch.int32)
+    return buf[:, :, order], qpos
 
 
 class SeenLength:
@@ -166,6 +218,7 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     needs_kvkit_attention = True
+    static = False  # StaticSlots: the slots live in static buffers
     _batch_tensors = ("keys", "values", "pos", "first_pos")
 
     def __init__(self, info: LayerInfo, num_heads: int | None = None):
@@ -192,12 +245,16 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
         """Store new tokens ``[B, H, T, D]``; returns them (the attention function reads the store)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.compress_if_due()
+        self.append(key_states, value_states)
+        return key_states, value_states
+
+    def compress_if_due(self) -> None:
+        """The compression event at the start of an update (all held tokens committed), when ``should_compress``."""
         if self.keys is not None and self.should_compress():
             self.compress()
             self.committed = self.seen
             self.refresh_dead()
-        self.append(key_states, value_states)
-        return key_states, value_states
 
     def reset(self) -> None:
         self.__dict__.pop("_bufs", None)
@@ -272,6 +329,10 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
             self.values = self._grow("values", self.values, v)
             self.pos = self._grow("pos", self.pos, new_pos)
         self.seen += T
+        self.appended(T)
+
+    def appended(self, T: int) -> None:
+        """Hook: ``T`` tokens were appended (eagerly, or by a compiled step: called after it)."""
 
     headroom = 64  # slots allocated past the held ones, so decoding does not copy the whole layer every step
 
@@ -347,6 +408,11 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
     def should_compress(self) -> bool:
         return False
 
+    def slots_bound(self) -> int | None:
+        """The most slots this store holds after a compression event plus the single-token steps before the next
+        one (a static store's capacity); None: unbounded (it never evicts)."""
+        return None
+
     def compress(self) -> None:
         pass
 
@@ -356,6 +422,10 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
     def visible(self, qpos: torch.Tensor) -> torch.Tensor | None:
         """Extra read mask ``[B, Hp|1, T, n]`` for queries at positions ``qpos [T]`` (None: all held)."""
         return None
+
+    def record_queries(self, query: torch.Tensor) -> None:
+        """Hook: the queries ``[B, Hq, T, D]`` of the ``T`` newest tokens, before they read (ScoredStore's
+        observation window)."""
 
     # ---- attention ---------------------------------------------------------------------------
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -375,3 +445,304 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
         """Read the held slots for queries at ``qpos``; returns ``[B, T, Hq, D]``."""
         return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, self.visible(qpos),
                             dense=self.dense_decode(query.shape[2]))
+
+
+#: what a compiled step that runs out of static slots says (its compression events did not run between steps)
+OVERFLOW = ("kvkit: a compiled decode step ran out of static slots: compile it through model.get_compiled_call(...) "
+            "(what generate uses), which runs the compression events and reservations between compiled steps")
+
+
+class StaticSlots:
+    """Mixin, first base of a :class:`SlotStore` subclass (:func:`static_store`): its slots in static buffers, so a
+    single-token decode step has fixed shapes and compiles whole (``torch.compile(fullgraph=True)``, CUDA graphs).
+
+    Buffers (cap = the store's capacity): ``_kb``/``_vb`` ``[B, H, cap, D]``, ``_pb`` ``[B, Hp, cap]`` int32 with
+    ``-1`` on every slot not held, and two device counters, ``nslots`` (slots held) and ``seen_t`` (tokens seen).
+    Eager code sees ``keys``/``values``/``pos`` as the held prefix ``[:n]`` (views: the policy's code runs
+    unchanged, assigning them writes the buffers in place); under ``torch.compile`` they are the whole buffers
+    (``pos = -1`` hides the free slots from :func:`~kvkit.stores.attend.attend_slots`).
+
+    A compiled step (``update`` + ``attend`` while compiling) writes the new tokens at slots ``nslots + arange(T)``
+    with positions ``seen_t + arange(T)`` (``index_copy_``), advances both counters, and reads every slot with the
+    store's own ``decode`` (queries at ``seen_t - T + arange(T)``): no host read, no branch on a device value, no
+    Python int that changes per step (it marks the host copies stale instead). Everything else runs eagerly:
+    the prefill, multi-token forwards, crops, and the compression events, which the step wrapper runs between
+    compiled steps (:meth:`before_compiled_step`: ``compress_if_due`` as an eager ``update`` would, decided on the
+    host copies the wrapper keeps current with :meth:`after_compiled_step`). Compression rewrites the buffers'
+    prefix in place (same addresses) and marks the slots it frees ``-1``.
+
+    Capacity: ``slots_bound()`` (the most slots the store ever holds, e.g. ``budget + tail``) when the store bounds
+    it, else the least of ``max_length`` / :meth:`ensure_capacity` and the held slots plus ``grow``, rounded up to
+    ``grow``. The prefill may hold more for a moment (the whole prompt): the buffers shrink back after its
+    compression. An eager forward that needs more room re-allocates (one copy; the next compiled step recompiles).
+
+    A single-token step reads no column of transformers' mask (``get_mask_sizes(1) == (1, 0)``: a fixed shape
+    for generate's mask prepared outside the compiled step) and treats its token as real, not padding (decoded
+    tokens are); multi-token forwards read the padding of their tokens from the mask as before.
+    """
+
+    static = True
+    is_compileable = True
+    compile_refusal = None
+    grow = 64  # capacity step of an unbounded store (rounded allocations: few distinct shapes)
+
+    def __init__(self, *args, **kwargs):
+        self._kb = self._vb = self._pb = None
+        #: host copies of the held count, per buffer: a policy assigns keys, values and pos one after the other
+        #: (each read of the next one must still see the old length); equal between assignments
+        self._len = {"_kb": 0, "_vb": 0, "_pb": 0}
+        self._seen = 0  # host copy of seen_t
+        self._stale = False  # a compiled step moved the device counters; the host copies lag
+        self.nslots = torch.zeros((), dtype=torch.int64)
+        self.seen_t = torch.zeros((), dtype=torch.int64)
+        self._min_cap = 0
+        super().__init__(*args, **kwargs)
+        info = self.info
+        if info.max_length:
+            self.ensure_capacity(info.max_length)
+
+    # ---- host copies -------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self._stale:  # one synchronisation: after compiled steps that no step wrapper followed
+            n, self._seen, self._stale = int(self.nslots), int(self.seen_t), False
+            self._len = dict.fromkeys(self._len, n)
+
+    def held(self) -> int:
+        """Slots held (host)."""
+        self._sync()
+        return self._len["_kb"]
+
+    @property
+    def seen(self):
+        """Tokens seen: an int; the device counter ``seen_t`` under ``torch.compile``."""
+        if torch.compiler.is_compiling():
+            return self.seen_t
+        self._sync()
+        return self._seen
+
+    @seen.setter
+    def seen(self, value) -> None:
+        self._sync()
+        self._seen = int(value)
+        self.seen_t.fill_(self._seen)
+
+    # ---- the slot tensors ----------------------------------------------------------------------------------
+    def _view(self, buf, name: str):
+        if buf is None or torch.compiler.is_compiling():
+            return buf
+        self._sync()
+        return buf[:, :, : self._len[name]]
+
+    @property
+    def keys(self):
+        return self._view(self._kb, "_kb")
+
+    @keys.setter
+    def keys(self, value):
+        self._set("_kb", value)
+
+    @property
+    def values(self):
+        return self._view(self._vb, "_vb")
+
+    @values.setter
+    def values(self, value):
+        self._set("_vb", value)
+
+    @property
+    def pos(self):
+        return self._view(self._pb, "_pb")
+
+    @pos.setter
+    def pos(self, value):
+        self._set("_pb", value)
+
+    def cap(self) -> int:
+        for b in (self._kb, self._vb, self._pb):
+            if b is not None:
+                return b.shape[2]
+        return 0
+
+    def _cap_for(self, m: int) -> int:
+        """Capacity for ``m`` held slots: the bound, else ``m + grow`` (at least the requested capacity, at least
+        twice the current one when growing: few re-allocations, each a recompile), rounded up to ``grow``."""
+        bound = self.slots_bound()
+        if bound is not None and m <= bound:
+            return bound
+        need = max(m + self.grow, self._min_cap, 2 * self.cap() if m > self.cap() > 0 else 0)
+        return -(-need // self.grow) * self.grow
+
+    def ensure_capacity(self, n: int) -> None:
+        """Room for ``n`` tokens seen (an unbounded store holds all of them) without re-allocating."""
+        bound = self.slots_bound()
+        self._min_cap = max(self._min_cap, n if bound is None else min(n, bound))
+        if self._kb is not None and self.cap() < self._min_cap:
+            self._resize(self._cap_for(self.held()))
+
+    def _resize(self, cap: int) -> None:
+        """Re-allocate every buffer with ``cap`` slots, keeping the held prefix (eager)."""
+        self._sync()
+        for name in ("_kb", "_vb", "_pb"):
+            buf = getattr(self, name)
+            if buf is None:
+                continue
+            n = min(self._len[name], cap)
+            new = buf.new_full((*buf.shape[:2], cap, *buf.shape[3:]), -1 if name == "_pb" else 0)
+            new[:, :, :n].copy_(buf[:, :, :n])
+            setattr(self, name, new)
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        if not torch.compiler.is_compiling():  # fixed addresses for CUDA graphs (as transformers' StaticLayer)
+            for t in (self._kb, self._vb, self._pb, self.nslots, self.seen_t):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+
+    def _set(self, name: str, value) -> None:
+        """``keys``/``values``/``pos = value`` (``[B, H|Hp, m, ...]``): written into the buffer's first m slots in place;
+        m becomes the held count (``pos`` beyond it is set to -1). None drops the buffer. Eager only."""
+        if value is None:
+            setattr(self, name, None)
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"{type(self).__name__}: a compiled step cannot reassign its slots")
+        m = value.shape[2]
+        bufs = [b for b in (self._kb, self._vb, self._pb) if b is not None]
+        if bufs and m > self.cap():
+            self._resize(self._cap_for(m))
+        cap = self.cap() if bufs else self._cap_for(m)
+        buf = getattr(self, name)
+        if (buf is None or buf.shape[:2] != value.shape[:2] or buf.shape[3:] != value.shape[3:]
+                or buf.dtype != value.dtype or buf.device != value.device):
+            buf = value.new_full((*value.shape[:2], cap, *value.shape[3:]), -1 if name == "_pb" else 0)
+            setattr(self, name, buf)
+            self._mark_static()
+        dst = buf[:, :, :m]
+        if not (dst.data_ptr() == value.data_ptr() and dst.stride() == value.stride()):
+            dst.copy_(value)
+        if name == "_pb":
+            buf[:, :, m:].fill_(-1)
+        self._len[name] = m
+        self.nslots.fill_(m)
+
+    # ---- transformers Cache API ----------------------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.nslots = self.nslots.to(key_states.device)
+        self.seen_t = self.seen_t.to(key_states.device)
+
+    def get_seq_length(self):
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if query_length == 1:
+            return 1, 0
+        return self.seen + query_length, 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._write(key_states, value_states)
+        self._stale = True
+        return key_states, value_states
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Device-only append of ``[B, H, T, D]`` at slots ``nslots + arange(T)``, positions ``seen_t + arange(T)``."""
+        B, _, T, _ = k.shape
+        if torch.compiler.is_compiling():  # a device-side check: no host read
+            torch._assert_async(self.nslots + T <= self._kb.shape[2], OVERFLOW)
+        ar = torch.arange(T, device=self.nslots.device)
+        idx = self.nslots + ar
+        self._kb.index_copy_(2, idx, k)
+        self._vb.index_copy_(2, idx, v)
+        p = (self.seen_t + ar).to(torch.int32).view(1, 1, T).expand(B, self._pb.shape[1], T)
+        self._pb.index_copy_(2, idx, p)
+        self.nslots.add_(T)
+        self.seen_t.add_(T)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._kb is None:
+            super().append(k, v)  # the first tokens: the setters allocate
+            return
+        T = k.shape[2]
+        n, seen = self.held(), self._seen
+        if n + T > self.cap():
+            self._resize(self._cap_for(n + T))
+        self._write(k, v)
+        self._len = dict.fromkeys(self._len, n + T)
+        self._seen = seen + T
+        self.appended(T)
+
+    def mark_padding(self, attention_mask, T: int) -> None:
+        if T == 1:  # a decoded token is real; the mask's single column is not read (see the class docstring)
+            B = self._kb.shape[0]
+            if self.first_pos is None:
+                self.first_pos = torch.full((B,), self.seen - T, dtype=torch.int32, device=self._kb.device)
+            self.step_masked = attention_mask is not None
+            return
+        super().mark_padding(attention_mask, T)
+
+    def dense_decode(self, T: int) -> bool:
+        return False if torch.compiler.is_compiling() else super().dense_decode(T)
+
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        T = query.shape[2]
+        if not torch.compiler.is_compiling():
+            prefill = self.seen == T
+            out = super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            if prefill:  # the prompt is compressed: back to the store's own capacity
+                self._fit()
+            return out
+        self.record_queries(query)
+        qpos = (self.seen_t - T + torch.arange(T, device=query.device)).to(torch.int32)
+        return self.decode(query, qpos, scaling)
+
+    def _fit(self) -> None:
+        want = self._cap_for(self.held())
+        if self.cap() > want and self.slots_bound() is not None:
+            self._resize(want)
+
+    def compress_if_due(self) -> None:
+        super().compress_if_due()
+        self._fit()  # after an eager forward that outgrew the bound (a speculative round), back to it
+
+    # ---- compiled steps -------------------------------------------------------------------------------------
+    def before_compiled_step(self, T: int) -> None:
+        self._sync()
+        if self._kb is None:
+            raise RuntimeError(f"{type(self).__name__} (layer {self.info.layer_idx}): a static cache is filled by an "
+                               "eager forward (the prefill) before any compiled step")
+        self.compress_if_due()
+        if self.held() + T > self.cap():
+            self._resize(self._cap_for(self.held() + T))
+        self._step_from = (self.held(), self._seen)
+
+    def after_compiled_step(self, T: int) -> None:
+        n, seen = self._step_from
+        self._len = dict.fromkeys(self._len, n + T)
+        self._seen, self._stale = seen + T, False
+        self.appended(T)
+
+    # ---- the rest of the Cache API ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        super().reset()
+        self._len = dict.fromkeys(self._len, 0)
+        self._seen = 0
+        self._stale = False
+        self.nslots.zero_()
+        self.seen_t.zero_()
+
+    def allocated_nbytes(self) -> int:
+        return tensor_bytes(self._kb, self._vb, self._pb)
+
+
+_STATIC_CLASSES: dict = {}
+
+
+def static_store(cls):
+    """The static variant of a :class:`SlotStore` subclass: ``class Static<Name>(StaticSlots, cls)`` (made once).
+    Policies build it when ``info.static``; the class must keep its decode path free of host reads."""
+    if cls not in _STATIC_CLASSES:
+        _STATIC_CLASSES[cls] = type(f"Static{cls.__name__}", (StaticSlots, cls), {"__module__": cls.__module__,
+                                                                                "__doc__": StaticSlots.__doc__})
+    return _STATIC_CLASSES[cls]

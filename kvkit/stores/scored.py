@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvkit.stores.base import LayerInfo, SlotStore, tensor_bytes
+from kvkit.stores.base import LayerInfo, SlotStore, ring_last, ring_write, tensor_bytes
 
 
 def window_attention(q_obs, keys, pos, qpos, scaling) -> torch.Tensor:
@@ -73,6 +73,7 @@ class ScoredStore(SlotStore):
             raise ValueError(f"sink ({sink}) + window ({window}) must not exceed the budget ({budget})")
         self.budget, self.sink, self.window, self.tail, self.observe = budget, sink, window, tail, observe
         self.obs: torch.Tensor | None = None  # [B, Hq, <= observe, D] the last queries seen
+        self.obs_pos: torch.Tensor | None = None  # static: [observe + obs_extra] the ring's positions
         self.scaling = info.head_dim**-0.5
 
     # ---- the policy hook ------------------------------------------------------------------------------
@@ -93,6 +94,9 @@ class ScoredStore(SlotStore):
 
     def should_compress(self) -> bool:
         return self.keys.shape[-2] >= self.budget + self.tail
+
+    def slots_bound(self) -> int:
+        return self.budget + self.tail
 
     def compress(self) -> None:
         if self.keys.shape[-2] <= self.budget:
@@ -117,22 +121,41 @@ class ScoredStore(SlotStore):
         self.compress()
 
     # ---- observed queries -----------------------------------------------------------------------------
+    #: queries kept past ``observe`` so that a rollback still leaves ``observe`` of them
+    obs_extra = 64
+
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         self.scaling = scaling
-        if self.observe:  # before attend: the prefill's eviction scores with these queries
-            q = query.detach()[:, :, -self.observe :]
-            self.obs = q if self.obs is None else torch.cat([self.obs, q], dim=2)[:, :, -(self.observe + 64) :]
+        self.record_queries(query)  # before attend: the prefill's eviction scores with these queries
         return super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
+    def record_queries(self, query: torch.Tensor) -> None:
+        """Keep the last ``observe + obs_extra`` queries: ``obs [B, Hq, w, D]`` in order; in a static store a ring
+        ``obs [B, Hq, observe + obs_extra, D]`` written at slot ``position % size``, with ``obs_pos [size]`` the
+        position each slot holds (-1: none), so a compiled step writes it in place."""
+        if not self.observe:
+            return
+        if not self.static:
+            q = query.detach()[:, :, -self.observe :]
+            self.obs = q if self.obs is None else torch.cat([self.obs, q], dim=2)[:, :, -(self.observe + self.obs_extra) :]
+            return
+        T = query.shape[2]  # positions seen_t - T .. seen_t - 1 (update ran first)
+        self.obs, self.obs_pos = ring_write(self.obs, self.obs_pos, query.detach(), self.seen_t - T,
+                                            self.observe + self.obs_extra)
+
     def observed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last ``observe`` queries ``[B, Hq, w, D]`` and their positions ``[w]``."""
+        """The last ``observe`` queries ``[B, Hq, w, D]`` and their positions ``[w]`` (in position order)."""
+        if self.static:
+            return ring_last(self.obs, self.obs_pos, self.observe, self.seen)
         q = self.obs[:, :, -self.observe :]
         w = q.shape[2]
         return q, torch.arange(self.seen - w, self.seen, device=q.device, dtype=torch.int32)
 
     def _drop_last(self, n: int) -> None:
         super()._drop_last(n)
-        if self.obs is not None:
+        if self.obs is not None and self.static:
+            self.obs_pos.masked_fill_(self.obs_pos >= self.seen - n, -1)
+        elif self.obs is not None:
             self.obs = self.obs[:, :, : max(self.obs.shape[2] - n, 0)]
 
     def keep_slots(self, idx: torch.Tensor) -> None:
@@ -142,7 +165,7 @@ class ScoredStore(SlotStore):
 
     def reset(self) -> None:
         super().reset()
-        self.obs = None
+        self.obs = self.obs_pos = None
 
     def nbytes(self) -> int:
         return super().nbytes() + tensor_bytes(self.obs)

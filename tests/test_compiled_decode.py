@@ -1,0 +1,275 @@
+"""Static caches (``kvkit.patch(model, policy, static=True)``): a decode step compiles whole on the CPU.
+
+For every policy with static stores: the decode step compiles with ``fullgraph=True`` (no graph break), runs many
+steps (compression events included) without recompiling, and decodes the tokens the eager static step decodes
+(which are the tokens of the policy's ordinary, growing cache); ``KVCache.is_compileable`` says which caches can;
+``generate`` with a compile config compiles on the CPU too; crops stay exact. The ``aot_eager`` backend keeps the
+compile short: dynamo's tracing (what decides graph breaks and recompiles) is the same for every backend.
+"""
+
+import pytest
+import torch
+from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
+
+import kvkit
+from kvkit.cache import STATIC_POLICIES
+from kvkit.compat import cache_kw, output_cache
+from kvkit.hostsync import HostSyncCounter
+from kvkit.registry import policy_class
+from kvkit.testing import greedy, left_padded_batch, random_ids, tiny_model
+
+STEPS = 12  # tail = 4 in the test options: three compression events
+
+
+def _opts(policy, layers=3):
+    opts = dict(policy_class(policy).test_options)
+    if "pattern" in opts:
+        opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(layers)]
+    return opts
+
+
+def _config(**kw):
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager", mode=None, **kw)
+    cc._compile_all_devices = True  # transformers' switch for compiling generate's decode step off CUDA
+    return cc
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@torch.no_grad()
+def _decode(model, ids, steps, step, cache=None):
+    """Eager prefill into a fresh cache, then ``steps`` single-token steps through ``step``.
+    Returns (tokens ``[B, steps]``, logits ``[B, V]`` per step, the prefill's first, cache)."""
+    cache = kvkit.KVCache(model) if cache is None else cache
+    out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
+    logits, toks = [out.logits[:, -1]], []
+    for _ in range(steps):
+        nxt = logits[-1].argmax(-1, keepdim=True)
+        toks.append(nxt)
+        logits.append(step(input_ids=nxt, **cache_kw(cache), use_cache=True).logits[:, -1])
+    return torch.cat(toks, 1), logits, cache
+
+
+@pytest.mark.parametrize("policy", STATIC_POLICIES)
+def test_compiled_step_equals_eager_without_recompiling(policy):
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=1)
+    kvkit.patch(model, policy, **_opts(policy))
+    dyn_toks, _, _ = greedy(model, ids, STEPS)  # the ordinary cache
+    kvkit.patch(model, policy, static=True, **_opts(policy))
+    try:
+        ref_toks, ref_logits, cache = _decode(model, ids, STEPS, model)
+        assert cache.is_compileable and cache.compile_refusal is None
+        assert torch.equal(ref_toks, dyn_toks)  # static buffers keep the policy's decoding
+        step = model.get_compiled_call(_config())
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            toks, logits, cache = _decode(model, ids, STEPS, step)
+        assert _graphs() == 1
+        assert torch.equal(toks, ref_toks)
+        for a, b in zip(logits, ref_logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert cache.get_seq_length() == ids.shape[1] + STEPS
+    finally:
+        kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("opts", [dict(selection="kv_head"), dict(select_attention="selected")],
+                         ids=["kv_head", "selected"])
+def test_tidal_reuse_layers_compile(opts):
+    """Five layers: full, full, selection, then reuse layers reading the selection (three layers have none)."""
+    model = tiny_model("llama", num_hidden_layers=5)
+    ids = random_ids(40, seed=1)
+    kvkit.patch(model, "tidal", static=True, budget=8, select_layers=(2,), **opts)
+    try:
+        assert [layer.role for layer in kvkit.KVCache(model).layers] == ["full", "full", "select", "reuse", "reuse"]
+        ref_toks, ref_logits, _ = _decode(model, ids, 8, model)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            toks, logits, _ = _decode(model, ids, 8, model.get_compiled_call(_config()))
+        assert _graphs() == 1 and torch.equal(toks, ref_toks)
+        for a, b in zip(logits, ref_logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("policy", STATIC_POLICIES)
+def test_eager_static_steps_make_no_host_sync_beyond_transformers(policy):
+    """Eager single-token steps over static buffers keep the decode rule (compression events excepted)."""
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=1)
+
+    def marks(cache):  # every store's last compression point, nested ones (duo's two halves) included
+        return [o.committed for layer in cache.layers for o in (layer, *vars(layer).values())
+                if hasattr(o, "committed")]
+
+    @torch.no_grad()
+    def syncs():
+        cache = kvkit.KVCache(model) if kvkit.patched_policy(model) else None
+        out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
+        cache, counts = output_cache(out), []
+        for _ in range(STEPS):
+            nxt = out.logits[:, -1:].argmax(-1)
+            before = marks(cache)
+            with HostSyncCounter() as s:
+                out = model(input_ids=nxt, **cache_kw(cache), use_cache=True)
+            event = before != marks(cache)
+            counts.append(None if event else s.count)
+        return counts
+
+    base = syncs()
+    kvkit.patch(model, policy, static=True, **_opts(policy))
+    try:
+        counts = syncs()
+    finally:
+        kvkit.unpatch(model)
+    assert sum(c is not None for c in counts) >= STEPS // 2
+    assert all(c is None or c <= b for c, b in zip(counts, base)), (counts, base)
+
+
+@pytest.mark.parametrize("policy,opts", [("streaming", dict(budget=16, sink=2, tail=4)), ("tidal", dict(budget=8))])
+def test_speculative_decoding_over_a_static_cache_stays_lossless(policy, opts):
+    """Verification forwards (eager, several tokens) and their rollbacks on static buffers: the self-speculative
+    output is the policy's own greedy output."""
+    from kvkit.speculative import generate
+
+    model = tiny_model("llama")
+    ids = random_ids(60, seed=1)
+    kvkit.patch(model, policy, static=True, **opts)
+    try:
+        ref, _, _ = greedy(model, ids, 14)
+        out = generate(model, ids, draft_policy="streaming", draft_options={"budget": 12, "sink": 2}, gamma=3,
+                       max_new_tokens=14, eos_token_id=None)
+        assert torch.equal(out[0, 60:], ref[0])
+    finally:
+        kvkit.unpatch(model)
+
+
+def test_full_compiles_with_plain_torch_compile_and_crops_exactly():
+    """``full`` needs no step wrapper: ``torch.compile`` of the forward itself; after compiled steps the cache's host
+    lengths are re-read once, and a crop then re-decodes the same logits (speculative rollback stays exact)."""
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=1)
+    kvkit.patch(model, "full", static=True)
+    try:
+        ref_toks, ref_logits, _ = _decode(model, ids, 6, model)
+        fwd = torch.compile(lambda **kw: model(**kw), fullgraph=True, backend="aot_eager")
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            toks, logits, cache = _decode(model, ids, 6, fwd)
+            assert torch.equal(toks, ref_toks)
+            for a, b in zip(logits, ref_logits):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            cache.crop(-3)
+            assert cache.get_seq_length() == ids.shape[1] + 3
+            for t, ref in zip(toks[0, 3:6], logits[4:7]):
+                out = fwd(input_ids=t.view(1, 1), **cache_kw(cache), use_cache=True)
+                torch.testing.assert_close(out.logits[:, -1], ref, rtol=1e-5, atol=1e-5)
+        assert _graphs() == 1
+    finally:
+        kvkit.unpatch(model)
+
+
+def test_plain_torch_compile_of_a_compressing_store_fails_loudly():
+    """Without the step wrapper nobody runs the compression events: the step that would overflow the static slots
+    stops with a message saying what to do (a device-side check), instead of writing out of bounds."""
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=1)
+    kvkit.patch(model, "streaming", static=True, **_opts("streaming"))
+    try:
+        fwd = torch.compile(lambda **kw: model(**kw), fullgraph=True, backend="aot_eager")
+        with pytest.raises(RuntimeError, match="get_compiled_call"):
+            _decode(model, ids, 8, fwd)  # budget 16 + tail 4 slots: the 5th step has no slot
+    finally:
+        kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv"])
+def test_crop_between_compiled_steps_is_exact(policy):
+    model = tiny_model("llama")
+    ids = random_ids(48, seed=2)
+    kvkit.patch(model, policy, static=True, **_opts(policy))
+    try:
+        step = model.get_compiled_call(_config())
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            toks, first, cache = _decode(model, ids, 3, step)
+            seen = cache.get_seq_length()
+            cache.crop(-2)
+            assert cache.get_seq_length() == seen - 2
+            for t, ref in zip(toks[0, 1:], first[2:]):
+                out = step(input_ids=t.view(1, 1), **cache_kw(cache), use_cache=True)
+                torch.testing.assert_close(out.logits[:, -1], ref, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError):
+            cache.crop(-(seen + 1))
+    finally:
+        kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming"])
+def test_generate_with_compile_config_equals_eager_generate(policy):
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch((40, 27), seed=4)
+    kvkit.patch(model, policy, **_opts(policy))
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    kvkit.patch(model, policy, static=True, **_opts(policy))
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, compile_config=_config())
+            again = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                   compile_config=_config())
+        assert torch.equal(out, ref) and torch.equal(again, ref)
+        assert _graphs() == 1  # compiled once, reused by the second request's new cache
+    finally:
+        kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("policy", kvkit.available_policies())
+def test_is_compileable_says_which_caches_compile(policy):
+    model = tiny_model("llama")
+    cache = kvkit.KVCache(model, policy, **_opts(policy))
+    assert not cache.is_compileable  # the ordinary caches grow: transformers never auto-compiles them
+    assert isinstance(cache.compile_refusal, str) and cache.compile_refusal
+    if policy in STATIC_POLICIES:
+        static = kvkit.KVCache(model, policy, static=True, **_opts(policy))
+        assert static.is_compileable and static.compile_refusal is None
+    else:
+        with pytest.raises(ValueError, match="static=True"):
+            kvkit.KVCache(model, policy, static=True, **_opts(policy))
+        with pytest.raises(ValueError, match="static=True"):
+            kvkit.patch(model, policy, static=True, **_opts(policy))
+        assert kvkit.patched_policy(model) is None
+
+
+class _StopNow(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def test_static_options_are_checked_and_generate_sizes_the_cache():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="max_length"):
+        kvkit.patch(model, "full", max_length=64)  # a capacity without static=True
+    with pytest.raises(ValueError, match="static"):
+        kvkit.patch(model, "full", static="yes")
+    ids = random_ids(30, seed=3)
+    kvkit.patch(model, "full", static=True, max_length=512)
+    try:
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+        layer = output_cache(out).layers[0]
+        assert layer.cap() == 512 and layer.get_seq_length() == 34  # the last token is never fed back
+        kvkit.patch(model, "full", static=True)
+        out = model.generate(ids, max_new_tokens=300, do_sample=False, return_dict_in_generate=True,
+                             stopping_criteria=StoppingCriteriaList([_StopNow()]))
+        layer = output_cache(out).layers[0]
+        assert layer.get_seq_length() == 30 and layer.cap() >= 330  # room for the whole request, reserved up front
+    finally:
+        kvkit.unpatch(model)
+    assert "get_compiled_call" not in vars(model) and "generate" not in vars(model)
