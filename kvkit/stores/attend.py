@@ -10,11 +10,50 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvkit import kernels
+from kvkit.kernels.view import DecodeView
+
 _SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux", "sinks")
 
 #: torch's SDPA backends a CUDA decode read may use: everything but cuDNN, whose plan cache is keyed on the key
 #: length, so a decode step (one more key every step) would build new plans on the host at every call
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+_SEAM = {"failed": None}  # the first exception of a kernel launch on the seam (then SDPA for the process)
+
+
+def seam_decode(query, keys, values, scaling, *, pos=None, qpos=None, extra_mask=None, log_weight=None):
+    """One decode query per row through the decode seam (:func:`kvkit.kernels.decode`: the fused split-K Triton
+    kernel where the kernels package picks Triton), or None when the caller's SDPA path should run instead.
+
+    query ``[B, Hq, 1, D]``; keys/values ``[B, H, n, D]``; pos ``[B, Hp, n]`` (-1 = not read) with qpos ``[1]``,
+    or both None (every slot read); extra_mask ``[B, Hp|1, 1, n]`` bool folded into pos; log_weight
+    ``[B, H|1, n]``. Returns ``(out [B, 1, Hq, D], lse [B, Hq, 1] fp32)``. The seam runs only for single-token
+    eager steps on the Triton path (a compiled step keeps torch ops, which inductor fuses itself); a launch that
+    raises (a Triton build the device cannot compile) is reported once and the SDPA path serves the process.
+    """
+    if (query.shape[2] != 1 or _SEAM["failed"] is not None or torch.compiler.is_compiling()
+            or not kernels.use_triton(query, keys, values)):
+        return None
+    B, Hq, _, D = query.shape
+    H, n = keys.shape[1], keys.shape[2]
+    if extra_mask is not None:
+        pos = torch.where(extra_mask[:, :, 0, :], pos, -1)
+    lw = None
+    if log_weight is not None:
+        lw = log_weight.to(torch.float32).expand(B, H, n).contiguous()
+    view = DecodeView(keys, values, pos=pos, qpos=None if pos is None else qpos[-1], log_weight=lw)
+    try:
+        out, lse = kernels.decode(query[:, :, 0], view, scale=scaling, return_lse=True)
+    except Exception as e:  # noqa: BLE001 - any launch failure means the same: use SDPA, say so once
+        import warnings
+
+        _SEAM["failed"] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"kvkit: the fused decode kernel failed ({_SEAM['failed'][:200]}); decode falls back to "
+                      "torch's SDPA for this process", RuntimeWarning, stacklevel=2)
+        return None
+    return out[:, None], lse[:, :, None]
 
 
 def decode_backends(query: torch.Tensor):
@@ -179,6 +218,12 @@ def attend_slots(query, keys, values, pos, qpos, scaling, extra_mask=None, *, lo
     B, Hq, T, D = query.shape
     H, n = keys.shape[1], keys.shape[2]
     G = Hq // H
+    if n and T == 1:
+        dense1 = dense and extra_mask is None
+        r = seam_decode(query, keys, values, scaling, pos=None if dense1 else pos, qpos=qpos,
+                        extra_mask=None if dense1 else extra_mask, log_weight=log_weight)
+        if r is not None:
+            return r if return_lse else r[0]
     q = query.reshape(B, H, G * T, D)  # query head h*G + g reads KV head h; row g*T + t
     mask = None
     if n == 0:

@@ -12,6 +12,7 @@ from kvkit.stores.attend import (
     folded_masked_attention,
     hf_sdpa,
     plain_sdpa_call,
+    seam_decode,
 )
 from kvkit.stores.base import LayerInfo, StoreMixin, crop_count, grow_in_place, tensor_bytes
 
@@ -82,6 +83,18 @@ class FullStore(StoreMixin, DynamicLayer):
                 out = folded_masked_attention(query, key, value, attention_mask, scaling)
             if out is not None:
                 return out
+        if not dropout and plain_sdpa_call(kwargs) and query.shape[2] == 1:  # one decode query: the seam
+            m = attention_mask
+            if m is None:
+                r = seam_decode(query, key, value, scaling)
+            elif m.dtype == torch.bool and m.dim() == 4 and m.shape[1] == 1 and m.shape[-1] == key.shape[2]:
+                # padding columns hidden by a -inf log-weight ([B, 1, n]: one row per batch row, every head)
+                lw = torch.zeros(m.shape[0], 1, m.shape[-1], device=key.device).masked_fill_(~m[:, :, -1], float("-inf"))
+                r = seam_decode(query, key, value, scaling, log_weight=lw)
+            else:
+                r = None
+            if r is not None:
+                return r[0]
         return hf_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
