@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.policies.tidal import TidalStore, decode_read_bytes, gather_attend
+from kvkit.kernels import gather_attend
+from kvkit.policies.tidal import TidalStore, decode_read_bytes
 from kvkit.stores import attend_slots
 from kvkit.testing import greedy_stacked as _run
 from kvkit.testing import left_padded_batch, tiny_model

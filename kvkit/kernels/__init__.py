@@ -39,6 +39,7 @@ from ._common import (
     fail,
 )
 from ._triton import require_triton, triton_available
+from .gather import gather_attend, gather_attend_torch
 from .quant import Packed, dequantize, packed_nbytes, quantize
 from .reference import merge_attn
 from .scoring import chunk_scores, topk_indices
@@ -46,7 +47,8 @@ from .view import DecodeView, PackedPart, check_view, check_view_ranges
 
 __all__ = [
     "DecodeView", "PackedPart", "decode",
-    "Packed", "backend", "chunk_scores", "dequantize", "lowrank_decode", "merge_attn",
+    "Packed", "backend", "chunk_scores", "dequantize", "gather_attend", "gather_attend_torch", "lowrank_decode",
+    "merge_attn",
     "packed_nbytes", "quant_decode", "quantize", "sparse_decode",
     "topk_indices", "use_triton", "weighted_decode",
 ]

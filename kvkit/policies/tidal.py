@@ -64,7 +64,7 @@ from typing import ClassVar
 
 import torch
 
-from kvkit.kernels import decode_cpu, sparse_decode, use_triton
+from kvkit.kernels import gather_attend
 from kvkit.policies.base import Policy, check_choice, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
@@ -74,7 +74,6 @@ FULL_LAYERS = 2  # TidalDecode: layers 0 and 1 use full attention
 SELECT_LAYER = 2  # TidalDecode: the first token-selection layer
 RESELECT_FRACTION = 0.4  # TidalDecode: re-selection at layer 13 of 32 (Llama-3-8B), about 0.4 of depth
 MAX_SPARSE_CHUNK = 16  # longer multi-token forwards (chunked prefill) run exact full attention
-GATHER_BYTES = 1 << 21  # torch path: gathered K/V per block of batch rows (cache-sized)
 SELECTIONS = ("q_head", "kv_head")
 REDUCTIONS = ("max", "sum")
 SELECT_ATTENTION = ("full", "selected")
@@ -312,7 +311,7 @@ class TidalStore(SlotStore):
     Static (``static_store(TidalStore)``, a compiled step): the buffers hold ``cap`` slots (free ones at position
     -1), so the step selects among all ``cap`` slots with the masked path (free slots are no candidates), the token's
     own slot is ``nslots - T + arange(T)``, a reuse layer trusts the selection of the same forward (no host check)
-    and reads its rows with :func:`gather_attend_torch` (one gather, fixed shapes)."""
+    and reads its rows with :func:`kvkit.kernels.gather_attend` (a compiled step: one torch gather, fixed shapes)."""
 
     def __init__(self, info: LayerInfo, policy: Tidal):
         super().__init__(info)
@@ -429,10 +428,7 @@ class TidalStore(SlotStore):
     def _reuse(self, query, sel, scaling):
         """Attention over the selected rows plus the current token only; returns ``[B, T, Hq, D]``."""
         idx, valid = sel.view(self.budget, query.device)  # [B, Hs, T, k+1]: this layer's top-k of the selection
-        if torch.compiler.is_compiling():
-            out = gather_attend_torch(query, self.keys, self.values, idx, valid, scaling)
-        else:
-            out = gather_attend(query, self.keys, self.values, idx, valid, scaling, bufs=sel.bufs)
+        out = gather_attend(query, self.keys, self.values, idx, valid, scaling, bufs=sel.bufs)
         self.last_read = idx.numel() * self._row_bytes()
         return out
 
@@ -441,85 +437,6 @@ def group_score(p: torch.Tensor, kv_reduce: str) -> torch.Tensor:
     """``selection="kv_head"``: one score per KV head from its query group's softmax probabilities ``p [B, H, G, ...]``
     (dim 2 the group), reduced by ``kv_reduce`` ("max" or "sum")."""
     return p.amax(dim=2) if kv_reduce == "max" else p.sum(dim=2)
-
-
-def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
-    """Attention of each query token over its own gathered rows.
-
-    query ``[B, Hq, T, D]``; keys/values ``[B, H, n, D]``; idx ``[B, Hs, T, L]`` slot indices (int) with
-    Hs = Hq (one list per query head, read from KV head ``h // G``) or Hs = H (one list per KV head, shared
-    by its query group); valid ``[B, Hs, T, L]`` bool or None (every entry a real slot). Only the indexed rows
-    are read. On CUDA: :func:`kvkit.kernels.sparse_decode` (Triton). On the CPU in fp32:
-    :func:`kvkit.kernels.decode_cpu.sparse_attn` (C, rows read in place). Elsewhere, a few batch rows at a time
-    (``GATHER_BYTES`` of gathered K/V, so they are still in cache when read back), the rows are copied with
-    ``index_select`` into ``bufs`` (a dict reused across calls; new buffers when None) and attended with two
-    batched matmuls and an fp32 softmax. Returns ``[B, T, Hq, D]``.
-    """
-    B, Hq, T, D = query.shape
-    H = keys.shape[1]
-    Hs, L = idx.shape[1], idx.shape[-1]
-    if use_triton(query, keys, values, idx):
-        mode = "kv_head" if Hs == H else "q_head"
-        ind = idx if valid is None else torch.where(valid, idx, -1)
-        return sparse_decode(query, keys, values, ind.to(torch.int32), scale=scaling, index_mode=mode).transpose(1, 2)
-    if (query.device.type == "cpu" and query.dtype == keys.dtype == values.dtype == torch.float32
-            and keys.shape[-1] == values.shape[-1] and decode_cpu.available()):
-        return decode_cpu.sparse_attn(query, keys, values, idx, valid, scaling)  # rows read in place (C kernel)
-    Gq, Dv = Hq // Hs, values.shape[-1]  # query heads per list
-    kr, cap = decode_cpu.rows_view(keys)
-    vr, vcap = decode_cpu.rows_view(values)
-    base = (torch.arange(B, device=idx.device).view(B, 1) * H
-            + torch.arange(Hs, device=idx.device).view(1, Hs) // (Hs // H)).view(B, Hs, 1, 1)
-    flat = (idx + base * cap).view(B, -1)
-    vflat = flat if vcap == cap else (idx + base * vcap).view(B, -1)
-    per_row = Hs * T * L * (D + Dv) * keys.element_size()
-    nb = max(1, min(B, GATHER_BYTES // max(per_row, 1)))
-    M = nb * Hs * T * L
-    key_ = (query.device, keys.dtype, M, D, Dv)
-    bk = None if bufs is None else bufs.get(key_)
-    if bk is None:
-        bk = (keys.new_empty(M, D), values.new_empty(M, Dv))
-        if bufs is not None:
-            bufs.clear()  # one live shape at a time (shapes change only with T, the batch or the budget)
-            bufs[key_] = bk
-    # queries: [B, Hs*T, Gq, D], row (hs*T + t, g) = query head hs*Gq + g at token t
-    q = query.reshape(B, Hs, Gq, T, D).transpose(2, 3).reshape(B * Hs * T, Gq, D).to(keys.dtype)
-    ok = None if valid is None else valid.reshape(B * Hs * T, 1, L)
-    out = torch.empty(B * Hs * T, Gq, Dv, dtype=values.dtype, device=query.device)
-    for b0 in range(0, B, nb):
-        b1 = min(B, b0 + nb)
-        r0, r1, m = b0 * Hs * T, b1 * Hs * T, (b1 - b0) * Hs * T * L
-        kg = torch.index_select(kr, 0, flat[b0:b1].reshape(-1), out=bk[0][:m]).view(r1 - r0, L, D)
-        vg = torch.index_select(vr, 0, vflat[b0:b1].reshape(-1), out=bk[1][:m]).view(r1 - r0, L, Dv)
-        s = torch.bmm(q[r0:r1], kg.transpose(1, 2)).float().mul_(scaling)  # [rows, Gq, L]
-        if ok is not None:
-            s.masked_fill_(~ok[r0:r1], float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        if ok is not None:
-            p = torch.nan_to_num(p, nan=0.0)  # a list with no real entry reads zeros
-        torch.bmm(p.to(vg.dtype), vg, out=out[r0:r1])
-    return out.view(B, Hs, T, Gq, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv).to(query.dtype)
-
-
-def gather_attend_torch(query, keys, values, idx, valid, scaling):
-    """:func:`gather_attend` in plain torch, one gather of every listed row (no kernel, no loop, no buffer reuse):
-    what a compiled step traces. Same arguments and result ``[B, T, Hq, D]``; keys/values must be contiguous."""
-    B, Hq, T, D = query.shape
-    H, cap = keys.shape[1], keys.shape[2]
-    Hs, L, Dv = idx.shape[1], idx.shape[-1], values.shape[-1]
-    Gq = Hq // Hs  # query heads per list
-    base = (torch.arange(B, device=idx.device).view(B, 1) * H
-            + torch.arange(Hs, device=idx.device).view(1, Hs) // (Hs // H)).view(B, Hs, 1, 1)
-    flat = (idx + base * cap).reshape(-1)
-    kg = keys.reshape(-1, D).index_select(0, flat).view(B * Hs * T, L, D)
-    vg = values.reshape(-1, Dv).index_select(0, flat).view(B * Hs * T, L, Dv)
-    q = query.reshape(B, Hs, Gq, T, D).transpose(2, 3).reshape(B * Hs * T, Gq, D).to(keys.dtype)
-    s = torch.bmm(q, kg.transpose(1, 2)).float() * scaling  # [rows, Gq, L]
-    if valid is not None:
-        s = s.masked_fill(~valid.reshape(B * Hs * T, 1, L), float("-inf"))
-    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # a list with no real entry reads zeros
-    out = torch.bmm(p.to(vg.dtype), vg)
-    return out.view(B, Hs, T, Gq, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv).to(query.dtype)
 
 
 def decode_read_bytes(cache) -> dict:
