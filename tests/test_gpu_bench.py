@@ -1,5 +1,10 @@
 """``kvkit bench --shape NAME`` (kvkit/evals/gpu_bench.py) on the CPU with the tiny shape: the whole benchmark
-through the CLI, its files, its rows, the byte-bound arithmetic and the errors for unknown shapes / rows."""
+through the CLI, its files, its rows (the compiled ``<policy> static+compile`` rows included), the byte-bound
+arithmetic, the time limit and the errors for unknown shapes / rows.
+
+The compiled rows compile with ``--compile-backend aot_eager`` (as tests/test_compiled_decode.py: dynamo's tracing,
+which decides graph breaks and recompiles, is the same for every backend; inductor's code generation is what the GPU
+run pays for), and hf-static runs eager (``--no-compile``): compile cost is not what these tests measure."""
 
 import json
 
@@ -9,7 +14,8 @@ from kvkit.cli import main
 from kvkit.evals import gpu_bench
 
 B, L, WARMUP, STEPS = 2, 48, 2, 4
-ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal"]
+ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal", "chelsea"]
+FULLC, STREAMC = "full static+compile", "streaming static+compile"
 
 
 def _run(*argv) -> int:
@@ -20,7 +26,7 @@ def _run(*argv) -> int:
 def out(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_bench") / "tiny"
     code = _run("--shape", "tiny", "--batch", B, "--lengths", L, "--steps", STEPS, "--warmup", WARMUP, "--rounds", 2,
-                "--no-compile", "--time-limit", 120, "--out", d, "--policies", *ROWS)
+                "--no-compile", "--compile-backend", "aot_eager", "--time-limit", 120, "--out", d, "--policies", *ROWS)
     assert code == 0
     return d
 
@@ -38,20 +44,76 @@ def test_files_and_rows(out):
     assert cfg["command"].startswith("kvkit bench --shape tiny") or cfg["command"] == ""
     rows = _rows(out)
     names = [r["name"] for r in rows]
-    assert names == ["full", "hf-dynamic", "hf-static", "streaming", "tidal"]  # full first: the reference
+    # full first (the reference), then each static policy's compiled row right after its eager one
+    assert names == ["full", FULLC, "hf-dynamic", "hf-static", "streaming", STREAMC, "tidal", "tidal static+compile",
+                     "chelsea"]
+    assert cfg["rows_planned"] == names and cfg["compiled_rows"] is True and cfg["compile_backend"] == "aot_eager"
     by = {r["name"]: r for r in rows}
-    for n in ("full", "hf-dynamic", "hf-static", "streaming"):
+    for n in ("full", "hf-dynamic", "hf-static", "streaming", "chelsea"):
         r = by[n]
         assert r["status"] == "ok", r
         assert r["steps"] == STEPS and r["step_ms_p10"] <= r["step_ms"] <= r["step_ms_p90"]
         assert r["syncs_per_step"] >= 0 and r["attention"] and r["compile"] == "eager"
-        assert "chunks of" in r["prefill"]
-    # tidal needs more than 2 layers: an error row, not a crash of the run
-    assert by["tidal"]["status"] == "error" and "layers" in by["tidal"]["error"]
+        assert "chunks of" in r["prefill"] and not r["compiled"] and "compile_s" not in r
+    # tidal needs more than 2 layers: an error row, not a crash of the run (its compiled row too)
+    for n in ("tidal", "tidal static+compile"):
+        assert by[n]["status"] == "error" and "layers" in by[n]["error"]
     md = (out / "summary.md").read_text()
     for r in rows:
         assert f"| {r['row']} |" in md
     assert "Command: `" in md
+
+
+def test_compiled_rows(out):
+    """full and streaming (static stores) get a compiled row: static cache, eager chunked prefill, compiled steps
+    timed after the compiling warm-up, compile time apart, no recompile while timed, their byte counts."""
+    rows = {r["name"]: r for r in _rows(out)}
+    for n, policy in ((FULLC, "full"), (STREAMC, "streaming")):
+        r = rows[n]
+        assert r["status"] == "ok", r
+        assert r["compiled"] is True and r["policy"] == policy and r["row"].startswith(n)
+        assert r["options"] == rows[policy]["options"]  # the eager row's settings
+        assert r["compile"] == "aot_eager" and "one compiled graph" in r["attention"]
+        assert "static=True" in r["prefill"] and "chunks of" in r["prefill"]
+        # timed: STEPS steps, none of them the compiling one; the compile is reported apart
+        assert r["steps"] == STEPS and r["step_ms_p10"] <= r["step_ms"] <= r["step_ms_p90"]
+        for k in ("step_ms", "step_ms_mean", "prefill_s", "syncs_per_step", "kv_held", "kv_read_step"):
+            assert r[k] is not None
+        assert r["compile_s"] > 0 and r["compile_s"] == r["first_step_s"]  # CPU: no CUDA-graph recording
+        assert "cudagraph_record_s" not in r
+        assert r["graphs_compiled"] >= 1 and r["recompiles"] == 0 and r["cudagraph_skips"] == 0
+        assert r["syncs_per_step"] >= 0
+        # a compiled step reads its whole static buffers
+        assert r["kv_read_step"] == r["kv_allocated"] >= r["kv_held"] > 0
+        assert "full_ms_paired" not in r  # not interleaved (re-patching between compiled calls)
+    tok = 2 * 2 * 2 * 16 * 4 * B  # layers x (K, V) x KV heads x head_dim x fp32 x rows, per token
+    assert rows[FULLC]["kv_held"] == rows["full"]["kv_held"] == tok * (L + WARMUP + STEPS)
+    assert rows[FULLC]["kv_read_step"] == tok * 256  # L + steps + margin, rounded up to StaticFullStore.grow
+    assert rows[STREAMC]["kv_read_step"] < rows[FULLC]["kv_read_step"]
+    # the ratios against kvkit full static+compile
+    t_fc = rows[FULLC]["step_ms"]
+    for r in rows.values():
+        if r["status"] == "ok":
+            assert r["t_full_compiled_ms"] == t_fc
+            assert r["speedup_vs_full_compiled"] == pytest.approx(t_fc / r["step_ms"], rel=1e-3)
+    assert rows[FULLC]["speedup_vs_full_compiled"] == 1.0 and rows[FULLC]["fraction_to_bound_vs_full_compiled"] == 0
+    md = (out / "summary.md").read_text()
+    top = md.splitlines()[2]  # the line under the title
+    assert top.startswith("Compiled rows: ") and FULLC in top and STREAMC in top and "compile s" in top
+    assert "hf-static" not in top  # --no-compile: eager
+    assert "| vs full compiled |" in md and "| compile s |" in md
+
+
+def test_policy_without_static_store_lists_its_reason(out):
+    cfg = json.loads((out / "config.json").read_text())
+    rows = {r["name"]: r for r in _rows(out)}
+    why = rows["chelsea"]["compile_refusal"]
+    assert "ChelseaStore" in why and "static" in why
+    assert list(cfg["no_static_store"].values()) == [why] and next(iter(cfg["no_static_store"])).startswith("chelsea")
+    assert "chelsea static+compile" not in rows
+    assert "compile_refusal" not in rows["streaming"] and "compile_refusal" not in rows["full"]
+    top = (out / "summary.md").read_text().splitlines()[2]
+    assert "No static store, so no compiled row: chelsea" in top and why in top
 
 
 def test_byte_counts_and_bound(out):
@@ -79,6 +141,8 @@ def test_byte_counts_and_bound(out):
             assert r["fraction_to_bound"] == pytest.approx(f, rel=1e-3, abs=1e-3)
     assert rows["full"]["speedup_vs_full"] == 1.0 and rows["full"]["fraction_to_bound"] == 0.0
     assert "full_ms_paired" in rows["streaming"] and "full_ms_paired" not in rows["hf-static"]
+    # the compiled rows' ratios against kvkit full: its own median (not interleaved)
+    assert rows[FULLC]["t_full_ms"] == rows["full"]["step_ms"]
 
 
 def test_bound_arithmetic_by_hand():
@@ -95,6 +159,14 @@ def test_parse_rows():
     rows = gpu_bench.parse_rows(["streaming:budget=8,sink=2", "hf-dynamic,full", "streaming:budget=8,sink=2"])
     assert rows == [("full", {}), ("streaming", {"budget": 8, "sink": 2}), ("hf-dynamic", {})]
     assert [n for n, _ in gpu_bench.parse_rows(None)][:3] == ["full", "hf-dynamic", "hf-static"]
+    plan = [gpu_bench.compiled_name(n) if c else n for n, _, c in gpu_bench.plan_rows(gpu_bench.parse_rows(None))]
+    # the most wanted rows first; compiled rows only for the policies with static stores
+    assert plan[:6] == ["full", "full static+compile", "hf-dynamic", "hf-static", "streaming",
+                        "streaming static+compile"]
+    assert {p for p in plan if p.endswith("static+compile")} == {
+        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake")}
+    assert [n for n, _, c in gpu_bench.plan_rows(gpu_bench.parse_rows(None), compiled=False)] == \
+        [n for n, _ in gpu_bench.parse_rows(None)]
     with pytest.raises(ValueError, match="takes no options"):
         gpu_bench.parse_rows(["hf-static:x=1"])
     with pytest.raises(ValueError, match="unknown option"):
@@ -116,8 +188,36 @@ def test_unknown_shape_and_row(tmp_path, capsys):
 def test_time_limit_skips_rows(tmp_path):
     d = tmp_path / "skip"
     assert _run("--shape", "tiny", "--batch", 1, "--lengths", 16, "--steps", 2, "--no-compile", "--time-limit", 0,
-                "--policies", "full", "hf-dynamic", "--out", d) == 0
+                "--policies", "full", "hf-dynamic", "zipcache", "--out", d) == 0
     rows = _rows(d)
-    assert [r["name"] for r in rows] == ["full", "hf-dynamic"]
+    assert [r["name"] for r in rows] == ["full", "full static+compile", "hf-dynamic", "zipcache"]
     assert all(r["status"] == "skipped" and "time limit" in r["error"] for r in rows)
-    assert "skipped: time limit" in (d / "summary.md").read_text()
+    assert "its compile included" in rows[1]["error"] and "compile" not in rows[0]["error"]
+    assert "ZipCacheStore" in rows[3]["compile_refusal"]  # a skipped row still says why it has no compiled row
+    md = (d / "summary.md").read_text()
+    assert "skipped: time limit" in md and "Compiled rows: full static+compile (skipped)" in md
+    # --no-compiled: no compiled row, no refusal
+    assert _run("--shape", "tiny", "--batch", 1, "--lengths", 16, "--steps", 2, "--no-compile", "--no-compiled",
+                "--time-limit", 0, "--policies", "full", "zipcache", "--out", d) == 0
+    rows = _rows(d)
+    assert [r["name"] for r in rows] == ["full", "zipcache"] and "compile_refusal" not in rows[1]
+    md = (d / "summary.md").read_text()
+    assert "Compiled rows: none. kvkit static+compile rows: off (--no-compiled)." in md
+
+
+def test_time_estimate_counts_the_compile():
+    """A compiled row is expected to take a measured compiled row's time, else an eager row's + the compile
+    estimate (60 s on CUDA, 20 s on the CPU with inductor, 5 s with another backend); eager rows: the eager median."""
+    import torch
+
+    spec = [("full", {})]
+    cpu = gpu_bench.Bench("tiny", "cpu", torch.float32, spec, 1, 16)
+    assert cpu.compile_estimate == gpu_bench.COMPILE_ESTIMATE_S["cpu"] == 20.0
+    assert gpu_bench.Bench("tiny", "cpu", torch.float32, spec, 1, 16, compile_backend="aot_eager").compile_estimate == 5
+    assert gpu_bench.COMPILE_ESTIMATE_S["cuda"] == 60.0
+    assert cpu._estimate(True, [2.0, 4.0], []) == pytest.approx(23.0)
+    assert cpu._estimate(True, [2.0], [10.0, 30.0]) == pytest.approx(20.0)
+    assert cpu._estimate(False, [2.0, 4.0], [10.0]) == pytest.approx(3.0)
+    assert cpu._estimate(False, [], [10.0]) == 0.0 and cpu._estimate(True, [], []) == 20.0
+    assert [c for _, _, c in cpu.plan] == [False, True]
+    assert [c for _, _, c in gpu_bench.Bench("tiny", "cpu", torch.float32, spec, 1, 16, compiled=False).plan] == [False]

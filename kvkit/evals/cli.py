@@ -642,6 +642,16 @@ def add_commands(sub) -> None:
     b.add_argument("--time-limit", type=float, default=420.0, metavar="S",
                    help="--shape: seconds from the start after which the remaining rows are skipped")
     b.add_argument("--no-compile", action="store_true", help="--shape: run hf-static eager (no torch.compile)")
+    b.add_argument("--compiled", dest="compiled", action="store_true", default=True,
+                   help="--shape (default): after each kvkit policy with a static store (full, streaming, snapkv, "
+                        "duo, cake, tidal) a '<policy> static+compile' row: kvkit.patch(..., static=True), eager "
+                        "prefill, decode steps through model.get_compiled_call (CUDA graphs on CUDA); its compile "
+                        "time is reported apart and counts against --time-limit")
+    b.add_argument("--no-compiled", dest="compiled", action="store_false",
+                   help="--shape: no kvkit static+compile rows")
+    b.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                   help="--shape: torch.compile backend of hf-static and the static+compile rows (default inductor; "
+                        "aot_eager: a short compile for CPU tests, no speed-up to measure)")
     b.add_argument("--no-interleave", action="store_true",
                    help="--shape: do not keep kvkit full alive to interleave its steps with every row's")
     b.add_argument("--no-cudnn-sdpa", action="store_true",
