@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
-import stat
 import sys
+
+from kvkit.fileio import read_text_file  # noqa: F401  (kvkit.cli.read_text_file: the reader the CLI uses)
 
 # the demo: full next to two policies that keep the needle with fewer bytes on the default model (duo: half the
 # KV; zipcache with its calibrated 4-bit setting: ~7x fewer bytes) and StreamingLLM, which drops the middle
@@ -84,55 +84,6 @@ def cmd_policies(args) -> int:
 
 #: The largest --prompt-file read (a million-token prompt is ~4-5 MiB of text).
 MAX_PROMPT_BYTES = 64 << 20
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return "not a regular file"
-
-
-def read_text_file(path, what: str, limit: int) -> str:
-    """The UTF-8 text of the regular file ``path`` of at most ``limit`` bytes, or a one-line ValueError that starts
-    with ``what`` and names the file (missing, a directory / device / FIFO, a symlink loop, over the limit, not
-    UTF-8). Nothing is read before the file is known to be a regular file within the limit (``/dev/zero`` or a
-    FIFO never blocks or fills the memory), and no more than ``limit`` + 1 bytes are read (a file that grows)."""
-    path = os.fspath(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)  # non-blocking: opening a FIFO with no writer does not hang
-    except FileNotFoundError:
-        raise ValueError(f"{what} {path}: no such file") from None
-    except OSError as e:
-        raise ValueError(f"{what} {path}: cannot open it ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)  # the file opened, not whatever the path names by now
-        if stat.S_ISDIR(st.st_mode):
-            raise ValueError(f"{what} {path} is a directory; pass a text file")
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{what} {path} is {_file_kind(st.st_mode)}, not a regular file; pass a text file")
-        too_big = f"{what} {path} is larger than the limit of {limit:,} bytes ({limit / 2**20:.0f} MiB)"
-        if st.st_size > limit:
-            raise ValueError(f"{too_big}: it has {st.st_size:,} bytes")
-        chunks, n = [], 0
-        while n <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - n))
-            if not b:
-                break
-            chunks.append(b)
-            n += len(b)
-        if n > limit:
-            raise ValueError(too_big)
-    except OSError as e:
-        raise ValueError(f"{what} {path}: cannot read it ({e.strerror})") from None
-    finally:
-        os.close(fd)
-    try:
-        return b"".join(chunks).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def read_prompt_file(path, limit: int | None = None) -> str:

@@ -1,4 +1,15 @@
-"""What differs between the transformers releases kvkit supports (``kvkit.patch.TRANSFORMERS_SUPPORTED``).
+"""What differs between the transformers releases kvkit supports (:data:`TRANSFORMERS_SUPPORTED`, the one place
+that states them: ``kvkit.patch.check_transformers``, ``pyproject.toml`` and the README agree with it,
+``tests/test_versions.py``).
+
+transformers 5.16 is the first release kvkit supports: ``AttentionInterface`` / ``AttentionMaskInterface``, cache
+layers sized by ``get_max_length`` (5.13), sliding-window layers that can roll back
+(``DynamicSlidingWindowLayer.activate_past_recording``, 5.15; ``kvkit.speculative`` needs it on Mistral / Gemma) and
+an assisted decoding that crops the assistant's cache to the accepted tokens (5.16; 5.15's ``generate`` with an
+``assistant_model`` fails on a rejected candidate, kvkit or not).
+The per-layer information is read from the config by kvkit (:func:`kvkit.model_info.layer_types_and_windows`),
+not by transformers' ``get_layer_types_and_kwargs`` (absent before 5.14, one dict for all layers before 5.19).
+:class:`CacheLayerCompat` gives kvkit's cache layers the layer API of the newest release on older ones.
 
 transformers 5.24 renamed the cache argument: models, their attention layers and ``generate`` take the cache as
 ``cache=`` (``past_key_values=`` still works with a deprecation warning until 5.40, and is renamed to ``cache`` by
@@ -11,9 +22,18 @@ from __future__ import annotations
 
 import transformers
 from packaging.version import Version
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+#: the transformers releases kvkit supports: ``low <= version < high`` (tested at both ends in CI: ``.ci/run``).
+#: ``pyproject.toml``'s dependency and the README state the same range (``tests/test_versions.py`` checks)
+TRANSFORMERS_SUPPORTED = ("5.16", "5.25")
+#: the lowest supported release, exactly: what ``scripts/install_low.sh`` installs and CI tests
+TRANSFORMERS_LOWEST = "5.16.0"
+#: the installed release, as a tuple of ints (``(5, 24, 0)``)
+RELEASE = Version(transformers.__version__).release
 
 #: the name of the cache argument of a model's / attention layer's forward in the installed release
-CACHE_ARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+CACHE_ARG = "cache" if RELEASE >= (5, 24) else "past_key_values"
 _NAMES = ("cache", "past_key_values")
 
 
@@ -43,3 +63,55 @@ def set_cache(kwargs: dict, cache) -> None:
 def output_cache(out):
     """The cache a model output returns (``out.cache`` from 5.24 on, ``out.past_key_values`` before)."""
     return getattr(out, CACHE_ARG, None)
+
+
+# ---- cache layers ----------------------------------------------------------------------------------------------
+#: ``CacheLayerMixin.get_max_length`` (5.13; ``get_max_cache_shape`` before, abstract)
+_HAS_MAX_LENGTH = hasattr(CacheLayerMixin, "get_max_length")
+#: ``DynamicLayer.reset`` drops the tensors and the length (5.19; before, it zeroed them and kept the length)
+_RESET_DROPS = "reset" in vars(DynamicLayer)
+#: a sliding layer that records its past (speculative rollback) returns only the states the mask spans (5.18;
+#: 5.15-5.17 returned all it held, so a forward's keys outgrew its mask)
+_SLIDING_RETURNS_VISIBLE = RELEASE >= (5, 18)
+
+
+class CacheLayerCompat:
+    """What a kvkit cache layer needs on top of transformers' ``CacheLayerMixin`` to behave like the newest
+    supported release's on every supported one. Empty on a release that needs nothing; list it before the
+    transformers layer class among the bases (``StoreMixin`` inherits it, so every kvkit store has it).
+
+    * before 5.13 the layer's capacity was the abstract ``get_max_cache_shape``: it answers ``get_max_length()``
+      where the layer defines that (kvkit's stores do), else the transformers base class's answer;
+    * before 5.19 ``DynamicLayer.reset`` zeroed the tensors and kept the length (a reset layer still counted its old
+      tokens): on ``DynamicLayer`` subclasses ``reset`` drops them, as 5.19 does;
+    * before 5.18 a ``DynamicSlidingWindowLayer`` recording its past (``activate_past_recording``, which
+      ``kvkit.speculative`` uses for rollback) returned every state it held from ``update``, more keys than the
+      sliding mask spans: ``update`` returns the last ``sliding_window - 1 + new`` of them, as 5.18 does.
+    """
+
+    __slots__ = ()
+
+    if not _HAS_MAX_LENGTH:
+
+        def get_max_cache_shape(self) -> int:
+            own = getattr(self, "get_max_length", None)
+            return own() if own is not None else super().get_max_cache_shape()
+
+    if not _RESET_DROPS:
+
+        def reset(self) -> None:
+            if isinstance(self, DynamicLayer):
+                self.keys = self.values = None
+                self.is_initialized = False
+                CacheLayerMixin.reset(self)  # cumulative_length of sliding layers, as 5.19's super().reset()
+            else:
+                super().reset()
+
+    if not _SLIDING_RETURNS_VISIBLE:
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            if isinstance(self, DynamicSlidingWindowLayer) and getattr(self, "record_past", False):
+                n = self.sliding_window - 1 + key_states.shape[-2]
+                return keys[:, :, -n:, :], values[:, :, -n:, :]
+            return keys, values

@@ -7,7 +7,6 @@ import inspect
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvkit.kernels.reference import apply_rope, rotate_half  # noqa: F401  (re-exported)
 from kvkit.stores.base import LayerInfo
@@ -17,29 +16,98 @@ def text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+#: ``layer_types`` entries of layers that attend over a bounded window, and where the window comes from
+_WINDOW_FIELD = {
+    "sliding_attention": "sliding_window",
+    "hybrid_sliding": "sliding_window",
+    "reference_sliding_attention": "sliding_window",
+    "chunked_attention": "attention_chunk_size",
+}
+
+
+def _layer_configs(tc) -> list:
+    """One config per decoder layer: a heterogeneous config's own per-layer views (transformers >= 5.19's
+    ``per_layer_config``), else the text config itself for every layer."""
+    n = tc.num_hidden_layers
+    if getattr(tc, "is_heterogeneous", False):
+        return list(tc.per_layer_config)
+    return [tc] * n
+
+
+def layer_types_and_windows(config) -> tuple[list[str], list[int | None]]:
+    """``(layer_types, sliding_windows)``, one entry per decoder layer, read from the config itself.
+
+    The same rules as transformers' ``get_layer_types_and_kwargs`` of 5.24, on every release kvkit supports (the
+    helper does not exist before 5.14, and returns one dict for all layers before 5.19): ``layer_types`` when the
+    config has it, else ``sliding_attention`` / ``chunked_attention`` / ``full_attention`` per layer from its
+    ``sliding_window`` / ``attention_chunk_size``; layers that keep no KV of their own (KV shared with another
+    layer, MoE/MLP-only layers) are ``"dummy"``. The window of a sliding layer is its ``sliding_window`` (its
+    ``attention_chunk_size`` for a chunked one), None for the others. Always ``num_hidden_layers`` entries.
+    """
+    tc = text_config(config)
+    n = tc.num_hidden_layers
+    per_layer = _layer_configs(tc)
+    layer_types = getattr(tc, "layer_types", None)
+    if layer_types is None:
+        layer_types = []
+        for lc in per_layer:
+            if getattr(lc, "sliding_window", None) is not None:
+                layer_types.append("sliding_attention")
+            elif getattr(lc, "attention_chunk_size", None) is not None:
+                layer_types.append("chunked_attention")
+            else:
+                layer_types.append("full_attention")
+    layer_types = list(layer_types)
+    if len(layer_types) != n:
+        raise ValueError(
+            f"the config of {tc.model_type!r} lists {len(layer_types)} layer_types for {n} layers "
+            "(num_hidden_layers): kvkit cannot tell which layer is which"
+        )
+    # layers that reuse another layer's KV keep none (Gemma 3n, Gemma 4): transformers >= 5.24 says so per layer
+    # (kv_sharing_modes), earlier releases by the count of the last layers (num_kv_shared_layers)
+    modes = getattr(tc, "kv_sharing_modes", None)
+    if modes is not None:
+        layer_types = ["dummy" if m == "reuse" else t for t, m in zip(layer_types, modes)]
+    else:
+        shared = getattr(tc, "num_kv_shared_layers", None) or 0
+        if shared > 0:
+            layer_types = layer_types[: n - shared] + ["dummy"] * shared
+    layer_types = ["dummy" if t in ("moe", "mlp") else t for t in layer_types]
+    windows = []
+    for t, lc in zip(layer_types, per_layer):
+        field_name = _WINDOW_FIELD.get(t)
+        windows.append(getattr(lc, field_name, None) if field_name else None)
+    return layer_types, windows
+
+
 def layer_infos(model_or_config, rope=None) -> list[LayerInfo]:
+    """One :class:`LayerInfo` per decoder layer (``num_hidden_layers`` of them), built from the config
+    (:func:`layer_types_and_windows`); the same on every transformers release kvkit supports."""
     config = getattr(model_or_config, "config", model_or_config)
     tc = text_config(config)
-    layer_types, per_layer = get_layer_types_and_kwargs(tc)
+    layer_types, windows = layer_types_and_windows(tc)
     heads = tc.num_attention_heads
     kv_heads = getattr(tc, "num_key_value_heads", None) or heads
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
-    infos = []
-    for i, (lt, kw) in enumerate(zip(layer_types, per_layer)):
-        infos.append(
-            LayerInfo(
-                layer_idx=i,
-                num_layers=len(layer_types),
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                layer_type=lt,
-                sliding_window=kw.get("sliding_window"),
-                config=tc,
-                rope=rope,
-            )
+    return [
+        LayerInfo(
+            layer_idx=i,
+            num_layers=len(layer_types),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            layer_type=lt,
+            sliding_window=w,
+            config=tc,
+            rope=rope,
         )
-    return infos
+        for i, (lt, w) in enumerate(zip(layer_types, windows))
+    ]
+
+
+def layer_types(config) -> list[str]:
+    """The decoder layers' types (``full_attention``, ``sliding_attention``, ...): :func:`layer_types_and_windows`."""
+    return layer_types_and_windows(config)[0]
 
 
 def make_rope_fn(model) -> Callable | None:

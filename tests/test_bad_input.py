@@ -71,7 +71,7 @@ def test_unsupported_transformers_release_is_refused_with_what_to_install():
 
     check_transformers("5.23.0")
     check_transformers("5.24.0")
-    check_transformers("5.0.0")
-    for v in ("5.25.0", "4.57.6", "6.0.0"):
-        with pytest.raises(RuntimeError, match=r"pip install 'transformers>=5.0,<5.25'"):
+    check_transformers("5.16.0")
+    for v in ("5.25.0", "5.15.1", "4.57.6", "6.0.0"):
+        with pytest.raises(RuntimeError, match=r"pip install 'transformers>=5.16,<5.25'"):
             check_transformers(v)

@@ -33,13 +33,15 @@ TINY_RETRIEVAL = [[True, False], [False, True], [False, False], [True, True], [T
 SINK, RECENT = 32, 64
 
 
-def test_switch():
+def test_switch(tmp_path):
     p = C.parse_policy("duo")
     assert (p.name, p.sink, p.recent, p.pattern, p.sparsity) == ("duo", 64, 256, None, None)  # the paper's deploy
     assert C.parse_policy("streaming").sink == 4  # the other policies keep their default
-    p = C.parse_policy("duo:sink=32,recent=64,pattern=/x/p.json,sparsity=0.25")
-    assert (p.sink, p.recent, p.pattern, p.sparsity) == (32, 64, "/x/p.json", 0.25)
-    assert C.parse_policy({"policy": "duo", "pattern": "a,b.json"}).pattern == "a,b.json"
+    one = _pattern(tmp_path, TINY_ALPHA, "p.json")  # a switch's pattern is read (and checked) when parsed
+    p = C.parse_policy(f"duo:sink=32,recent=64,pattern={one},sparsity=0.25")
+    assert (p.sink, p.recent, p.pattern, p.sparsity) == (32, 64, one, 0.25)
+    two = _pattern(tmp_path, TINY_ALPHA, "a,b.json")  # a comma inside a dict switch's value is no separator
+    assert C.parse_policy({"policy": "duo", "pattern": two}).pattern == two
     with pytest.raises(ValueError, match="sparsity must be"):
         C.parse_policy("duo:sparsity=1.5")
     with pytest.raises(ValueError, match="recent must be"):

@@ -189,7 +189,7 @@ def read(path) -> dict:
 def _parse(path):
     """The JSON of a calibration file: a regular UTF-8 file of at most :data:`MAX_FILE_BYTES` (checked before it is
     read), parsed with every number finite (``1e999`` / ``NaN`` / ``Infinity`` are refused by their path)."""
-    from kvkit.cli import read_text_file
+    from kvkit.fileio import read_text_file
 
     try:
         text = read_text_file(path, "kvkit calibration file", MAX_FILE_BYTES)

@@ -63,6 +63,12 @@ class Policy:
         (with ``calibrated`` True and none of them given); e.g. Chelsea's only with ``protect`` > 0."""
         return True
 
+    def content_hashes(self) -> dict[str, str]:
+        """``{option: sha256}`` of the files this policy read, and froze, when it was built (duo's ``pattern``): the
+        content its caches use, which a record of the run (``kvkit.evals``' ``option_files``) should name rather
+        than the path. Default: none."""
+        return {}
+
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 

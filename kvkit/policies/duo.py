@@ -25,10 +25,14 @@ Pattern files
   "num_kv_heads", ...}, "alpha": [[...per KV head...] per layer], "calibration": {...}}``
 * the reference implementation's TSV (``full_attention_heads.tsv``): one row per layer, one
   tab-separated column per KV head. Values are clipped to [0, 1] like the reference does.
+
+A pattern file is read once, when the policy is built (a regular file of bounded size, checked before it is
+read; every JSON field type-checked), and the policy keeps its content and sha256 (``Duo.pattern_sha256``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -37,14 +41,15 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import CacheLayerMixin
 
-from kvkit.model_info import text_config as _text_config
+from kvkit.fileio import FileReadError, read_file_bytes
+from kvkit.model_info import layer_types as _layer_types
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.policies.streaming import StreamingStore
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, StoreMixin, crop_count
-from kvkit.stores.base import SeenLength
+from kvkit.stores.base import SeenLength, static_store
 
 PATTERN_FORMAT = "kvkit-duo-pattern"
 
@@ -100,8 +105,21 @@ def _bad(path, what: str) -> ValueError:
     return ValueError(f"duo: pattern file {str(path)!r} is not a valid DuoAttention pattern: {what}")
 
 
+#: The largest pattern file read (a 128-layer x 128-KV-head pattern is ~0.2 MB of JSON).
+MAX_PATTERN_BYTES = 16 << 20
+#: ``model`` fields of a kvkit JSON pattern that must be positive integers / strings (or absent / null).
+_MODEL_INT_FIELDS = ("num_layers", "num_kv_heads", "num_heads", "hidden_size")
+_MODEL_STR_FIELDS = ("name", "model_type")
+
+
+def _type_name(x) -> str:
+    return {str: "a string", bool: "a boolean", type(None): "null", list: "a list", dict: "an object"}.get(
+        type(x), type(x).__name__)
+
+
 def _as_matrix(rows, path) -> torch.Tensor:
-    """Nested sequence -> float64 ``[L, H]``, checking it is rectangular and finite."""
+    """Nested sequence -> float64 ``[L, H]``, checking it is rectangular, numeric (no strings or booleans) and
+    finite."""
     if isinstance(rows, torch.Tensor):
         rows = rows.detach().cpu().double().tolist()
     elif hasattr(rows, "tolist") and not isinstance(rows, (list, tuple)):
@@ -113,19 +131,28 @@ def _as_matrix(rows, path) -> torch.Tensor:
     widths = {len(r) for r in rows}
     if len(widths) != 1 or 0 in widths:
         raise _bad(path, f"rows have different or zero lengths {sorted(widths)} (one value per KV head per layer)")
-    try:
-        alpha = torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float64)
-    except (TypeError, ValueError) as e:
-        raise _bad(path, f"non-numeric value ({e})") from None
+    values = []
+    for i, r in enumerate(rows):
+        row = []
+        for j, x in enumerate(r):
+            bad = isinstance(x, (str, bytes, bool)) or x is None
+            if not bad:
+                try:
+                    row.append(float(x))
+                except (TypeError, ValueError):
+                    bad = True
+            if bad:
+                raise _bad(path, f"non-numeric value {x!r} ({_type_name(x)}) at layer {i}, KV head {j}: "
+                                 "each gate must be a number")
+        values.append(row)
+    alpha = torch.tensor(values, dtype=torch.float64)
     if not bool(torch.isfinite(alpha).all()):
         raise _bad(path, "contains NaN or infinite values")
     return alpha
 
 
-def read_tsv(path) -> torch.Tensor:
-    """The reference's ``full_attention_heads.tsv``: one row per layer, one column per KV head."""
+def _parse_tsv(text: str, path) -> torch.Tensor:
     rows = []
-    text = Path(path).read_text(encoding="utf-8")
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -136,37 +163,125 @@ def read_tsv(path) -> torch.Tensor:
     return _as_matrix(rows, path)
 
 
-def load_pattern(path) -> tuple[torch.Tensor, dict]:
-    """Read a pattern file (kvkit JSON or reference TSV): ``(alpha [L, H] float64 in [0, 1], meta)``."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"duo: pattern file {str(path)!r} does not exist")
+def _read_bytes(path) -> bytes:
+    """The bytes of a pattern file: a regular file of at most :data:`MAX_PATTERN_BYTES`, checked before it is read
+    (``/dev/zero``, a FIFO, a directory or a symlink loop is refused by what it is, not as missing)."""
+    try:
+        return read_file_bytes(path, "duo: pattern file", MAX_PATTERN_BYTES)
+    except FileReadError as e:
+        if e.reason == "missing":
+            raise ValueError(f"duo: pattern file {str(path)!r} does not exist") from None
+        raise
+
+
+def _decode(raw: bytes, path) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad(path, f"not a text file (not UTF-8 at byte {e.start})") from None
+
+
+def read_tsv(path) -> torch.Tensor:
+    """The reference's ``full_attention_heads.tsv``: one row per layer, one column per KV head."""
+    return _parse_tsv(_decode(_read_bytes(path), path), path)
+
+
+def _check_model_meta(data: dict, path) -> dict:
+    """The ``model`` object of a kvkit JSON pattern, its fields type-checked (and ``format`` / ``version`` /
+    ``calibration``)."""
+    fmt = data.get("format")
+    if fmt is not None and fmt != PATTERN_FORMAT:
+        raise _bad(path, f"'format' is {fmt!r}, expected {PATTERN_FORMAT!r}")
+    version = data.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise _bad(path, f"'version' must be an integer, got {version!r} ({_type_name(version)})")
+    cal = data.get("calibration")
+    if cal is not None and not isinstance(cal, dict):
+        raise _bad(path, f"'calibration' must be an object, got {_type_name(cal)}")
+    meta = data.get("model")
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise _bad(path, f"'model' must be an object, got {_type_name(meta)}")
+    for key in _MODEL_INT_FIELDS:
+        v = meta.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise _bad(path, f"model.{key} must be a positive integer, got {v!r} ({_type_name(v)})")
+    for key in _MODEL_STR_FIELDS:
+        v = meta.get(key)
+        if v is not None and not isinstance(v, str):
+            raise _bad(path, f"model.{key} must be a string, got {v!r} ({_type_name(v)})")
+    return meta
+
+
+def _parse_pattern(raw: bytes, path) -> tuple[torch.Tensor, dict]:
+    """The bytes of a pattern file -> ``(alpha [L, H] float64 in [0, 1], meta)`` (kvkit JSON by a ``.json`` name,
+    else reference TSV)."""
+    text = _decode(raw, path)
     meta: dict = {}
-    if path.suffix.lower() == ".json":
+    if Path(path).suffix.lower() == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
             raise _bad(path, f"not valid JSON ({e})") from None
+        except RecursionError:
+            raise _bad(path, "not valid JSON (nested too deeply)") from None
         if isinstance(data, list):  # a bare matrix
             alpha = _as_matrix(data, path)
         elif isinstance(data, dict):
             if "alpha" not in data:
                 raise _bad(path, f"no 'alpha' entry (keys: {', '.join(map(str, data)) or 'none'})")
+            meta = _check_model_meta(data, path)
             alpha = _as_matrix(data["alpha"], path)
-            meta = data.get("model") or {}
-            if not isinstance(meta, dict):
-                raise _bad(path, "'model' must be an object")
             for key, got in (("num_layers", alpha.shape[0]), ("num_kv_heads", alpha.shape[1])):
-                if key in meta and meta[key] != got:
+                if meta.get(key) is not None and meta[key] != got:
                     raise _bad(path, f"model.{key} is {meta[key]} but 'alpha' has {got}")
         else:
-            raise _bad(path, "expected a JSON object with an 'alpha' matrix")
+            raise _bad(path, f"expected a JSON object with an 'alpha' matrix, got {_type_name(data)}")
     else:
-        try:
-            alpha = read_tsv(path)
-        except UnicodeDecodeError:
-            raise _bad(path, "not a text file") from None
+        alpha = _parse_tsv(text, path)
     return alpha.clamp(0.0, 1.0), meta
+
+
+class PatternFile(str):
+    """A pattern file's path (this string, as given) with what was read from it, once: ``alpha`` (a tuple of per-layer
+    tuples of gates in [0, 1]), ``meta`` (the file's ``model`` object) and ``sha256`` (of the file's bytes).
+
+    ``Duo(pattern="p.json")`` reads the file when the policy is built and holds one of these as its ``pattern``:
+    every KVCache of a patched model then uses the heads of the file as it was at ``kvkit.patch`` / ``get_policy``
+    time (rewriting the file later changes nothing), and ``dataclasses.replace`` / copies / pickles keep the content.
+    It compares, prints and serialises (JSON) as the path."""
+
+    alpha: tuple
+    meta: dict
+    sha256: str
+
+    def __new__(cls, path: str, alpha: tuple, meta: dict, sha256: str):
+        self = super().__new__(cls, path)
+        self.alpha, self.meta, self.sha256 = alpha, meta, sha256
+        return self
+
+    def __reduce__(self):
+        return (PatternFile, (str(self), self.alpha, self.meta, self.sha256))
+
+
+def read_pattern(path) -> PatternFile:
+    """Read and check a pattern file (kvkit JSON or reference TSV) once: a :class:`PatternFile` (the path as given,
+    with ``alpha``, ``meta`` and ``sha256`` of its bytes). The path must name a regular file of at most
+    :data:`MAX_PATTERN_BYTES`, checked before anything is read."""
+    given = os.fspath(path)
+    if not isinstance(given, str):
+        raise ValueError(f"duo: pattern must be a file path (str), got {type(given).__name__}")
+    real = os.path.expanduser(given)
+    raw = _read_bytes(real)
+    alpha, meta = _parse_pattern(raw, real)
+    return PatternFile(given, tuple(tuple(r) for r in alpha.tolist()), meta, hashlib.sha256(raw).hexdigest())
+
+
+def load_pattern(path) -> tuple[torch.Tensor, dict]:
+    """Read a pattern file (kvkit JSON or reference TSV): ``(alpha [L, H] float64 in [0, 1], meta)``."""
+    pf = path if isinstance(path, PatternFile) else read_pattern(path)
+    return torch.tensor(pf.alpha, dtype=torch.float64), dict(pf.meta)
 
 
 def save_pattern(path, alpha, model: dict, calibration: dict | None = None) -> Path:
@@ -230,7 +345,10 @@ class Duo(Policy):
     pattern : str, path, nested list/tensor [layers, kv_heads], or None
         Calibrated gate values alpha per KV head per layer (kvkit JSON or reference TSV file, or the
         values themselves). None: the pattern shipped for this model (the bundled default model and
-        Gemma-3-270m); other models must be calibrated first (``kvkit calibrate duo``).
+        Gemma-3-270m); other models must be calibrated first (``kvkit calibrate duo``). A file is read and
+        checked when the policy is built (``kvkit.patch`` / ``get_policy``) and its content kept
+        (:class:`PatternFile`): later caches of a patched model never re-read it; :attr:`pattern_sha256`
+        names the content.
     sparsity : float in [0, 1] or None
         Fraction of KV heads made streaming heads (global quantile of alpha). None: 0.5 for GQA models,
         0.75 for MHA models (paper's deploy settings).
@@ -262,10 +380,12 @@ class Duo(Policy):
         if sp is not None and (isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0 <= sp <= 1):
             raise ValueError(f"duo: sparsity must be a fraction in [0, 1] (or None for the paper default), got {sp!r}")
         p = self.pattern
-        if p is None or isinstance(p, str):
+        if p is None or isinstance(p, PatternFile):  # None: the shipped one; a PatternFile: read already (replace())
             return
-        if isinstance(p, os.PathLike):
-            object.__setattr__(self, "pattern", os.fspath(p))
+        if isinstance(p, (str, os.PathLike)):
+            # read and checked now, once: every KVCache of a patched model uses this content (rewriting the file
+            # later changes nothing), and `pattern_sha256` says which content it is
+            object.__setattr__(self, "pattern", read_pattern(p))
             return
         if isinstance(p, (list, tuple)) or hasattr(p, "tolist"):
             alpha = _as_matrix(p, "<pattern values>").clamp(0.0, 1.0)
@@ -274,6 +394,36 @@ class Duo(Policy):
         raise ValueError(
             f"duo: pattern must be a file path, a [layers][kv_heads] list/tensor of alphas, or None; got {type(p).__name__}"
         )
+
+    # ---- the pattern's content ----
+    def _shipped(self, path: Path) -> PatternFile:
+        """The shipped pattern at ``path``, read once per policy (frozen like a given file)."""
+        memo = self.__dict__.setdefault("_shipped_patterns", {})
+        if str(path) not in memo:
+            memo[str(path)] = read_pattern(path)
+        return memo[str(path)]
+
+    @property
+    def pattern_sha256(self) -> str | None:
+        """sha256 of the pattern this policy runs: of the file's bytes as read when the policy was built (a path;
+        what ``kvkit.evals`` records as ``option_files``), of the JSON of the gate values (values), None for the
+        shipped pattern (it depends on the model: :meth:`pattern_sha256_for`)."""
+        p = self.pattern
+        if p is None:
+            return None
+        if isinstance(p, PatternFile):
+            return p.sha256
+        return hashlib.sha256(json.dumps([list(r) for r in p]).encode("utf-8")).hexdigest()
+
+    def pattern_sha256_for(self, config) -> str | None:
+        """:attr:`pattern_sha256`, or for the shipped pattern the sha256 of the file used for this model."""
+        if self.pattern is not None:
+            return self.pattern_sha256
+        path = shipped_pattern(config)
+        return self._shipped(path).sha256 if path is not None and path.is_file() else None
+
+    def content_hashes(self) -> dict:
+        return {"pattern": self.pattern.sha256} if isinstance(self.pattern, PatternFile) else {}
 
     # ---- pattern -> per-layer retrieval heads ----
     def load_alpha(self, config) -> tuple[torch.Tensor, str]:
@@ -292,11 +442,12 @@ class Duo(Policy):
                     f"duo: the shipped pattern {str(path)!r} is missing from this kvkit install; run "
                     "`kvkit calibrate duo --out pattern.json` and pass pattern='pattern.json'"
                 )
-            source = str(path)
-            alpha, meta = load_pattern(path)
-        elif isinstance(self.pattern, str):
-            source = self.pattern
-            alpha, meta = load_pattern(self.pattern)
+            pf = self._shipped(path)
+            source, meta = str(path), pf.meta
+            alpha = torch.tensor(pf.alpha, dtype=torch.float64)
+        elif isinstance(self.pattern, PatternFile):  # read when the policy was built
+            source, meta = str(self.pattern), self.pattern.meta
+            alpha = torch.tensor(self.pattern.alpha, dtype=torch.float64)
         else:
             source, meta = "<pattern values>", {}
             alpha = torch.tensor(self.pattern, dtype=torch.float64)
@@ -329,8 +480,7 @@ class Duo(Policy):
 
     def new_shared(self, infos):
         """Once per KVCache: the pattern read and binarised, ``[L, H]`` bool (True = retrieval head)."""
-        types, _ = get_layer_types_and_kwargs(_text_config(infos[0].config))
-        return self.retrieval_heads(infos[0].config, types)
+        return self.retrieval_heads(infos[0].config, _layer_types(infos[0].config))
 
     def new_layer(self, info: LayerInfo):
         retrieval = info.shared[info.layer_idx].tolist()
@@ -350,6 +500,9 @@ class DuoStore(SeenLength, StoreMixin, CacheLayerMixin):
 
     ``update`` splits the new keys/values ``[B, H, T, D]`` by KV head; ``attend`` routes each group of
     query heads to its KV head's store and scatters the outputs back into the model's head order.
+    In a static cache both parts are static (:func:`~kvkit.stores.base.static_store`): the retrieval part's
+    capacity is the cache's (``max_length`` / ``ensure_capacity``), the streaming part's ``sink + recent + tail``;
+    the step's splits and gathers have fixed shapes, so it compiles whole.
     """
 
     is_sliding = False
@@ -365,10 +518,10 @@ class DuoStore(SeenLength, StoreMixin, CacheLayerMixin):
         G = info.groups
         r_heads = [h for h, r in enumerate(self.retrieval) if r]
         s_heads = [h for h, r in enumerate(self.retrieval) if not r]
-        self.full = _RetrievalStore(info, num_heads=len(r_heads)) if r_heads else None
-        self.stream = (
-            StreamingStore(info, sink + recent, sink, tail, num_heads=len(s_heads)) if s_heads else None
-        )
+        full_cls = static_store(_RetrievalStore) if info.static else _RetrievalStore
+        stream_cls = static_store(StreamingStore) if info.static else StreamingStore
+        self.full = full_cls(info, num_heads=len(r_heads)) if r_heads else None
+        self.stream = stream_cls(info, sink + recent, sink, tail, num_heads=len(s_heads)) if s_heads else None
         # (store, kv head indices, query head indices) per part; retrieval first
         self.parts = []
         for store, heads in ((self.full, r_heads), (self.stream, s_heads)):
@@ -400,6 +553,34 @@ class DuoStore(SeenLength, StoreMixin, CacheLayerMixin):
     @property
     def seen(self) -> int:
         return self.parts[0][0].seen
+
+    # ---- static caches: what the parts say -------------------------------------------------------------
+    @property
+    def is_compileable(self) -> bool:
+        return all(store.is_compileable for store, _, _ in self.parts)
+
+    @property
+    def compile_refusal(self) -> str | None:
+        return next((store.compile_refusal for store, _, _ in self.parts if not store.is_compileable), None)
+
+    def get_seq_length(self):
+        return self.parts[0][0].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.parts[0][0].get_mask_sizes(query_length)
+
+    def ensure_capacity(self, n: int) -> None:
+        for store, _, _ in self.parts:
+            if hasattr(store, "ensure_capacity"):
+                store.ensure_capacity(n)
+
+    def before_compiled_step(self, T: int) -> None:
+        for store, _, _ in self.parts:
+            store.before_compiled_step(T)
+
+    def after_compiled_step(self, T: int) -> None:
+        for store, _, _ in self.parts:
+            store.after_compiled_step(T)
 
     # ---- transformers Cache API ----
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -500,7 +681,9 @@ __all__ = [
     "DuoStore",
     "binarize",
     "kv_fraction_kept",
+    "PatternFile",
     "load_pattern",
+    "read_pattern",
     "model_identity",
     "save_pattern",
     "shipped_pattern",

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvkit.compat import CacheLayerCompat
 from kvkit.stores.attend import attend_slots, hf_sdpa
 
 
@@ -44,7 +45,7 @@ def tensor_bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class StoreMixin:
+class StoreMixin(CacheLayerCompat):
     """What every kvkit layer store adds to transformers' ``CacheLayerMixin``."""
 
     info: LayerInfo

@@ -72,7 +72,7 @@ def register() -> None:
             raise
         log.debug("kvkit.vllm: unsupported vLLM, plugin not registered", exc_info=True)
         return
-    parse_policy(os.environ.get(ENV_VAR))  # a malformed switch fails here, in every process, early
+    parse_policy(os.environ.get(ENV_VAR), source=f"${ENV_VAR}")  # a malformed switch fails here, in every process, early
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

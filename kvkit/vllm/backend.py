@@ -44,7 +44,11 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config_or_none
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+)
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -472,7 +476,6 @@ def duo_retrieval_heads(policy: PluginPolicy, vllm_config, local_kv_heads: int) 
     with the same sparsity default as ``kvkit.patch(model, "duo")``. Tensor parallelism: vLLM gives rank ``r`` the KV
     heads ``[r * H / tp, (r + 1) * H / tp)``, or, with fewer KV heads than ranks, replicates head ``r // (tp / H)``.
     """
-    from kvkit.policies.duo import Duo
 
     if vllm_config is None:
         raise RuntimeError("kvkit.vllm duo: no vLLM config in this context (the model config gives the pattern)")
@@ -481,7 +484,7 @@ def duo_retrieval_heads(policy: PluginPolicy, vllm_config, local_kv_heads: int) 
     total = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
     key = (policy, id(hf))
     if key not in _DUO_CACHE:
-        duo = Duo(pattern=policy.pattern, sparsity=policy.sparsity, sink=policy.sink, recent=policy.recent)
+        duo = policy.kvkit_policy  # the pattern read and checked when the switch was parsed
         try:
             _DUO_CACHE[key] = duo.retrieval_heads(hf)
         except ValueError as e:
