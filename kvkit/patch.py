@@ -3,15 +3,23 @@
 * registers :func:`kvkit.attention.kvkit_attention` under ``"kvkit"`` with ``AttentionInterface`` and
   transformers' sdpa mask builder under the same name with ``AttentionMaskInterface`` (without it
   padding masks would silently arrive as ``None``), then ``model.set_attn_implementation("kvkit")``;
-* a forward pre-hook on the base model swaps in a ``KVCache`` when ``generate()``/the caller gives
-  none or an empty transformers cache;
-* a forward pre-hook on each attention module hands the attention function its layer store;
+* a forward pre-hook on the base model hands a forward without a cache a new ``KVCache``; a transformers cache
+  the caller passes is used as is under ``full`` (exact attention either way) and refused under a compressing
+  policy (it would run without the policy), never replaced;
+* a forward pre-hook on each attention module hands the attention function its layer store *through the call's
+  keyword arguments* (``kvkit_store``, read from the cache the layer is given): nothing is stored on the shared
+  modules, so one patched model serves several threads, each with its own cache;
 * a forward hook on the base model runs the policy's ``after_forward`` (KVzip's reconstruction pass);
-* ``model.generate`` checks the request's length first (and hands a static patch's request a cache sized
-  for it), ``model.get_compiled_call`` runs each compiled decode step through :func:`_compiled_step`.
+* ``model.generate`` (every entry point: ``inputs=``, ``input_ids=``, ``inputs_embeds=``, a ``GenerationConfig``)
+  checks the request's length first, hands ``generate`` the policy's ``KVCache`` (sized for the request when
+  static; ``cache_implementation="static"`` asks for the static one, other cache implementations are refused),
+  and refuses assisted generation over a policy that speculation cannot reproduce; ``model.get_compiled_call``
+  runs each compiled decode step through :func:`_compiled_step`.
 
 No forward is replaced and no modeling file is copied; ``unpatch`` removes the hooks and restores the
-previous attention implementation.
+previous attention implementation. The hooks and wrappers reach their model through a :class:`_ModelRef`, a weak
+reference that a deep copy of the model re-targets at the copy: ``copy.deepcopy(patched)`` is an independent
+patched model (its own policy object, hooks and state).
 
 Static caches (``patch(model, policy, static=True)``) and ``torch.compile``: the hooks trace without graph
 breaks (under ``torch.compiler.is_compiling()`` they skip the checks that read device values; the context
@@ -21,18 +29,20 @@ compiles whole with ``fullgraph=True``.
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvkit.attention import kvkit_attention
-from kvkit.cache import KVCache, check_static
+from kvkit.cache import STATIC_POLICIES, KVCache, check_static
 from kvkit.compat import get_cache, set_cache
 from kvkit.model_info import context_limit
 from kvkit.policies.base import Policy
@@ -53,6 +63,36 @@ class PatchState:
     own_compiled_call: bool = False  # patch() set model.get_compiled_call (compiled steps through _compiled_step)
     static: bool = False  # the caches it builds are static (``KVCache(..., static=True)``)
     max_length: int | None = None  # their least capacity
+
+
+class _ModelRef:
+    """A weak reference to the patched model (its hooks and wrappers hold no strong one: ``del model`` frees it) that
+    a deep copy re-targets at the copy: ``copy.deepcopy(model)`` copies the model first (``copy`` records it in
+    ``memo`` before copying its attributes), so the copied hooks / wrappers find the copied model, never the
+    original. Copying a part of a patched model that holds such a reference (its base model) without the model
+    is refused: the copy's hooks would belong to no patched model."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, model):
+        self._ref = weakref.ref(model)
+
+    def __call__(self):
+        return self._ref()
+
+    def __deepcopy__(self, memo):
+        model = self._ref()
+        twin = memo.get(id(model)) if model is not None else None
+        if twin is None:
+            raise TypeError(
+                "copy.deepcopy of a part of a kvkit-patched model (its base model carries kvkit's hooks, which "
+                "belong to the whole model): deep-copy the whole model (copy.deepcopy(model) is an independent "
+                "patched model), or kvkit.unpatch(model) before copying the part"
+            )
+        return _ModelRef(twin)
+
+    def __reduce__(self):
+        raise TypeError("a kvkit-patched model cannot be pickled: kvkit.unpatch(model) first, patch the loaded one")
 
 
 def _register() -> None:
@@ -161,8 +201,29 @@ def _new_tokens(args, kwargs) -> int:
     return 0
 
 
+def check_foreign_cache(model, cache) -> None:
+    """Refuse a transformers cache (not a ``KVCache``) handed to a model patched with a compressing policy.
+
+    Attention over such a cache is transformers' exact attention over everything it holds: under ``full`` that *is*
+    the policy (the cache is used as is), under any other policy the request would silently run without it. It is
+    never swapped for a new cache either (the caller's object would stay empty and the next call that passes it
+    would run without the context)."""
+    state = getattr(model, "_kvkit_state", None)
+    if state is None or not isinstance(cache, Cache) or isinstance(cache, KVCache) or state.policy.name == "full":
+        return
+    name = state.policy.name
+    raise ValueError(
+        f"a transformers {type(cache).__name__} was passed as the cache of a model patched with {name!r}: attention "
+        f"over it would be transformers' own, without {name!r}'s compression (kvkit neither fills nor replaces a cache you "
+        f"pass). Pass kvkit.KVCache(model) instead (it carries the context from call to call), or no cache (a new "
+        "KVCache is made and returned in the output); or kvkit.unpatch(model) to use transformers' caches"
+    )
+
+
 def _model_pre_hook(model_ref, module, args, kwargs):
-    """Check the inputs and the context length; swap an absent or empty transformers cache for a ``KVCache``.
+    """Check the inputs and the context length; give a forward without a cache a new ``KVCache``; refuse a
+    transformers cache under a compressing policy (:func:`check_foreign_cache`); split the first forward of an
+    assisted generation (:func:`_split_first_forward`).
 
     Under ``torch.compile`` (a compiled decode step) it only checks what costs no host read: the cache was built
     and checked by the eager prefill, and the context length of a ``generate`` request by ``model.generate``
@@ -172,6 +233,7 @@ def _model_pre_hook(model_ref, module, args, kwargs):
     if torch.compiler.is_compiling() and isinstance(pkv, KVCache):
         return None
     model = model_ref()
+    check_foreign_cache(model, pkv)
     if isinstance(pkv, KVCache) and pkv.infos and model is not None:
         tc = model.config.get_text_config(decoder=True)
         want = (tc.num_hidden_layers, tc.num_key_value_heads or tc.num_attention_heads)
@@ -189,49 +251,202 @@ def _model_pre_hook(model_ref, module, args, kwargs):
         use_cache = getattr(model.config, "use_cache", True)
     if use_cache is False:
         return None
-    if pkv is None or (type(pkv) is DynamicCache and pkv.get_seq_length() == 0):
+    if pkv is None:
         set_cache(kwargs, KVCache(model))
         return args, kwargs
+    if isinstance(pkv, KVCache):
+        prompt = pkv.__dict__.pop("_kvkit_prompt", None)  # only the first forward into it
+        if prompt is not None and cached == 0 and 0 < prompt < _new_tokens(args, kwargs):
+            return _split_first_forward(module, args, kwargs, pkv, prompt)
     return None
+
+
+#: the forward's per-token inputs (their token dimension: 1, or 0 for a 1-d ``cache_position``), cut at the
+#: prompt's end by :func:`_split_first_forward`
+_PER_TOKEN = ("input_ids", "inputs_embeds", "position_ids", "cache_position", "token_type_ids")
+
+
+def _split_first_forward(base_model, args, kwargs, cache: KVCache, prompt: int):
+    """The first forward of transformers' assisted / prompt-lookup generation carries the prompt *and* the first
+    candidates (``prompt + k`` tokens into the empty cache). A policy prefills whatever its first forward carries
+    and compresses it, so the candidates would be compressed with the prompt and could not be cropped when rejected.
+    Here that forward runs as plain ``generate`` runs it: the prompt alone first (a nested forward of the base
+    model: the policy's prefill and compression over exactly the prompt), then the candidates as a verification
+    forward over the cache (croppable: compression only runs at the start of a forward). The two outputs are joined
+    again by :func:`_model_post_hook`, so the model returns the ``prompt + k`` positions it was asked for."""
+    if args:  # the ids given positionally: as a keyword, to cut them like the rest
+        kwargs = {"input_ids": args[0], **kwargs}
+        args = ()
+    head, tail = dict(kwargs), dict(kwargs)
+    for name in _PER_TOKEN:
+        x = kwargs.get(name)
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            dim = 0 if x.dim() == 1 else 1
+            head[name], tail[name] = x.narrow(dim, 0, prompt), x.narrow(dim, prompt, x.shape[dim] - prompt)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # [B, past + new]: the tail keeps it whole
+        head["attention_mask"] = mask[:, :prompt]
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 4:  # [B, 1, new, past + new]
+        head["attention_mask"], tail["attention_mask"] = mask[..., :prompt, :prompt], mask[..., prompt:, :]
+    elif mask is not None:
+        raise ValueError(f"kvkit cannot split a first forward whose attention_mask is a {type(mask).__name__}")
+    cache.__dict__["_kvkit_prefix_output"] = base_model(**head)
+    return args, tail
+
+
+def _join_outputs(first, output):
+    """``first`` (the prompt's forward) and ``output`` (the candidates') as one output over all their positions."""
+    def cat(a, b):
+        return b if a is None or b is None else torch.cat([a, b], dim=1)
+
+    if isinstance(output, tuple):
+        return (cat(first[0], output[0]), *output[1:])
+    output.last_hidden_state = cat(first.last_hidden_state, output.last_hidden_state)
+    hidden = getattr(output, "hidden_states", None)
+    if hidden is not None and getattr(first, "hidden_states", None) is not None:
+        output.hidden_states = tuple(cat(a, b) for a, b in zip(first.hidden_states, hidden))
+    return output
 
 
 def _model_post_hook(module, args, kwargs, output):
-    """After a forward of the base model: the policy's ``after_forward`` (only policies that define one)."""
+    """After a forward of the base model: the policy's ``after_forward`` (only policies that define one); the
+    outputs of a split first forward joined (:func:`_split_first_forward`)."""
     pkv = get_cache(kwargs)
-    if isinstance(pkv, KVCache) and type(pkv.policy).after_forward is not Policy.after_forward:
+    if not isinstance(pkv, KVCache):
+        return None
+    if type(pkv.policy).after_forward is not Policy.after_forward:
         ids = kwargs.get("input_ids", args[0] if args else None)
         pkv.policy.after_forward(module, pkv, ids if isinstance(ids, torch.Tensor) else None,
                                  kwargs.get("attention_mask"))
+    first = pkv.__dict__.pop("_kvkit_prefix_output", None) if not torch.compiler.is_compiling() else None
+    return None if first is None else _join_outputs(first, output)
+
+
+def _generation_value(name: str, kwargs: dict, generation_config, model):
+    """A generation setting as ``generate`` resolves it: a keyword argument, else the ``generation_config`` passed
+    (where set), else the model's ``generation_config``."""
+    if name in kwargs:
+        return kwargs[name]
+    for cfg in (generation_config, getattr(model, "generation_config", None)):
+        value = getattr(cfg, name, None) if cfg is not None else None
+        if value is not None:
+            return value
     return None
 
 
-def _generate_checked(model_ref, generate, *args, **kwargs):
-    """``model.generate`` while patched: refuse a request whose prompt + ``max_new_tokens`` crosses the trained
-    context before anything runs (instead of at the crossing step, losing the tokens generated so far).
+#: ``cache_implementation`` values that mean transformers' default cache (5.24 drops a checkpoint's "hybrid" itself)
+_DEFAULT_CACHES = (None, "dynamic", "hybrid")
 
-    With a static patch and no cache given, it hands ``generate`` a static ``KVCache`` with room for the prompt +
-    the tokens to generate: transformers sees a compileable cache before its loop starts, so it compiles the decode
-    forward on CUDA (``GenerationMixin._valid_auto_compile_criteria``), and no compiled step needs to grow it."""
+
+def _generate_checked(model_ref, generate, *args, **kwargs):
+    """``model.generate`` while patched, for every way of calling it (``generate(ids)``, ``inputs=``, ``input_ids=``,
+    ``inputs_embeds=``, a ``GenerationConfig`` positional or by keyword, ``max_new_tokens`` / ``max_length`` from
+    either): the arguments are bound to ``generate``'s signature first, then
+
+    * a request whose prompt + ``max_new_tokens`` crosses the trained context is refused before anything runs
+      (instead of at the crossing step, losing the tokens generated so far);
+    * a transformers cache passed under a compressing policy is refused (:func:`check_foreign_cache`);
+    * assisted generation (``assistant_model=``, ``prompt_lookup_num_tokens=``, ...) over a policy whose compression
+      a speculative round cannot reproduce (``Policy.speculative_refusal``) is refused with the reason;
+    * without a cache, ``generate`` is handed the policy's ``KVCache`` (transformers then makes none of its own):
+      ``cache_implementation="static"`` (a keyword, the config passed or the model's) asks for the policy's static
+      cache, refused for a policy without one; any other transformers cache implementation is refused under a
+      compressing policy (it would run without it) and left to transformers under ``full``. A static cache is sized
+      for the prompt + the tokens to generate: transformers sees a compileable cache before its loop starts, so it
+      compiles the decode forward on CUDA (``GenerationMixin._valid_auto_compile_criteria``), and no compiled step
+      needs to grow it. For assisted generation the cache is told the prompt's length, so the first forward (prompt
+      + first candidates) prefills the prompt alone (:func:`_split_first_forward`)."""
     model = model_ref()
-    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    state = getattr(model, "_kvkit_state", None)
+    sig = inspect.signature(generate)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return generate(*args, **kwargs)  # transformers' own error for a malformed call
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    named = bound.arguments
+    extra = dict(named.get(var_kw, {})) if var_kw else {}
+    gen_cfg = named.get("generation_config")
+
+    ids = named.get("inputs")
+    if not isinstance(ids, torch.Tensor):
+        ids = extra.get("input_ids")
+    emb = extra.get("inputs_embeds")
     n = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() >= 1 else 0
-    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    max_len = kwargs.get("max_length", getattr(gc, "max_length", None))
-    max_new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None) if "max_length" not in kwargs else None)
+    if isinstance(emb, torch.Tensor) and emb.dim() >= 2:
+        n = max(n, emb.shape[1])
+    max_new = _generation_value("max_new_tokens", extra, gen_cfg, model)
+    max_len = _generation_value("max_length", extra, gen_cfg, model)
     if max_new is None:
         max_new = max(max_len - n, 0) if isinstance(max_len, int) else 0
     if n and isinstance(max_new, int) and max_new > 0:
         check_context(model, 0, n + max_new, where=f"the request (prompt {n} + max_new_tokens {max_new})")
-    state = getattr(model, "_kvkit_state", None)
-    if (state is not None and state.static and get_cache(kwargs) is None and kwargs.get("use_cache") is not False
-            and kwargs.get("cache_implementation") is None and kwargs.get("custom_generate") is None):
-        emb = kwargs.get("inputs_embeds")
-        n = n or (emb.shape[1] if isinstance(emb, torch.Tensor) and emb.dim() >= 2 else 0)
-        room = max_new if isinstance(max_new, int) and max_new > 0 else (max_len if isinstance(max_len, int) else 0)
-        cache = KVCache(model)
-        cache.ensure_capacity(n + room)
-        set_cache(kwargs, cache)
-    return generate(*args, **kwargs)
+    if state is None:
+        return generate(*args, **kwargs)
+
+    user_cache = get_cache(extra)
+    check_foreign_cache(model, user_cache)
+    custom = named.get("custom_generate") is not None
+    assisted = (named.get("assistant_model") is not None
+                or any(_generation_value(k, extra, gen_cfg, model) not in (None, False)
+                       for k in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")))
+    assisted = assisted and (_generation_value("num_beams", extra, gen_cfg, model) or 1) == 1 and not custom
+    policy = user_cache.policy if isinstance(user_cache, KVCache) else state.policy
+    reason = getattr(policy, "speculative_refusal", None)
+    if assisted and reason is not None:
+        name = policy.name
+        raise ValueError(
+            f"assisted generation (assistant_model= / prompt_lookup_num_tokens=) over a model patched with {name!r} "
+            f"is not lossless: {reason}. Use the {name!r} model's plain generate, or a policy whose rounds decode as "
+            "one-token steps do (e.g. 'streaming' or 'full')"
+        )
+
+    impl = _generation_value("cache_implementation", extra, gen_cfg, model)
+    use_cache = _generation_value("use_cache", extra, gen_cfg, model)
+    cache = user_cache
+    if cache is None and use_cache is not False and not custom:
+        name = state.policy.name
+        static = state.static
+        if impl == "static":
+            if name not in STATIC_POLICIES:
+                raise ValueError(
+                    f"cache_implementation='static' on a model patched with {name!r}: transformers' StaticCache would "
+                    f"run without {name!r}'s compression, and {name!r} has no static cache (kvkit's static caches: "
+                    f"{', '.join(STATIC_POLICIES)}). Drop cache_implementation (kvkit's policy decides the cache)"
+                )
+            static = True
+        elif impl not in _DEFAULT_CACHES and name != "full":
+            raise ValueError(
+                f"cache_implementation={impl!r} on a model patched with {name!r} asks transformers for its own cache, "
+                f"which would run without {name!r}'s compression. Drop it (kvkit's policy decides the cache; "
+                f"cache_implementation='static' gives the policy's static cache where it has one: "
+                f"{', '.join(STATIC_POLICIES)}), or kvkit.unpatch(model) first"
+            )
+        if impl in _DEFAULT_CACHES or impl == "static":  # under full, another implementation is transformers' own
+            cache = KVCache(model, state.policy, static=static,
+                            max_length=state.max_length if state.static else None)
+            if static:
+                room = max_new if isinstance(max_new, int) and max_new > 0 else (
+                    max_len if isinstance(max_len, int) else 0)
+                cache.ensure_capacity(n + room)
+            set_cache(extra, cache)
+            # generate refuses a cache next to a cache_implementation: drop it wherever it was set
+            extra.pop("cache_implementation", None)
+            if getattr(gen_cfg, "cache_implementation", None) is not None:
+                gen_cfg = copy.deepcopy(gen_cfg)
+                gen_cfg.cache_implementation = None
+                named["generation_config"] = gen_cfg
+            if getattr(model.generation_config, "cache_implementation", None) is not None:
+                extra["cache_implementation"] = None
+    if var_kw:
+        named[var_kw] = extra
+    if not (assisted and isinstance(cache, KVCache) and cache.get_seq_length() == 0 and n):
+        return generate(*bound.args, **bound.kwargs)
+    cache.__dict__["_kvkit_prompt"] = n  # the first forward: prompt + candidates (_split_first_forward)
+    try:
+        return generate(*bound.args, **bound.kwargs)
+    finally:
+        cache.__dict__.pop("_kvkit_prompt", None)
 
 
 def _compiled_call(model_ref, get_compiled_call, compile_config=None):
@@ -262,10 +477,22 @@ def _compiled_step(model_ref, compiled, *args, **kwargs):
     return out
 
 
+#: the keyword argument that carries a layer's store from kvkit's attention pre-hook to the attention function
+STORE_KWARG = "kvkit_store"
+
+
 def _attn_pre_hook(module, args, kwargs):
+    """Bind this call's layer store: ``kvkit_store=cache.layers[layer_idx]`` joins the attention module's keyword
+    arguments, which its forward hands on to the registered attention function (:func:`kvkit_attention`). The binding
+    lives in the call, not on the module shared by every caller: concurrent forwards (threads) each read their own
+    cache's store, and it traces under ``torch.compile(fullgraph=True)`` (a dict entry, no module attribute
+    mutation). Without a ``KVCache`` (a transformers cache under ``full``, ``use_cache=False``) nothing is bound and
+    the attention is transformers' sdpa."""
     pkv = get_cache(kwargs)
-    module._kvkit_store = pkv.layers[module.layer_idx] if isinstance(pkv, KVCache) else None
-    return None
+    if not isinstance(pkv, KVCache):
+        return None
+    kwargs[STORE_KWARG] = pkv.layers[module.layer_idx]
+    return args, kwargs
 
 
 #: transformers releases kvkit's cache and attention hooks are written for (5.24 renamed the cache argument:
@@ -321,19 +548,19 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, static: b
     state = PatchState(policy=pol, old_impl=model.config._attn_implementation,
                        allow_beyond_context=allow_beyond_context, static=static, max_length=max_length)
     model.set_attn_implementation(ATTN_NAME)
-    hook = functools.partial(_model_pre_hook, weakref.ref(model))
+    ref = _ModelRef(model)  # weak, and a deep copy of the model re-targets it at the copy
+    hook = functools.partial(_model_pre_hook, ref)
     state.handles.append(model.base_model.register_forward_pre_hook(hook, with_kwargs=True))
     state.handles.append(model.base_model.register_forward_hook(_model_post_hook, with_kwargs=True))
     for m in _attention_modules(model):
-        m._kvkit_store = None
         state.handles.append(m.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))
         state.attn_modules.append(m)
     state.own_generate = "generate" not in vars(model)
     if state.own_generate:
-        model.generate = functools.partial(_generate_checked, weakref.ref(model), model.generate)
+        model.generate = functools.partial(_generate_checked, ref, model.generate)
     state.own_compiled_call = "get_compiled_call" not in vars(model)
     if state.own_compiled_call:
-        model.get_compiled_call = functools.partial(_compiled_call, weakref.ref(model), model.get_compiled_call)
+        model.get_compiled_call = functools.partial(_compiled_call, ref, model.get_compiled_call)
     model._kvkit_state = state
     return model
 
@@ -346,7 +573,7 @@ def unpatch(model):
     for h in state.handles:
         h.remove()
     for m in state.attn_modules:
-        if hasattr(m, "_kvkit_store"):
+        if hasattr(m, "_kvkit_store"):  # left by kvkit releases that bound the store on the module
             del m._kvkit_store
     model.set_attn_implementation(state.old_impl)
     if getattr(state, "own_generate", False) and "generate" in vars(model):
@@ -362,4 +589,5 @@ def patched_policy(model) -> Policy | None:
     return None if state is None else state.policy
 
 
-__all__ = ["patch", "unpatch", "patched_policy", "check_model", "check_context", "context_limit", "Cache"]
+__all__ = ["patch", "unpatch", "patched_policy", "check_model", "check_context", "check_foreign_cache", "context_limit",
+           "Cache"]

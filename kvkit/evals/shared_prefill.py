@@ -140,12 +140,9 @@ def replay_prefill(model, rec: PrefillRecording, cache: KVCache | None = None) -
         c = rec.calls[idx]
         # clones: a store may keep (and later modify in place) the very tensors it is given
         k, v = cache.update(c.key.clone(), c.value.clone(), idx, c.cache_kwargs)
-        store = cache.layers[idx]
-        c.module._kvkit_store = store
-        try:
-            store.attend(c.module, c.query.clone(), k, v, c.attention_mask, c.scaling, c.dropout, **c.kwargs)
-        finally:
-            c.module._kvkit_store = None
+        # the store is called directly, as kvkit's attention function calls it (the binding is per call: nothing
+        # is set on the shared attention module, so replays in several threads do not meet)
+        cache.layers[idx].attend(c.module, c.query.clone(), k, v, c.attention_mask, c.scaling, c.dropout, **c.kwargs)
     return cache
 
 
