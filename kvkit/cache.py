@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from transformers.cache_utils import Cache
 
-from kvkit.model_info import layer_infos, make_rope_fn
+from kvkit.model_info import layer_infos, make_rope_fn, text_config
 from kvkit.stores.full import SlidingStore
 
 #: the policies whose stores have a static variant (``KVCache(..., static=True)``)
@@ -78,6 +78,10 @@ class KVCache(Cache):
                     f"kvkit does not support attention layers of type {info.layer_type!r} "
                     f"(layer {info.layer_idx}); supported: full_attention, sliding_attention"
                 )
+        n = getattr(text_config(self._model_config), "num_hidden_layers", None) if self._model_config else None
+        if n is not None and len(layers) != n:
+            raise ValueError(f"KVCache: {len(layers)} cache layers for a model with {n} decoder layers "
+                             "(num_hidden_layers); kvkit needs one per decoder layer (kvkit.model_info.layer_infos)")
         super().__init__(layers=layers)
         if static and not self.is_compileable:
             raise ValueError(f"static=True: a {self.policy.name!r} cache for this model has a layer without a static "

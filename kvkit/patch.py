@@ -43,7 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvkit.attention import kvkit_attention
 from kvkit.cache import STATIC_POLICIES, KVCache, check_static
-from kvkit.compat import get_cache, set_cache
+from kvkit.compat import TRANSFORMERS_SUPPORTED, get_cache, set_cache
 from kvkit.model_info import context_limit
 from kvkit.policies.base import Policy
 from kvkit.registry import get_policy
@@ -491,13 +491,13 @@ def _attn_pre_hook(module, args, kwargs):
     pkv = get_cache(kwargs)
     if not isinstance(pkv, KVCache):
         return None
+    if module.layer_idx >= len(pkv.layers):
+        raise ValueError(f"this KVCache has {len(pkv.layers)} layers but attention layer {module.layer_idx} ran: it was "
+                         "built for another model; build it with kvkit.KVCache(model, ...) for the model you run")
     kwargs[STORE_KWARG] = pkv.layers[module.layer_idx]
     return args, kwargs
 
 
-#: transformers releases kvkit's cache and attention hooks are written for (5.24 renamed the cache argument:
-#: :mod:`kvkit.compat`)
-TRANSFORMERS_SUPPORTED = ("5.0", "5.25")
 
 
 def check_transformers(version: str | None = None) -> None:

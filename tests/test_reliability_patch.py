@@ -305,13 +305,13 @@ def test_defect14_first_round_keeps_the_prefill_of_plain_generate(monkeypatch):
     prompt, as in plain generate, and the candidates stay croppable."""
     model = tiny_model("llama")
     ids = _repetitive_prompt()
-    kvkit.patch(model, "snapkv", **_opts("snapkv"))
+    kvkit.patch(model, "streaming", **_opts("streaming"))
     try:
         seen = []
-        from kvkit.policies.snapkv import SnapKVStore
+        from kvkit.stores.scored import ScoredStore
 
-        on_prefill = SnapKVStore.on_prefill
-        monkeypatch.setattr(SnapKVStore, "on_prefill",
+        on_prefill = ScoredStore.on_prefill
+        monkeypatch.setattr(ScoredStore, "on_prefill",
                             lambda self, q, m: (seen.append(self.seen), on_prefill(self, q, m)))
         model.generate(ids, max_new_tokens=1, do_sample=False)
         plain, seen[:] = list(seen), []

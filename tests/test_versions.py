@@ -131,7 +131,6 @@ def test_a_cache_built_for_another_model_is_refused_clearly():
         kvkit.unpatch(big)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the layer-count check in KVCache.__init__ (kvkit/cache.py, issue 33)")
 def test_kvcache_refuses_a_layer_list_that_does_not_match_the_model(monkeypatch):
     """transformers 5.14-5.18's helper made ``layer_infos`` build no layers and KVCache accepted the empty list; the
     first forward then died with an IndexError in the attention pre-hook. Any such mismatch is refused up front."""
@@ -156,14 +155,12 @@ def test_the_installed_release_is_inside_the_supported_range():
     assert TRANSFORMERS_LOWEST.startswith(low + ".")
 
 
-@pytest.mark.xfail(strict=True, reason="kvkit/patch.py must read TRANSFORMERS_SUPPORTED from kvkit.compat (issue 33)")
 def test_the_version_gate_reads_the_bounds_from_compat():
     from kvkit.patch import TRANSFORMERS_SUPPORTED as gate  # (``kvkit.patch`` is also the function)
 
     assert gate is TRANSFORMERS_SUPPORTED
 
 
-@pytest.mark.xfail(strict=True, reason="kvkit/patch.py must read TRANSFORMERS_SUPPORTED from kvkit.compat (issue 33)")
 def test_a_release_outside_the_range_is_refused_with_the_range_and_the_pip_command():
     from kvkit.patch import check_transformers
 

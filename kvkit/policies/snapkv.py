@@ -74,6 +74,11 @@ class SnapKV(Policy):
     saves = "memory+reads"
     test_options: ClassVar[dict] = dict(budget=16, window=4, kernel=3, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
+    speculative_refusal: ClassVar[str | None] = (
+        "SnapKV evicts in bulk when its tail fills, ranking tokens by the attention of its observation-window "
+        "queries; a speculative round feeds several tokens at once and must keep them croppable, so the eviction "
+        "runs at another token count and sees other queries than in one-token decoding"
+    )
 
     def __post_init__(self):
         for name in ("budget", "window", "tail"):

@@ -366,6 +366,7 @@ class DraftCache(KVCache):
     def __init__(self, base: KVCache, view: DraftView):  # not KVCache.__init__: no new stores
         self.base, self.view = base, view
         self.policy, self.infos, self.shared = base.policy, base.infos, base.shared
+        self.scoring_pass = False  # (KVCache's flag: no policy scoring forward runs through a draft)
         self._model_config = getattr(base, "_model_config", None)
         Cache.__init__(self, layers=[DraftLayer(layer, view) for layer in base.layers])
         self.tail_pos = None  # [B, t] token position of every tail slot (-1: hole), when the drafter sets it
