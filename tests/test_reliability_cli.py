@@ -239,11 +239,25 @@ def _write_cal(path, model, policies, raw: str | None = None):
     return path
 
 
+def test_defect18_huge_layer_shares_are_relative_weights_not_an_overflow():
+    """[1e308] * n summed to inf and the budgets to NaN ('cannot convert float NaN to integer'): the shares are scaled
+    by their largest first, so huge equal shares give the uniform budgets."""
+    from kvkit.registry import policy_class
+
+    tidal = policy_class("tidal")
+    huge = tidal(budget=16, layer_shares=[1e308] * 6, calibrated=False, select_layers=[0, 3])
+    assert huge.layer_budgets(6) == [16] * 6
+    mixed = tidal(budget=16, layer_shares=[1.0, 1e308, 5e307, 1.0, 1e308, 5e307], calibrated=False,
+                  select_layers=[0, 3])
+    assert mixed.layer_budgets(6) == tidal(budget=16, layer_shares=[1.0, 2.0, 1.0, 1.0, 2.0, 1.0], calibrated=False,
+                                           select_layers=[0, 3]).layer_budgets(6)
+
+
 @pytest.mark.parametrize("how", ["patch", "KVCache"])
-def test_defect18_overflowing_layer_shares_name_the_file_and_field(tmp_path, monkeypatch, how):
+def test_defect18_layer_shares_that_do_not_fit_name_the_file_and_field(tmp_path, monkeypatch, how):
     model = tiny_model("llama", num_hidden_layers=6)
     path = _write_cal(_caldir(tmp_path, monkeypatch) / "shares.json", model,
-                      {"tidal": {"options": {"layer_shares": [1e308] * 6}}})
+                      {"tidal": {"options": {"layer_shares": [1.0] * 5}}})  # one share short of the 6 layers
     with pytest.raises(store.CalibrationError,
                        match=rf"calibration file '{path}' is malformed: policies\.tidal\.options\.layer_shares does "
                              r"not fit this model \(llama, 6 layers\)"):

@@ -199,8 +199,12 @@ class Tidal(Policy):
         reuse = [i for i in range(layers[0], num_layers) if i not in layers]
         if not reuse:
             return [self.budget] * num_layers
-        mean = sum(self.layer_shares[i] for i in reuse) / len(reuse)
-        return [max(1, round(self.budget * self.layer_shares[i] / mean)) if i in reuse else self.budget
+        top = max(self.layer_shares[i] for i in reuse)  # shares scaled by the largest first: no overflow to inf
+        if not top > 0:
+            raise ValueError(f"tidal: layer_shares of the reuse layers must have a positive largest value, got {top!r}")
+        scaled = {i: self.layer_shares[i] / top for i in reuse}
+        mean = sum(scaled.values()) / len(reuse)
+        return [max(1, round(self.budget * scaled[i] / mean)) if i in reuse else self.budget
                 for i in range(num_layers)]
 
     def select_budget(self, num_layers: int, layer: int) -> int:
