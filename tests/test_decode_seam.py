@@ -78,3 +78,37 @@ def test_failed_launch_falls_back_to_sdpa_once(monkeypatch):
     msgs = [str(x.message) for x in w if "fused decode kernel failed" in str(x.message)]
     assert len(msgs) == 1 and "no such PTX target" in msgs[0]
     assert attend._SEAM["failed"]
+
+
+@pytest.mark.parametrize("lengths", [(40,), (40, 27)], ids=["single", "left-padded"])
+def test_zipcache_step_is_one_seam_call_per_layer(lengths, monkeypatch, count_seam):
+    """A ZipCache decode step on the Triton path reads the tail and every packed segment in ONE
+    kernels.decode call per layer (tail as the view's own keys, segments as PackedParts), no quant_decode."""
+    from kvkit.kernels.view import PackedPart
+    from kvkit.stores import quantized
+
+    ref_toks, ref_logits = _run("zipcache", lengths)
+    monkeypatch.setenv("KVKIT_KERNELS", "triton")
+    quant_calls, steps = [], []
+    real_qd, real_decode = quantized.quant_decode, quantized.QuantizedSegmentStore.decode
+
+    def counted_qd(*a, **k):
+        quant_calls.append(1)
+        return real_qd(*a, **k)
+
+    def counted_decode(self, query, qpos, scaling):
+        if query.shape[2] == 1:
+            steps.append(len(count_seam))
+        out = real_decode(self, query, qpos, scaling)
+        if query.shape[2] == 1:
+            assert len(count_seam) == steps[-1] + 1, "a zipcache step must be exactly one kernels.decode call"
+        return out
+
+    monkeypatch.setattr(quantized, "quant_decode", counted_qd)
+    monkeypatch.setattr(quantized.QuantizedSegmentStore, "decode", counted_decode)
+    toks, logits = _run("zipcache", lengths)
+    assert torch.equal(toks, ref_toks)
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-4, atol=2e-4)
+    assert steps and len(count_seam) == len(steps)  # one call per layer per step, nothing else
+    assert not quant_calls
+    assert all(v.parts and all(isinstance(p, PackedPart) for p in v.parts) for v in count_seam)

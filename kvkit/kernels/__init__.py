@@ -8,10 +8,11 @@ Public API (shapes: B batch, Hq query heads, Hkv KV heads, Tq query tokens, N st
 * :func:`weighted_decode` -- dense attention with an additive per-key log-weight.
 * :func:`quantize` / :func:`dequantize` / :func:`packed_nbytes` / :func:`quant_decode` -- int8/4/2 KV.
 * :func:`lowrank_decode` -- ShadowKV: keys rebuilt from low-rank factors + RoPE, attended with their values.
+* :func:`lowrank_token_decode` -- ShadowKV's single-token CPU step through the C kernel (None where it cannot run).
 * :func:`chunk_scores` / :func:`topk_indices` -- chunk selection helpers.
 
-Callers: ``tidal`` (sparse_decode), ``chelsea`` (weighted_decode, merge_attn), ``zipcache`` (quantize,
-quant_decode, merge_attn), ``shadowkv`` (chunk_scores, topk_indices, lowrank_decode, merge_attn).
+Callers: ``tidal`` (sparse_decode), ``chelsea`` (decode, through ``attend_slots``), ``zipcache`` (quantize,
+decode with packed parts, quant_decode), ``shadowkv`` (chunk_scores, topk_indices, lowrank_decode, lowrank_token_decode, merge_attn).
 
 Dispatch: CUDA tensors with Triton importable -> Triton kernels; anything else -> the torch reference
 (fp32 math). ``KVKIT_KERNELS=reference`` forces the reference, ``KVKIT_KERNELS=triton`` forces Triton
@@ -49,7 +50,7 @@ __all__ = [
     "DecodeView", "PackedPart", "decode",
     "Packed", "backend", "chunk_scores", "dequantize", "gather_attend", "gather_attend_torch", "lowrank_decode",
     "merge_attn",
-    "packed_nbytes", "quant_decode", "quantize", "sparse_decode",
+    "lowrank_token_decode", "packed_nbytes", "quant_decode", "quantize", "sparse_decode",
     "topk_indices", "use_triton", "weighted_decode",
 ]
 
@@ -251,7 +252,8 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     (attention scaling included; e.g. the model's rotary module at ``arange(P)``), P above every position
     read: the torch path gathers its rows instead of evaluating cos/sin per selected key (same values);
     the Triton path evaluates cos/sin from inv_freq in registers and does not read it. inv_freq may be None
-    when rope_table is given (the torch path then runs on every device).
+    when rope_table is given (the torch path then runs on every device). rope_table may also be a zero-argument
+    callable returning the pair: it is called only when the torch path runs.
     """
     fn = "lowrank_decode"
     check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -260,6 +262,9 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     check_tensor(fn, "U", U, 3, None, q.device)
     check_tensor(fn, "SV", SV, 4, None, q.device)
     check_tensor(fn, "v", v, 4, None, q.device)
+    fused = inv_freq is not None and use_triton(q, U, SV, v)
+    if callable(rope_table):  # built only where the torch path runs (the Triton path does not read it)
+        rope_table = None if fused else rope_table()
     if rope_table is not None:
         if not (isinstance(rope_table, (tuple, list)) and len(rope_table) == 2):
             fail(fn, "rope_table must be a (cos, sin) pair of [P, Dr] tensors")
@@ -306,7 +311,7 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     scale = default_scale(scale, D)
     if debug():
         check_range(fn, "chunk_ids", idx, -(-N // chunk_size))
-    if inv_freq is not None and use_triton(q, U, SV, v):
+    if fused:
         from .lowrank import lowrank_decode_triton
 
         with _on_device(q):
@@ -324,6 +329,43 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
         o2, l2 = weighted_decode(q4, extra_k, extra_v, None, scale=scale, valid=extra_valid, return_lse=True)
         out, lse = merge_attn(out, lse, o2, l2)
     return _finish(out, lse, q.dim() == 3, return_lse)
+
+
+def lowrank_token_decode(q, U, SV, v, tok, rope_half, *, scale=None, position_offset=None, positions=None,
+                         exact=()):
+    """ShadowKV's single-token CPU step: keys rebuilt from low-rank factors at token ids, plus exact parts, in one
+    softmax, through the C kernel of :mod:`.decode_cpu` (keys rebuilt in registers, never stored).
+
+    q ``[B, Hq, 1, D]``; U ``[B, N, r]``; SV ``[B, Hkv, r, D]``; v ``[B, Hkv, N, D]``; tok ``[B, Hkv, K]`` token ids
+    (-1 = none); rope_half ``(cos_half, sin_half)`` ``[P, Dr/2]`` (rotate_half tables' first halves, attention
+    scaling included) or None; position_offset ``[B]`` or positions ``[B, N]``; exact: up to 4 ``(keys, values,
+    pos)`` parts (keys/values ``[B, Hkv, n, D]``, pos ``[B, Hkv|1, n]`` int32, < 0 not read) attended jointly.
+    Returns ``(out [B, Hq, 1, D] fp32, lse [B, Hq, 1] fp32)``; exact parts whose layout the C kernel cannot read
+    (rows not contiguous, unequal K/V strides) are attended by :func:`weighted_decode` and merged by LSE. Returns
+    None where the C kernel does not serve these inputs (not CPU fp32 contiguous, no C compiler, no rope_half):
+    the caller's torch path runs then.
+    """
+    from . import decode_cpu
+
+    if rope_half is None or not decode_cpu.supported(q, U, SV, v) or not decode_cpu.available():
+        return None
+    scale = default_scale(scale, q.shape[-1])
+    D = SV.shape[-1]
+    fits = [(k, vv, p) for k, vv, p in exact
+            if k.stride() == vv.stride() and k.stride(-2) == D and k.stride(-1) == 1]
+    if len(fits) == len(exact):
+        return decode_cpu.lowrank_attn(q, U, SV, v, tok, scale, *rope_half, exact=exact,
+                                       position_offset=position_offset, positions=positions)
+    out, lse = decode_cpu.lowrank_attn(q, U, SV, v, tok, scale, *rope_half, exact=fits,
+                                       position_offset=position_offset, positions=positions)
+    for k, vv, p in exact:
+        if any(k is f[0] for f in fits) or k.shape[-2] == 0:
+            continue
+        B, H, n = k.shape[0], k.shape[1], k.shape[2]
+        lw = torch.zeros((), device=q.device).expand(B, H, n).masked_fill(p.expand(B, H, n) < 0, float("-inf"))
+        o, s = weighted_decode(q.to(k.dtype), k, vv, lw, scale=scale, return_lse=True)
+        out, lse = merge_attn(out, lse, o.float(), s)
+    return out, lse
 
 
 def decode(q, view, *, scale=None, return_lse=False, num_splits=None):

@@ -8,7 +8,8 @@ size-weighted mean of their keys and of their values (ToMe's bipartite soft matc
 until the chunk holds ``ceil(ratio * chunk_size)`` slots (a 64-token chunk at ratio 0.2 takes three
 rounds: 64 -> 32 -> 16 -> 13). Each slot carries its cluster size; with ``size_bias`` attention adds
 ``log(size)`` to a merged key's score (ToMe's proportional attention, kvkit's option: a cluster then
-weighs as many identical tokens) through ``kvkit.kernels.weighted_decode``.
+weighs as many identical tokens) through :func:`kvkit.stores.attend_slots` (on the Triton path the
+log-weight of the fused ``kvkit.kernels.decode`` kernel).
 
 What is merged (kvkit's choices, not the paper's, which does not say): the first ``sink`` tokens of
 every row and the most recent ``window`` tokens stay exact; only *complete* chunks between them are
@@ -68,7 +69,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvkit.kernels import merge_attn, weighted_decode
 from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
@@ -538,22 +538,10 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
 
     # ---- attention ---------------------------------------------------------------------------
     def decode(self, query, qpos, scaling):
-        """Slot attention with ``log(cluster size)`` added to each merged key's score (``size_bias``).
-
-        CUDA: the committed slots (all strictly before the queries) through the ``weighted_decode`` kernel, the T
-        new ones causally through :func:`attend_slots`, merged by their log-sum-exp; elsewhere one
-        :func:`attend_slots` call over all slots."""
-        T, n = query.shape[2], self.keys.shape[-2]
+        """Slot attention with ``log(cluster size)`` added to each merged key's score (``size_bias``): one
+        :func:`attend_slots` call over all slots (a single-token step on the Triton path is one fused
+        :func:`kvkit.kernels.decode` launch with the log-weights and pos/qpos causality)."""
+        T = query.shape[2]
         lw = self.size.float().clamp(min=1).log() if self.p.size_bias else None
-        if not query.is_cuda or n <= T:
-            return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, log_weight=lw,
-                                dense=self.dense_decode(T))
-        old = n - T
-        w = lw[..., :old] if lw is not None else torch.zeros(self.pos[..., :old].shape, device=query.device)
-        w = w.masked_fill(self.pos[..., :old] < 0, float("-inf"))
-        o1, l1 = weighted_decode(query, self.keys[:, :, :old], self.values[:, :, :old], w, scale=scaling,
-                                 return_lse=True)
-        o2, l2 = attend_slots(query, self.keys[:, :, old:], self.values[:, :, old:], self.pos[..., old:], qpos,
-                              scaling, return_lse=True)
-        out, _ = merge_attn(o1, l1, o2.transpose(1, 2), l2)
-        return out.transpose(1, 2)
+        return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, log_weight=lw,
+                            dense=self.dense_decode(T))

@@ -23,7 +23,7 @@ with the exact outliers and the local + generated slots, one softmax over the un
 
 * CUDA: :func:`kvkit.kernels.lowrank_decode` (Triton, fused) for the chunks, :func:`kvkit.stores.attend_slots`
   for the exact slots, combined by their log-sum-exp (:func:`kvkit.kernels.merge_attn`);
-* CPU, one token (decode): :func:`kvkit.kernels.decode_cpu.lowrank_attn`, one C call per layer that rebuilds
+* CPU, one token (decode): :func:`kvkit.kernels.lowrank_token_decode` (the C kernel), one call per layer that rebuilds
   each key in registers and never stores it, exact slots in the same softmax (torch fallback without a C
   compiler: half-width RoPE tables, LSE merge of the parts once they are large);
 * several query tokens in one forward (speculative verification, chunked prefill): the general path, each
@@ -61,7 +61,7 @@ from typing import ClassVar
 
 import torch
 
-from kvkit.kernels import chunk_scores, decode_cpu, lowrank_decode, merge_attn, topk_indices, use_triton
+from kvkit.kernels import chunk_scores, lowrank_decode, lowrank_token_decode, merge_attn, topk_indices
 from kvkit.kernels.reference import chunks_to_tokens
 from kvkit.model_info import apply_rope, inverse_rope  # noqa: F401  (apply_rope: re-exported for tests)
 from kvkit.policies.base import Policy, check_positive_int
@@ -413,8 +413,8 @@ class ShadowKVStore(SlotStore):
             inv, a = (params[0].to(dev, torch.float32), params[1]) if params is not None else (None, 1.0)
             self._rope_params = (dev, inv, a)
         _, inv, a = self._rope_params
-        fused = inv is not None and use_triton(query, self.U)
-        table = None if fused else self.info.shared.rope_table(self.info.rope, self._rope_hi, dev)
+        # built only where lowrank_decode takes its torch path (the kernels package picks)
+        table = lambda: self.info.shared.rope_table(self.info.rope, self._rope_hi, dev)  # noqa: E731
         v, gathered = self.v_off, False
         if v.device != dev:  # offloaded values: fetch the selected chunks' rows (in list order)
             tok = chunks_to_tokens(ids.to(v.device), self.chunk, self.U.shape[1]).clamp(min=0)
@@ -429,8 +429,8 @@ class ShadowKVStore(SlotStore):
         """One decode token on the CPU. Same selection as :meth:`_select` (chunk_scores' math: softmax over the
         chunks per query head, max over the group's heads; unsorted, as the order of the read slots does not
         matter to a softmax) and the same keys as :func:`lowrank_decode` (``U[rows] @ (S*V^T)[head]``, RoPE from
-        the shared table, fp32). The selected chunks are attended by the C kernel of
-        :mod:`kvkit.kernels.decode_cpu` (keys rebuilt in registers, never stored) when it is available, else
+        the shared table, fp32). The selected chunks are attended by the C kernel behind
+        :func:`kvkit.kernels.lowrank_token_decode` (keys rebuilt in registers, never stored) when it is available, else
         rebuilt in torch with half-width RoPE tables; the exact outliers and local + generated slots through
         :func:`attend_slots`. Small parts go into one attention over their concatenation, large ones are merged
         by log-sum-exp (which copies nothing). Returns ``[B, 1, Hq, D]``."""
@@ -465,21 +465,17 @@ class ShadowKVStore(SlotStore):
                 ok = (top.values > float("-inf"))[..., None].expand(B, H, top.values.shape[-1], self.chunk)
                 ok = ok.reshape(B, H, K)
             half = self.info.shared.rope_half(self.info.rope, self._rope_hi, query.device)
-            if half is not None and decode_cpu.available() and decode_cpu.supported(query, self.U, self.SV, self.v_off):
-                tok = (ids + ar).view(B, H, K)
-                if ok is not None:
-                    tok = tok.masked_fill(~ok, -1)
-                kw = (dict(position_offset=self.rope_base.view(B)) if self.rope_base is not None
-                      else dict(positions=self.rope_pos))
-                # the exact outliers and local + generated slots join the same softmax (every slot a decode
-                # query sees is before it: only dead slots, pos < 0, are skipped)
-                exact = [(self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)]
-                if all(k.stride() == v.stride() and k.stride(-2) == D and k.stride(-1) == 1 for k, v, _ in exact):
-                    o, _ = decode_cpu.lowrank_attn(query, self.U, self.SV, self.v_off, tok, scaling, *half,
-                                                    exact=exact, **kw)
-                    return o.transpose(1, 2).to(query.dtype)
-                o, l_ = decode_cpu.lowrank_attn(query, self.U, self.SV, self.v_off, tok, scaling, *half, **kw)
-                done.append((o.to(query.dtype), l_))
+            tok = (ids + ar).view(B, H, K)
+            if ok is not None:
+                tok = tok.masked_fill(~ok, -1)
+            kw = (dict(position_offset=self.rope_base.view(B)) if self.rope_base is not None
+                  else dict(positions=self.rope_pos))
+            # the exact outliers and local + generated slots join the same softmax (every slot a decode
+            # query sees is before it: only dead slots, pos < 0, are skipped)
+            exact = [(self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)]
+            r = lowrank_token_decode(query, self.U, self.SV, self.v_off, tok, half, scale=scaling, exact=exact, **kw)
+            if r is not None:  # the kernels package's fused CPU kernel took the whole step
+                return r[0].transpose(1, 2).to(query.dtype)
             else:
                 u = self.U.view(B * N, r).index_select(0, (ubase + ids).view(-1)).view(B, H, K, r)
                 dt = torch.float64 if self.U.dtype == torch.float64 else torch.float32

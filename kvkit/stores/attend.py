@@ -33,8 +33,7 @@ def seam_decode(query, keys, values, scaling, *, pos=None, qpos=None, extra_mask
     eager steps on the Triton path (a compiled step keeps torch ops, which inductor fuses itself); a launch that
     raises (a Triton build the device cannot compile) is reported once and the SDPA path serves the process.
     """
-    if (query.shape[2] != 1 or _SEAM["failed"] is not None or torch.compiler.is_compiling()
-            or not kernels.use_triton(query, keys, values)):
+    if not seam_open(query, keys, values):
         return None
     B, Hq, _, D = query.shape
     H, n = keys.shape[1], keys.shape[2]
@@ -44,16 +43,31 @@ def seam_decode(query, keys, values, scaling, *, pos=None, qpos=None, extra_mask
     if log_weight is not None:
         lw = log_weight.to(torch.float32).expand(B, H, n).contiguous()
     view = DecodeView(keys, values, pos=pos, qpos=None if pos is None else qpos[-1], log_weight=lw)
+    r = seam_view(query, view, scaling)
+    return None if r is None else (r[0][:, None], r[1][:, :, None])
+
+
+def seam_view(query, view, scaling):
+    """:func:`kvkit.kernels.decode` of ``query [B, Hq, 1, D]`` over a store's own :class:`DecodeView`, once the
+    caller has checked the seam applies (single token, eager, :func:`kvkit.kernels.use_triton`, not failed).
+    Returns ``(out [B, Hq, D], lse [B, Hq] fp32)``, or None after a launch that raised (reported once; the
+    caller's SDPA path then serves the process)."""
     try:
-        out, lse = kernels.decode(query[:, :, 0], view, scale=scaling, return_lse=True)
+        return kernels.decode(query[:, :, 0], view, scale=scaling, return_lse=True)
     except Exception as e:  # noqa: BLE001 - any launch failure means the same: use SDPA, say so once
         import warnings
 
         _SEAM["failed"] = f"{type(e).__name__}: {e}"
         warnings.warn(f"kvkit: the fused decode kernel failed ({_SEAM['failed'][:200]}); decode falls back to "
-                      "torch's SDPA for this process", RuntimeWarning, stacklevel=2)
+                      "torch's SDPA for this process", RuntimeWarning, stacklevel=3)
         return None
-    return out[:, None], lse[:, :, None]
+
+
+def seam_open(query, *tensors) -> bool:
+    """Whether a step of ``query [B, Hq, T, D]`` reading ``tensors`` goes through the decode seam: one query
+    token, eager (a compiled step keeps torch ops), no earlier launch failure, and the Triton path picked."""
+    return (query.shape[2] == 1 and _SEAM["failed"] is None and not torch.compiler.is_compiling()
+            and kernels.use_triton(query, *tensors))
 
 
 def decode_backends(query: torch.Tensor):

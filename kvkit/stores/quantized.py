@@ -23,7 +23,9 @@ The tail is the :class:`~kvkit.stores.SlotStore`'s ``keys``/``values``/``pos`` (
 Decode: the tail goes to :func:`kvkit.stores.attend_slots` with ``return_lse=True`` (causal by position,
 padding); all parts of all segments go to :func:`kvkit.kernels.quant_decode` in one call (one softmax over
 their union: Triton on CUDA, the packed-code C kernel on CPU, the torch reference otherwise) with the
-tail's ``(out, lse)`` as ``prior``, merged through the log-sum-exp. Compression of the tail happens only at the start of ``update`` (or right after prefill), so ``crop``
+tail's ``(out, lse)`` as ``prior``, merged through the log-sum-exp. A single-token eager step on the Triton path
+(:func:`kvkit.kernels.use_triton`) is instead ONE :func:`kvkit.kernels.decode` call over a
+:class:`~kvkit.kernels.DecodeView`: the tail as its own keys (pos/qpos), the packed parts as its ``parts``. Compression of the tail happens only at the start of ``update`` (or right after prefill), so ``crop``
 of the tail is exact (the :class:`~kvkit.stores.SlotStore` contract).
 """
 
@@ -34,8 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvkit.kernels import Packed, packed_nbytes, quant_decode, quantize
-from kvkit.stores.attend import attend_slots
+from kvkit.kernels import DecodeView, Packed, PackedPart, packed_nbytes, quant_decode, quantize
+from kvkit.stores.attend import attend_slots, seam_open, seam_view
 from kvkit.stores.base import LayerInfo, SlotStore, tensor_bytes
 
 
@@ -208,13 +210,18 @@ class QuantizedSegmentStore(SlotStore):
         """Queries ``[B, Hq, T, D]`` at ``qpos [T]`` over every segment (all older than the queries) and the
         tail (causal by position); returns ``[B, T, Hq, D]``."""
         B, Hq, T, D = query.shape
+        if self._read is None and self.segments:
+            self._build_read()
+        r = self._seam_decode(query, qpos, scaling)
+        if r is not None:
+            out, lse = r
+            self.observe(query, qpos, scaling, lse)
+            return out
         out = lse = None
         if self.keys is not None and self.keys.shape[-2]:
             o, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True,
                                   dense=self.dense_decode(T))
             out = o.transpose(1, 2)
-        if self._read is None and self.segments:
-            self._build_read()
         if self._read is not None:  # the tail's partial attention is merged in by quant_decode (prior=...)
             ks, vs, ns = self._read
             out, lse = quant_decode(query, ks, vs, scale=scaling, valid=ns, return_lse=True,
@@ -223,6 +230,31 @@ class QuantizedSegmentStore(SlotStore):
             return query.new_zeros(B, T, Hq, D)
         self.observe(query, qpos, scaling, lse)
         return out.transpose(1, 2)
+
+    def _seam_decode(self, query, qpos, scaling):
+        """A single-token eager step on the Triton path: ONE :func:`kvkit.kernels.decode` call over a
+        :class:`~kvkit.kernels.DecodeView` whose own keys are the tail (causal by pos/qpos) and whose parts are the
+        segments' packed parts (:class:`~kvkit.kernels.PackedPart`, with their lengths). Returns
+        ``(out [B, 1, Hq, D], lse [B, Hq, 1])``, or None where the seam does not apply (the caller's path runs)."""
+        tail = self.keys is not None and self.keys.shape[-2] > 0
+        if not (tail or self._read is not None):
+            return None
+        held = (self.keys, self.values) if tail else ()
+        packed = [p.data for p in self._read[0] + self._read[1]] if self._read is not None else []
+        if not seam_open(query, *held, *packed):
+            return None
+        parts = ()
+        if self._read is not None:
+            ks, vs, ns = self._read
+            parts = tuple(PackedPart(k, v, n) for k, v, n in zip(ks, vs, ns))
+        if tail:
+            dense = self.dense_decode(1)
+            view = DecodeView(self.keys, self.values, pos=None if dense else self.pos,
+                              qpos=None if dense else qpos[-1], parts=parts)
+        else:
+            view = DecodeView(None, None, parts=parts)
+        r = seam_view(query, view, scaling)
+        return None if r is None else (r[0][:, None], r[1][:, :, None])
 
 
 __all__ = ["Group", "Segment", "QuantizedSegmentStore", "rank_groups", "map_packed"]
