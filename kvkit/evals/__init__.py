@@ -1,4 +1,4 @@
-"""Evaluation suite: RULER, needle-in-a-haystack, LongBench and ``kvkit bench`` (see EVALS.md).
+"""Evaluation suite: RULER, needle-in-a-haystack, LongBench and ``kvkit bench`` (see the README's "Evaluate" section and results/README.md).
 
 Every command writes under its ``--out`` directory, atomically: ``samples.jsonl`` (one line per
 sample), ``summary.json``, ``summary.md`` and ``summary.csv`` (and ``heatmap.png`` for NIAH).

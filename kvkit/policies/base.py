@@ -1,6 +1,6 @@
 """The policy contract: a frozen dataclass of hyper-parameters that builds one store per layer.
 
-A policy answers three questions (DESIGN.md): what to store (``new_layer`` returns its store), what
+A policy answers three questions (docs/DESIGN.md): what to store (``new_layer`` returns its store), what
 to read at decode (the store's ``decode``/``visible``), and which kernel reads it. Adding a method is
 one file in this package: a ``@register("name")`` dataclass plus its store.
 """

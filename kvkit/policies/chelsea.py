@@ -1,6 +1,6 @@
 """``chelsea``: Chelsea (arXiv:2506.11418) -- chunked soft-matching clustering of the KV cache.
 
-The paper has no public code; this follows its description (METHODS.md). The sequence is split into
+The paper has no public code; this follows the paper's description. The sequence is split into
 chunks of ``chunk_size`` tokens. Inside a chunk, per (row, KV head), the slots are split alternately
 into two sets A (even) and B (odd); every slot of A is matched to its most similar key in B (cosine
 similarity of the post-RoPE keys), and the ``r`` most similar pairs are merged into centroids: the

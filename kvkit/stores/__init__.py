@@ -1,4 +1,4 @@
-"""Stores: what policies are built from (see DESIGN.md). Import from here, not from the submodules."""
+"""Stores: what policies are built from (see docs/DESIGN.md). Import from here, not from the submodules."""
 
 from kvkit.stores.attend import attend_slots, causal_suffix_attention, hf_sdpa, plain_sdpa_call
 from kvkit.stores.base import LayerInfo, SlotStore, StoreMixin, crop_count, tensor_bytes
