@@ -476,10 +476,13 @@ class _Row:
     def active(self):
         yield
 
+    fn = None  # the forward decode steps call (a compiled one); None: the model itself
+
     def _forward(self, ids, **kw):
         from kvkit.compat import cache_kw
 
-        return self.model(input_ids=ids, **cache_kw(self.cache), use_cache=True, **kw)
+        fwd = self.model if self.fn is None else self.fn
+        return fwd(input_ids=ids, **cache_kw(self.cache), use_cache=True, **kw)
 
     def prefill(self, ids, chunk: int) -> None:
         """Feed ``ids [B, L]`` in chunks of ``chunk`` tokens; keep the greedy next token."""
@@ -494,6 +497,8 @@ class _Row:
     def step(self) -> None:
         import torch
 
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             self.nxt = self._forward(self.nxt).logits[:, -1].argmax(-1, keepdim=True)
 
@@ -553,17 +558,6 @@ class _HFStatic(_Row):
         self.fn = self.model.forward
         if self.compiles:
             self.fn = torch.compile(self.model.forward, fullgraph=True, **compile_kwargs(self.mode, self.backend))
-
-    def step(self) -> None:
-        import torch
-
-        from kvkit.compat import cache_kw
-
-        if self.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad():
-            out = self.fn(input_ids=self.nxt, **cache_kw(self.cache), use_cache=True)
-            self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
 
     def count_step(self) -> _StepWatch:
         """One step of the *eager* forward (the graph the compiled one replays; a dispatch mode cannot look
@@ -659,17 +653,6 @@ class _KvkitCompiled(_Kvkit):
             self.nxt = last.argmax(-1, keepdim=True)
         _reset_compiled(self.model)  # compiled afresh by this row's first step (timed as its compile)
         self.fn = self.model.get_compiled_call(self.config)
-
-    def step(self) -> None:
-        import torch
-
-        from kvkit.compat import cache_kw
-
-        if self.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad():
-            out = self.fn(input_ids=self.nxt, **cache_kw(self.cache), use_cache=True)
-            self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
 
     def count_step(self) -> _StepWatch | None:
         """One more compiled step, its eager work counted: the step wrapper's (compression events, host copies),
