@@ -118,3 +118,43 @@ def reconstruction_scores_reference(model, ids, chunk: int, overlap: int) -> tor
             rows = a[0, :, S:, lo:e]  # repeat queries -> the chunk's own context tokens
             out[li, :, lo:e] = rows.amax(dim=1).view(H, g, e - lo).amax(dim=1)
     return out
+
+
+def policy_test_options(policy: str, layers: int = 3) -> dict:
+    """A policy's ``test_options`` (its tiny-model options) for a tiny model of ``layers`` layers: a per-layer head
+    pattern (duo) gets one row per layer, repeating the declared rows."""
+    from kvkit.registry import policy_class
+
+    opts = dict(policy_class(policy).test_options)
+    if "pattern" in opts:
+        opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(layers)]
+    return opts
+
+
+def compression_marks(cache) -> list:
+    """Every store's last compression point (``committed``), nested stores (duo's two halves) included: a step that
+    changes them ran a compression event."""
+    return [obj.committed for layer in cache.layers for obj in (layer, *vars(layer).values())
+            if hasattr(obj, "committed") and hasattr(obj, "seen")]
+
+
+@torch.no_grad()
+def decode_step_syncs(model, lengths, steps: int = 12, seed: int = 4) -> list:
+    """Host synchronisations of ``steps`` greedy single-token steps after the prefill of a left-padded batch of
+    prompts of ``lengths``: one ``(HostSyncCounter, compressed)`` per step (``compressed``: a compression event ran
+    in it, see :func:`compression_marks`)."""
+    from kvkit.hostsync import HostSyncCounter
+
+    ids, mask, _ = left_padded_batch(lengths, seed=seed)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache = output_cache(out)
+    rows = []
+    for _ in range(steps):
+        nxt = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+        before = compression_marks(cache)
+        with HostSyncCounter() as syncs:
+            out = model(input_ids=nxt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
+                        **cache_kw(cache), use_cache=True)
+        rows.append((syncs, compression_marks(cache) != before))
+    return rows

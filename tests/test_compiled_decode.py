@@ -15,17 +15,9 @@ import kvkit
 from kvkit.cache import STATIC_POLICIES
 from kvkit.compat import cache_kw, output_cache
 from kvkit.hostsync import HostSyncCounter
-from kvkit.registry import policy_class
-from kvkit.testing import greedy, left_padded_batch, random_ids, tiny_model
+from kvkit.testing import greedy, left_padded_batch, policy_test_options, random_ids, tiny_model
 
 STEPS = 12  # tail = 4 in the test options: three compression events
-
-
-def _opts(policy, layers=3):
-    opts = dict(policy_class(policy).test_options)
-    if "pattern" in opts:
-        opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(layers)]
-    return opts
 
 
 def _config(**kw):
@@ -64,9 +56,9 @@ def _decode(model, ids, steps, step, cache=None):
 def test_compiled_step_equals_eager_without_recompiling(policy):
     model = tiny_model("llama")
     ids = random_ids(40, seed=1)
-    kvkit.patch(model, policy, **_opts(policy))
+    kvkit.patch(model, policy, **policy_test_options(policy))
     dyn_toks, _, _ = greedy(model, ids, STEPS)  # the ordinary cache
-    kvkit.patch(model, policy, static=True, **_opts(policy))
+    kvkit.patch(model, policy, static=True, **policy_test_options(policy))
     try:
         ref_toks, ref_logits, cache = _decode(model, ids, STEPS, model)
         assert cache.is_compileable and cache.compile_refusal is None
@@ -127,7 +119,7 @@ def test_eager_static_steps_make_no_host_sync_beyond_transformers(policy):
         return counts
 
     base = syncs()
-    kvkit.patch(model, policy, static=True, **_opts(policy))
+    kvkit.patch(model, policy, static=True, **policy_test_options(policy))
     try:
         counts = syncs()
     finally:
@@ -183,7 +175,7 @@ def test_plain_torch_compile_of_a_compressing_store_fails_loudly():
     stops with a message saying what to do (a device-side check), instead of writing out of bounds."""
     model = tiny_model("llama")
     ids = random_ids(40, seed=1)
-    kvkit.patch(model, "streaming", static=True, **_opts("streaming"))
+    kvkit.patch(model, "streaming", static=True, **policy_test_options("streaming"))
     try:
         fwd = torch.compile(lambda **kw: model(**kw), fullgraph=True, backend="aot_eager")
         with pytest.raises(RuntimeError, match="get_compiled_call"):
@@ -196,7 +188,7 @@ def test_plain_torch_compile_of_a_compressing_store_fails_loudly():
 def test_crop_between_compiled_steps_is_exact(policy):
     model = tiny_model("llama")
     ids = random_ids(48, seed=2)
-    kvkit.patch(model, policy, static=True, **_opts(policy))
+    kvkit.patch(model, policy, static=True, **policy_test_options(policy))
     try:
         step = model.get_compiled_call(_config())
         with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
@@ -217,9 +209,9 @@ def test_crop_between_compiled_steps_is_exact(policy):
 def test_generate_with_compile_config_equals_eager_generate(policy):
     model = tiny_model("llama")
     ids, mask, _ = left_padded_batch((40, 27), seed=4)
-    kvkit.patch(model, policy, **_opts(policy))
+    kvkit.patch(model, policy, **policy_test_options(policy))
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    kvkit.patch(model, policy, static=True, **_opts(policy))
+    kvkit.patch(model, policy, static=True, **policy_test_options(policy))
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
             out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, compile_config=_config())
@@ -234,17 +226,17 @@ def test_generate_with_compile_config_equals_eager_generate(policy):
 @pytest.mark.parametrize("policy", kvkit.available_policies())
 def test_is_compileable_says_which_caches_compile(policy):
     model = tiny_model("llama")
-    cache = kvkit.KVCache(model, policy, **_opts(policy))
+    cache = kvkit.KVCache(model, policy, **policy_test_options(policy))
     assert not cache.is_compileable  # the ordinary caches grow: transformers never auto-compiles them
     assert isinstance(cache.compile_refusal, str) and cache.compile_refusal
     if policy in STATIC_POLICIES:
-        static = kvkit.KVCache(model, policy, static=True, **_opts(policy))
+        static = kvkit.KVCache(model, policy, static=True, **policy_test_options(policy))
         assert static.is_compileable and static.compile_refusal is None
     else:
         with pytest.raises(ValueError, match="static=True"):
-            kvkit.KVCache(model, policy, static=True, **_opts(policy))
+            kvkit.KVCache(model, policy, static=True, **policy_test_options(policy))
         with pytest.raises(ValueError, match="static=True"):
-            kvkit.patch(model, policy, static=True, **_opts(policy))
+            kvkit.patch(model, policy, static=True, **policy_test_options(policy))
         assert kvkit.patched_policy(model) is None
 
 

@@ -10,24 +10,16 @@ import torch
 
 import kvkit
 from kvkit import kernels
-from kvkit.registry import policy_class
 from kvkit.stores import attend
-from kvkit.testing import greedy, left_padded_batch, tiny_model
+from kvkit.testing import greedy, left_padded_batch, policy_test_options, tiny_model
 
 POLICIES = kvkit.available_policies()
-
-
-def _opts(policy, layers=3):
-    opts = dict(policy_class(policy).test_options)
-    if "pattern" in opts:
-        opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(layers)]
-    return opts
 
 
 def _run(policy, lengths, steps=4):
     model = tiny_model("llama")
     ids, mask, _ = left_padded_batch(lengths, seed=5)
-    kvkit.patch(model, policy, **_opts(policy))
+    kvkit.patch(model, policy, **policy_test_options(policy))
     try:
         toks, logits, _ = greedy(model, ids, steps, attention_mask=mask if len(lengths) > 1 else None)
     finally:

@@ -6,59 +6,21 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.compat import cache_kw, output_cache
 from kvkit.hostsync import HostSyncCounter
-from kvkit.registry import policy_class
-from kvkit.testing import left_padded_batch, tiny_model
+from kvkit.testing import decode_step_syncs, policy_test_options, tiny_model
 
 POLICIES = kvkit.available_policies()
 STEPS = 12
-
-
-def _opts(policy, layers=3):
-    opts = dict(policy_class(policy).test_options)
-    if "pattern" in opts:
-        opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(layers)]
-    return opts
-
-
-def _marks(cache):
-    """Every store's last compression point (``committed``), nested stores (duo's two halves) included."""
-    out = []
-    for layer in cache.layers:
-        for obj in (layer, *vars(layer).values()):
-            if hasattr(obj, "committed") and hasattr(obj, "seen"):
-                out.append(obj.committed)
-    return out
-
-
-@torch.no_grad()
-def _decode_syncs(model, lengths, steps=STEPS):
-    """Per single-token step: (host syncs, whether a layer compressed in it)."""
-    ids, mask, _ = left_padded_batch(lengths, seed=4)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache = output_cache(out)
-    rows = []
-    for _ in range(steps):
-        nxt = out.logits[:, -1:].argmax(-1)
-        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
-        before = _marks(cache)
-        with HostSyncCounter() as syncs:
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
-                        **cache_kw(cache), use_cache=True)
-        rows.append((syncs, _marks(cache) != before))
-    return rows
 
 
 @pytest.mark.parametrize("lengths", [(90, 70), (80,)], ids=["left-padded", "single"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_decode_step_makes_no_host_sync_beyond_transformers(policy, lengths):
     model = tiny_model("llama")
-    base = [s.count for s, _ in _decode_syncs(model, lengths)]
-    kvkit.patch(model, policy, **_opts(policy))
+    base = [s.count for s, _ in decode_step_syncs(model, lengths, STEPS)]
+    kvkit.patch(model, policy, **policy_test_options(policy))
     try:
-        rows = _decode_syncs(model, lengths)
+        rows = decode_step_syncs(model, lengths, STEPS)
     finally:
         kvkit.unpatch(model)
     plain = [(i, s) for i, (s, event) in enumerate(rows) if not event]

@@ -11,16 +11,9 @@ import torch
 
 import kvkit
 from kvkit.registry import policy_class
-from kvkit.testing import greedy, left_padded_batch, random_ids, tiny_model
+from kvkit.testing import greedy, left_padded_batch, policy_test_options, random_ids, tiny_model
 
 POLICIES = kvkit.available_policies()
-
-
-def _opts(policy, layers=3):
-    opts = dict(policy_class(policy).test_options)
-    if "pattern" in opts:  # a per-layer head pattern (duo): one row per layer of the tiny model
-        opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(layers)]
-    return opts
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -48,7 +41,7 @@ def test_crop_is_exact(policy):
     """Decode 3 tokens, crop the last 2, decode them again: the same logits as the first time."""
     model = tiny_model("llama")
     ids = random_ids(48, seed=2)
-    kvkit.patch(model, policy, **_opts(policy))
+    kvkit.patch(model, policy, **policy_test_options(policy))
     try:
         with torch.no_grad():
             cache = kvkit.KVCache(model)
@@ -78,7 +71,7 @@ def test_crop_is_exact(policy):
 def test_left_padded_batch_equals_each_prompt_alone(policy, arch):
     model = tiny_model(arch)
     ids, mask, prompts = left_padded_batch((40, 27), seed=4)
-    kvkit.patch(model, policy, **_opts(policy))
+    kvkit.patch(model, policy, **policy_test_options(policy))
     try:
         toks, logits, _ = greedy(model, ids, 8, attention_mask=mask)
         for row, p in enumerate(prompts):
@@ -96,7 +89,7 @@ def test_bytes_are_reported(policy):
     ids = random_ids(120, seed=5)
     kvkit.patch(model, "full")
     _, _, full = greedy(model, ids, 4)
-    kvkit.patch(model, policy, **_opts(policy, 4))
+    kvkit.patch(model, policy, **policy_test_options(policy, 4))
     try:
         _, _, cache = greedy(model, ids, 4)
     finally:
@@ -134,7 +127,7 @@ def test_compressing_cache_refused_on_an_unpatched_model(policy):
     """Defect 1 of the reliability issue: never silently wrong output without kvkit's attention."""
     model = tiny_model("llama")
     ids = random_ids(40, seed=6)
-    cache = kvkit.KVCache(model, policy, **_opts(policy))
+    cache = kvkit.KVCache(model, policy, **policy_test_options(policy))
     if not any(layer.needs_kvkit_attention for layer in cache.layers):  # full: transformers' own layers
         ref, _, _ = greedy(model, ids, 5)
         out, _, _ = greedy(model, ids, 5, cache=cache)

@@ -8,41 +8,16 @@ a compression step, and unpatched transformers' count for the same steps.
 import statistics
 import sys
 
-import torch
-
 import kvkit
-from kvkit.compat import cache_kw, output_cache
-from kvkit.hostsync import HostSyncCounter
-from kvkit.registry import policy_class
-from kvkit.testing import left_padded_batch, tiny_model
+from kvkit.testing import decode_step_syncs, policy_test_options, tiny_model
 
 
-def marks(cache):
-    return [o.committed for layer in cache.layers for o in (layer, *vars(layer).values())
-            if hasattr(o, "committed") and hasattr(o, "seen")]
-
-
-@torch.no_grad()
 def per_step(policy, lengths, steps=12):
+    """``(syncs, compressed)`` per decode step of ``policy`` (None: unpatched transformers)."""
     model = tiny_model("llama")
     if policy:
-        opts = dict(policy_class(policy).test_options)
-        if "pattern" in opts:
-            opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(3)]
-        kvkit.patch(model, policy, **opts)
-    ids, mask, _ = left_padded_batch(lengths, seed=4)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
-    cache = output_cache(out)
-    rows = []
-    for _ in range(steps):
-        nxt = out.logits[:, -1:].argmax(-1)
-        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
-        before = marks(cache)
-        with HostSyncCounter() as c:
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
-                        **cache_kw(cache), use_cache=True)
-        rows.append((c.count, marks(cache) != before))
-    return rows
+        kvkit.patch(model, policy, **policy_test_options(policy))
+    return [(s.count, event) for s, event in decode_step_syncs(model, lengths, steps)]
 
 
 def main():

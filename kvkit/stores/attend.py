@@ -35,8 +35,7 @@ def seam_decode(query, keys, values, scaling, *, pos=None, qpos=None, extra_mask
     """
     if not seam_open(query, keys, values):
         return None
-    B, Hq, _, D = query.shape
-    H, n = keys.shape[1], keys.shape[2]
+    B, H, n = query.shape[0], keys.shape[1], keys.shape[2]
     if extra_mask is not None:
         pos = torch.where(extra_mask[:, :, 0, :], pos, -1)
     lw = None
