@@ -158,3 +158,7 @@ def decode_step_syncs(model, lengths, steps: int = 12, seed: int = 4) -> list:
                         **cache_kw(cache), use_cache=True)
         rows.append((syncs, compression_marks(cache) != before))
     return rows
+
+
+class ModelLoaded(Exception):
+    """Raised instead of loading a model (the ``no_model_load`` test fixture): an input check must come first."""

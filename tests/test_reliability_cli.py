@@ -17,23 +17,11 @@ from kvkit import cli
 from kvkit.calibrate import store
 from kvkit.demo import run_policy
 from kvkit.kernels import cbuild
-from kvkit.testing import random_ids, tiny_model
+from kvkit.testing import ModelLoaded, random_ids, tiny_model
 
 
 def run(*argv):
     return cli.main([str(a) for a in argv])
-
-
-class ModelLoaded(Exception):
-    """Raised instead of loading a model: the input check must come first."""
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    def refuse(*a, **k):
-        raise ModelLoaded("the model was loaded before the bad input was refused")
-
-    monkeypatch.setattr("kvkit.models.load", refuse)
 
 
 class _Tok:

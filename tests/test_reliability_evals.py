@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from kvkit.cli import main
-from kvkit.evals import cli as eval_cli
 from kvkit.evals import common, longbench
 from kvkit.evals.report import compare_matched
 
@@ -19,19 +18,6 @@ FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 
 def run(*argv):
     return main([str(a) for a in argv])
-
-
-class ModelLoaded(Exception):
-    """Raised instead of loading a model: the input check must come first."""
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    def refuse(*a, **k):
-        raise ModelLoaded("the model was loaded before the bad input was refused")
-
-    monkeypatch.setattr(eval_cli, "_load", refuse)
-    monkeypatch.setattr("kvkit.models.load", refuse)
 
 
 @pytest.fixture(scope="module")

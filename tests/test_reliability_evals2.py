@@ -28,19 +28,6 @@ def run(*argv):
     return main([str(a) for a in argv])
 
 
-class ModelLoaded(Exception):
-    """Raised instead of loading a model: the input check must come first."""
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    def refuse(*a, **k):
-        raise ModelLoaded("the model was loaded before the bad input was refused")
-
-    monkeypatch.setattr(eval_cli, "_load", refuse)
-    monkeypatch.setattr("kvkit.models.load", refuse)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama (3 layers, 2 KV heads, 2048-token context) saved with the real SmolLM2 tokenizer."""
