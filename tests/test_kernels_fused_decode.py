@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _kernel_utils import HAS_TRITON, INTERPRET, assert_flash_rule, max_err, needs_triton
+from _kernel_utils import HAS_TRITON, INTERPRET, assert_flash_rule, max_err, needs_cuda, needs_triton
 
 import kvkit.kernels as K
 from kvkit.hostsync import HostSyncCounter
@@ -98,6 +98,21 @@ def _cast(view, dtype):
 
     return dataclasses.replace(view, k=f(view.k), v=f(view.v), log_weight=f(view.log_weight),
                                parts=tuple(_cast(p, dtype) for p in view.parts))
+
+
+def _to(view, device):
+    """The same view (packed parts included) on ``device``."""
+    def f(t):
+        return None if t is None else t.to(device)
+
+    if isinstance(view, K.PackedPart):
+        def pk(p):
+            return dataclasses.replace(p, data=f(p.data), scale=f(p.scale), zero=f(p.zero), prescale=f(p.prescale))
+
+        return dataclasses.replace(view, k=pk(view.k), v=pk(view.v), length=f(view.length))
+    return dataclasses.replace(view, k=f(view.k), v=f(view.v), length=f(view.length), index=f(view.index),
+                               pos=f(view.pos), qpos=f(view.qpos), log_weight=f(view.log_weight),
+                               parts=tuple(_to(p, device) for p in view.parts))
 
 
 def _direct(q, view, scale):
@@ -229,6 +244,44 @@ def test_fused_kernel_empty_views(triton_path):
                  K.DecodeView(*_kv(g, torch.float32), length=torch.zeros(B, dtype=torch.int32))):
         out, lse = K.decode(q, view, return_lse=True)
         assert torch.all(out == 0) and torch.isneginf(lse).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("case,G,dtype", FUSED)
+def test_fused_kernel_cuda_vs_fp64(monkeypatch, case, G, dtype):
+    """The compiled kernel on a GPU (TRITON_INTERPRET=0): the same views as above, moved to CUDA."""
+    monkeypatch.setenv("KVKIT_KERNELS", "triton")
+    view, q = _view(case, dtype, seed=G), _q(G, dtype, seed=G)
+    scale = D ** -0.5
+    t_out, t_lse = R.decode_ref(q.double(), _cast(view, torch.float64), scale=scale, upcast=False)
+    r_out, _ = R.decode_ref(q, view, scale=scale, upcast=False)
+    out, lse = K.decode(q.cuda(), _to(view, "cuda"), return_lse=True, num_splits=2)
+    torch.cuda.synchronize()
+    assert out.is_cuda and out.dtype == dtype
+    assert_flash_rule(out.cpu(), r_out, t_out, name=f"cuda {case} G={G} {dtype}")
+    _assert_lse(lse.cpu(), t_lse, 1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_kernel_cuda_long_ragged(monkeypatch, d):
+    """Decode shapes (GQA 4, 16K slots, ragged lengths, default split count) on a GPU vs the fp32 reference."""
+    monkeypatch.setenv("KVKIT_KERNELS", "triton")
+    g = torch.Generator(device="cuda").manual_seed(d)
+    b, hk, cap = 4, 8, 16384
+    k = torch.randn(b, hk, cap, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(b, hk, cap, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    length = torch.tensor([cap, 1, 9000, 16001], device="cuda", dtype=torch.int32)
+    lw = torch.randn(b, hk, cap, device="cuda", generator=g)
+    q = torch.randn(b, 4 * hk, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    for view in (K.DecodeView(k, v, length=length), K.DecodeView(k, v, length=length, log_weight=lw)):
+        out = K.decode(q, view)
+        monkeypatch.setenv("KVKIT_KERNELS", "reference")
+        ref = K.decode(q.double(), _cast(view, torch.float64))
+        monkeypatch.setenv("KVKIT_KERNELS", "triton")
+        torch.cuda.synchronize()
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, rel
 
 
 # ---- no host sync, compiled -------------------------------------------------------------------------------
