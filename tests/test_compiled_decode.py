@@ -7,6 +7,9 @@ steps (compression events included) without recompiling, and decodes the tokens 
 compile short: dynamo's tracing (what decides graph breaks and recompiles) is the same for every backend.
 """
 
+import importlib.util
+import os
+
 import pytest
 import torch
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
@@ -17,6 +20,8 @@ from kvkit.compat import cache_kw, output_cache
 from kvkit.hostsync import HostSyncCounter
 from kvkit.testing import greedy, left_padded_batch, policy_test_options, random_ids, tiny_model
 
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 STEPS = 12  # tail = 4 in the test options: three compression events
 
 
@@ -71,6 +76,41 @@ def test_compiled_step_equals_eager_without_recompiling(policy):
         for a, b in zip(logits, ref_logits):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert cache.get_seq_length() == ids.shape[1] + STEPS
+    finally:
+        kvkit.unpatch(model)
+
+
+@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("policy", STATIC_POLICIES)
+def test_compiled_step_launches_the_fused_decode_operator(monkeypatch, policy):
+    """On the Triton path (a GPU; here the interpreter, KVKIT_KERNELS=triton) a compiled static step reads its
+    slots through ``torch.ops.kvkit.view_decode`` (the fused split-K kernel), not SDPA over the buffers: the
+    operator is in the captured graph once per attention read, and the compiled step decodes the eager tokens."""
+    monkeypatch.setenv("KVKIT_KERNELS", "triton")
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    ids = random_ids(40, seed=1)
+    kvkit.patch(model, policy, static=True, **policy_test_options(policy))
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.append(sum(1 for n in gm.graph.nodes if n.target in (torch.ops.kvkit.view_decode,
+                                                                   torch.ops.kvkit.view_decode.default)))
+        return gm.forward
+
+    try:
+        ref_toks, ref_logits, _ = _decode(model, ids, STEPS, model)
+        cc = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+        cc._compile_all_devices = True
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            toks, logits, _ = _decode(model, ids, STEPS, model.get_compiled_call(cc))
+        assert len(ops) == 1
+        # every layer reads through the operator (duo: a streaming and a full read per layer; tidal: its full
+        # layers do, its selecting layer gathers through kvkit.kernels.gather_attend)
+        assert ops[0] >= (layers - 1 if policy == "tidal" else layers), ops
+        assert torch.equal(toks, ref_toks)
+        for a, b in zip(logits, ref_logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     finally:
         kvkit.unpatch(model)
 

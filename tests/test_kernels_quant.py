@@ -101,6 +101,26 @@ def test_quant_decode_kernel_vs_fp64(monkeypatch, case, Tq):
     assert max_err(out, exact) < {8: 0.05, 4: 0.5, 2: 2.0}[min(kb, vb)]
 
 
+@needs_triton
+def test_quant_decode_many_query_rows_tile_over_programs(monkeypatch):
+    """G x Tq = 4 x 40 = 160 query rows (a prefill chunk over packed segments) run as ceil(160 / MAX_BLOCK_M) row
+    tiles, not one 256-row tile (one 4096-row tile asked an H100 for 569 KB of shared memory): same result."""
+    from kvkit.kernels.quant_attn import MAX_BLOCK_M
+
+    monkeypatch.setenv("KVKIT_KERNELS", "triton")
+    B, Hq, Hkv, Tq, N, D = 2, 8, 2, 40, 45, 32
+    assert Hq // Hkv * Tq > 2 * MAX_BLOCK_M
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, Hq, Tq, D, generator=g)
+    kp = K.quantize(torch.randn(B, Hkv, N, D, generator=g), 8, 16, axis=-2)
+    vp = K.quantize(torch.randn(B, Hkv, N, D, generator=g), 4, None, axis=-1)
+    valid = torch.tensor([N, 30])
+    out, lse = K.quant_decode(q, kp, vp, valid=valid, return_lse=True, num_splits=2)
+    mask = torch.arange(N)[None] < valid[:, None]
+    t_out, t_lse = R.quant_decode_ref(q.double(), kp, vp, scale=D**-0.5, mask=mask, upcast=False)
+    assert max_err(out, t_out) < 1e-5 and max_err(lse, t_lse) < 1e-5
+
+
 def test_quant_decode_falls_back_to_reference_for_small_blocks(monkeypatch):
     """int2 with D=16 (4-channel blocks) is not a Triton shape: the dispatcher uses the reference."""
     monkeypatch.setenv("KVKIT_KERNELS", "triton")

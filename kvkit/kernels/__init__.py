@@ -40,6 +40,7 @@ from ._common import (
     fail,
 )
 from ._triton import require_triton, triton_available
+from .decode_op import compiled_decode
 from .gather import gather_attend, gather_attend_torch
 from .quant import Packed, dequantize, packed_nbytes, quantize
 from .reference import merge_attn
@@ -380,6 +381,8 @@ def decode(q, view, *, scale=None, return_lse=False, num_splits=None):
     adds a range check that syncs), and the split-K factor depends on shapes only, so a step can be captured
     by CUDA graphs or ``torch.compile(fullgraph=True)``. Paths: Triton (``fused_decode``; packed parts through
     ``quant_attn``) or the torch reference (``reference.decode_ref``, fp32 math), chosen by :func:`use_triton`.
+    Traced by ``torch.compile``, a view without parts is one opaque operator (``torch.ops.kvkit.view_decode``,
+    :mod:`.decode_op`) that picks the same path when the graph runs.
     ``num_splits``: split-K factor of the Triton kernels (default: sized to the device).
     """
     fn = "decode"
@@ -387,7 +390,9 @@ def decode(q, view, *, scale=None, return_lse=False, num_splits=None):
     scale = default_scale(scale, q3.shape[-1])
     if debug():
         check_view_ranges(fn, view)
-    if use_triton(q, *view.tensors()):
+    if torch.compiler.is_compiling():
+        out, lse = compiled_decode(q3, view, scale, num_splits)
+    elif use_triton(q, *view.tensors()):
         from .fused_decode import decode_triton
 
         with _on_device(q):

@@ -10,15 +10,23 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 
-@functools.lru_cache(maxsize=1)
+_AVAILABLE: list[bool] = []
+
+
+@torch.compiler.assume_constant_result  # a compiled step calls it once while tracing, never inside the graph
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install (missing CUDA libs, ...)
-        return False
-    return True
+    """Whether Triton imports (checked once per process)."""
+    if not _AVAILABLE:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _AVAILABLE.append(True)
+        except Exception:  # ImportError, or a broken install (missing CUDA libs, ...)
+            _AVAILABLE.append(False)
+    return _AVAILABLE[0]
 
 
 def interpreting() -> bool:

@@ -1,7 +1,8 @@
 """Decode attention straight from int8 / int4 / int2 packed K/V (see ``quant.Packed``), in Triton.
 
-One program per (batch, KV head, split) holds the G query heads x Tq tokens of the group as the rows
-of a ``[BLOCK_M, D]`` tile and walks the tokens in ``BLOCK_N`` tiles. Each tile of packed codes is
+One program per (batch, KV head, split, row tile) holds up to BLOCK_M (<= :data:`MAX_BLOCK_M`) of the G query
+heads x Tq tokens of the group as the rows of a ``[BLOCK_M, D]`` tile (a decode step: one tile of G rows; a
+multi-token query, e.g. a prefill chunk over packed segments: ceil(G*Tq / BLOCK_M) tiles) and walks the tokens in ``BLOCK_N`` tiles. Each tile of packed codes is
 read once as a contiguous ``[BLOCK_N, D*bits/8]`` byte tile (exactly bits/8 bytes per element, plus
 the group statistics). Thanks to the split-block packing (byte b holds channels b, b+DB, ...), one
 shift + mask yields a contiguous ``[BLOCK_N, DB]`` block of codes, so the dots run per block
@@ -127,7 +128,7 @@ def _quant_attn_kernel(
     b = (pid // Hkv).to(tl.int64)
     h = pid % Hkv
     bh = b * Hkv + h
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = offs_m // Tq
     t = offs_m % Tq
     row_ok = offs_m < G_KV * Tq
@@ -197,7 +198,11 @@ def _quant_attn_kernel(
     tl.store(LP + orow * S + split, lse, mask=row_ok)
 
 
-TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # best of bench --sweep on an H100 (results/kernels)
+TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+#: the most query rows (G heads x Tq tokens) one program holds: more rows go to more programs (grid axis 2). One
+#: tile of 4096 rows (a 1024-token prefill chunk at G = 4) needed 569,344 bytes of shared memory on an H100
+#: (limit 232,448; results/bench/gpu/h100-b16-16k-2026-11-26/log.txt)
+MAX_BLOCK_M = 64  # best of bench --sweep on an H100 (results/kernels)
 
 
 def _parts(p):
@@ -215,7 +220,8 @@ def quant_decode_triton(q4, kpack, vpack, *, scale, mask=None, num_splits=None, 
         q4 = q4.float()
     q4 = q4 if q4.stride(-1) == 1 else q4.contiguous()
     G = Hq // Hkv
-    BLOCK_M = max(16, next_pow2(G * Tq))
+    BLOCK_M = min(MAX_BLOCK_M, max(16, next_pow2(G * Tq)))
+    m_tiles = triton.cdiv(G * Tq, BLOCK_M)
     if block_n is None:
         block_n = 16 if interpreting() else TUNING["block_n"]
     n_tiles = triton.cdiv(max(N, 1), block_n)
@@ -232,7 +238,7 @@ def quant_decode_triton(q4, kpack, vpack, *, scale, mask=None, num_splits=None, 
     vd, vs, vz, vp = _parts(vpack)
     k_fold = kpack.axis == -2 and kpack.group_size % block_n == 0
     v_fold = vpack.axis == -1 and vpack.group_size == D
-    _quant_attn_kernel[(B * Hkv, S)](
+    _quant_attn_kernel[(B * Hkv, S, m_tiles)](
         q4, kd, ks, kz, kp, vd, vs, vz, vp, mask if mask is not None else q4, op, lp,
         q4.stride(0), q4.stride(1), q4.stride(2), mask.stride(0) if mask is not None else 0,
         N, Hkv, Tq, G, kpack.group_size, vpack.group_size, S, split_len, float(scale) * LOG2E,

@@ -29,9 +29,9 @@ def seam_decode(query, keys, values, scaling, *, pos=None, qpos=None, extra_mask
 
     query ``[B, Hq, 1, D]``; keys/values ``[B, H, n, D]``; pos ``[B, Hp, n]`` (-1 = not read) with qpos ``[1]``,
     or both None (every slot read); extra_mask ``[B, Hp|1, 1, n]`` bool folded into pos; log_weight
-    ``[B, H|1, n]``. Returns ``(out [B, 1, Hq, D], lse [B, Hq, 1] fp32)``. The seam runs only for single-token
-    eager steps on the Triton path (a compiled step keeps torch ops, which inductor fuses itself); a launch that
-    raises (a Triton build the device cannot compile) is reported once and the SDPA path serves the process.
+    ``[B, H|1, n]``. Returns ``(out [B, 1, Hq, D], lse [B, Hq, 1] fp32)``. The seam runs for single-token steps on
+    the Triton path, eager or compiled (:func:`seam_open`); an eager launch that raises (a Triton build the device
+    cannot compile) is reported once and the SDPA path serves the process.
     """
     if not seam_open(query, keys, values):
         return None
@@ -64,9 +64,10 @@ def seam_view(query, view, scaling):
 
 def seam_open(query, *tensors) -> bool:
     """Whether a step of ``query [B, Hq, T, D]`` reading ``tensors`` goes through the decode seam: one query
-    token, eager (a compiled step keeps torch ops), no earlier launch failure, and the Triton path picked."""
-    return (query.shape[2] == 1 and _SEAM["failed"] is None and not torch.compiler.is_compiling()
-            and kernels.use_triton(query, *tensors))
+    token, no earlier launch failure, and the Triton path picked. Eager steps launch the kernels directly; a
+    compiled step (``torch.compile`` tracing) gets the opaque operator ``torch.ops.kvkit.view_decode``
+    (:mod:`kvkit.kernels.decode_op`), so its graph launches the fused kernel rather than SDPA over the buffers."""
+    return query.shape[2] == 1 and _SEAM["failed"] is None and kernels.use_triton(query, *tensors)
 
 
 def decode_backends(query: torch.Tensor):
@@ -129,6 +130,17 @@ def attend_static(module, query, keys, values, attention_mask, length, scaling, 
             or (m is not None and (m.dtype != torch.bool or m.dim() != 4))):
         return hf_sdpa(module, query, keys, values, attention_mask, scaling, dropout, **kwargs)
     G = Hq // H
+    if T == 1 and seam_open(query, keys, values):
+        # the fused split-K kernel (an opaque operator in the compiled graph): slots [0, length) are held (the loop
+        # stops there: free capacity is not read), the mask's hidden slots (padding) get a -inf log-weight
+        lw = None
+        if m is not None:
+            lw = torch.zeros(m.shape[0], cap, device=query.device).masked_fill(~m[:, 0, 0], float("-inf"))
+            lw = lw[:, None].expand(B, H, cap)
+        view = DecodeView(keys, values, length=length.reshape(1).expand(B), log_weight=lw)
+        r = seam_view(query, view, scaling)
+        if r is not None:
+            return r[0][:, None]
     if m is None:
         qpos = length - T + torch.arange(T, device=query.device)
         m = (torch.arange(cap, device=query.device)[None, :] <= qpos[:, None])[None, None]  # [1, 1, T, cap]
