@@ -115,6 +115,35 @@ def test_compiled_step_launches_the_fused_decode_operator(monkeypatch, policy):
         kvkit.unpatch(model)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON and not INTERPRET),
+                    reason="needs a CUDA GPU, triton and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("policy", ["full", "snapkv"])
+def test_compiled_step_on_cuda_with_cuda_graphs_equals_eager(policy):
+    """On a GPU: inductor + CUDA graphs (transformers' default ``reduce-overhead``) over the fused-kernel operator
+    decode the eager static step's tokens, in one graph, without recompiling (fp32: no near-tie flips)."""
+    model = tiny_model("llama").cuda()
+    ids = random_ids(40, seed=1).cuda()
+    kvkit.patch(model, policy, static=True, **policy_test_options(policy))
+    try:
+        ref_toks, ref_logits, _ = _decode(model, ids, STEPS, model)
+        compiled = model.get_compiled_call(CompileConfig(fullgraph=True, dynamic=False))
+
+        def step(**kw):  # a CUDA-graph output is overwritten by the next replay: keep a copy
+            torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(**kw)
+            out.logits = out.logits.clone()
+            return out
+
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            toks, logits, _ = _decode(model, ids, STEPS, step)
+        assert _graphs() == 1
+        assert torch.equal(toks, ref_toks)
+        for a, b in zip(logits, ref_logits):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    finally:
+        kvkit.unpatch(model)
+
+
 @pytest.mark.parametrize("opts", [dict(selection="kv_head"), dict(select_attention="selected")],
                          ids=["kv_head", "selected"])
 def test_tidal_reuse_layers_compile(opts):

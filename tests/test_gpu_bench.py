@@ -207,14 +207,14 @@ def test_time_limit_skips_rows(tmp_path):
 
 def test_time_estimate_counts_the_compile():
     """A compiled row is expected to take a measured compiled row's time, else an eager row's + the compile
-    estimate (60 s on CUDA, 20 s on the CPU with inductor, 5 s with another backend); eager rows: the eager median."""
+    estimate (30 s on CUDA, 20 s on the CPU with inductor, 5 s with another backend); eager rows: the eager median."""
     import torch
 
     spec = [("full", {})]
     cpu = gpu_bench.Bench("tiny", "cpu", torch.float32, spec, 1, 16)
     assert cpu.compile_estimate == gpu_bench.COMPILE_ESTIMATE_S["cpu"] == 20.0
     assert gpu_bench.Bench("tiny", "cpu", torch.float32, spec, 1, 16, compile_backend="aot_eager").compile_estimate == 5
-    assert gpu_bench.COMPILE_ESTIMATE_S["cuda"] == 60.0
+    assert gpu_bench.COMPILE_ESTIMATE_S["cuda"] == 30.0
     assert cpu._estimate(True, [2.0, 4.0], []) == pytest.approx(23.0)
     assert cpu._estimate(True, [2.0], [10.0, 30.0]) == pytest.approx(20.0)
     assert cpu._estimate(False, [2.0, 4.0], [10.0]) == pytest.approx(3.0)

@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     def out(s=""):
         print(s, flush=True)
         lines.append(s)
+        if a.out:  # rewritten after every line: a run cut short still leaves what it measured
+            with open(a.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
 
     out(f"# decode-step profile: {a.shape} on {a.device} ({torch.cuda.get_device_name() if cuda else 'cpu'}), "
         f"batch {a.batch} x {a.length}, {a.steps} profiled steps after {a.warmup} warm-up steps; torch "
@@ -113,9 +116,6 @@ def main(argv=None) -> int:
     out("\n| policy | wall ms/step | gpu ms/step | kernels/step | busy |\n|---|---|---|---|---|")
     for label, wall, gpu, launches in summary:
         out(f"| {label} | {wall:.3f} | {gpu:.3f} | {launches:.0f} | {gpu / wall:.2f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
     return 0
 
 

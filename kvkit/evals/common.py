@@ -167,7 +167,7 @@ class Generation:
 
 
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: int | None = None,
-             replay=None) -> Generation:
+             replay=None, peer: tuple[str, dict] | None = None) -> Generation:
     """Greedy ``model.generate`` on one prompt with an explicit ``kvkit.KVCache`` (when patched).
 
     With ``context_end`` (a character offset), the context ``prompt[:context_end]`` is prefilled first
@@ -178,6 +178,9 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
     ``replay``: a :class:`kvkit.evals.shared_prefill.PrefillRecording` of the context (``prompt[:context_end]``):
     the policy's cache is rebuilt from it instead of running the context through the model again
     (policy sweeps; identical result, see ``shared_prefill``). ``seconds`` then excludes the shared prefill.
+
+    ``peer``: ``(name, options)`` of a :mod:`kvkit.evals.peers` cache (transformers' ``QuantizedCache``) used on the
+    unpatched model instead, with the same split; its ``kv_bytes`` are :func:`kvkit.evals.peers.cache_nbytes`.
     """
     import torch
 
@@ -195,7 +198,16 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     t0 = time.perf_counter()
     with torch.no_grad():
-        if patched:
+        if peer is not None:
+            from kvkit.evals import peers
+
+            if patched:
+                raise ValueError(f"the peer row {peer[0]!r} runs on the unpatched model; kvkit.unpatch(model) first")
+            cache = peers.make_cache(model, *peer)
+            if ctx is not None:
+                model(input_ids=ids[:, : ctx.shape[1]], past_key_values=cache, use_cache=True)
+            kwargs["past_key_values"] = cache
+        elif patched:
             cache = kvkit.KVCache(model)
             if ctx is not None and replay is not None:
                 from kvkit.evals.shared_prefill import replay_prefill
@@ -226,8 +238,8 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
         prompt_tokens=int(ids.shape[1]),
         new_tokens=int(new.shape[0]),
         seconds=dt,
-        kv_bytes=int(cache.nbytes()) if cache is not None else 0,
-        kv_offloaded=int(cache.offloaded_nbytes()) if cache is not None else 0,
+        kv_bytes=(peers.cache_nbytes(cache) if peer is not None else int(cache.nbytes())) if cache is not None else 0,
+        kv_offloaded=int(cache.offloaded_nbytes()) if cache is not None and peer is None else 0,
     )
 
 
@@ -575,18 +587,25 @@ def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str,
     done = run.done()
     # index-major, as run_sweep: a run stopped early still covers every task with the same count
     todo = sorted((s for s in samples if s["id"] not in done), key=lambda s: s.get("index", 0))
-    kvkit.patch(model, policy, **options)
+    from kvkit.evals.peers import is_peer
+
+    peer = (policy, options) if is_peer(policy) else None
+    if peer is None:
+        kvkit.patch(model, policy, **options)
+    elif kvkit.patched_policy(model) is not None:
+        kvkit.unpatch(model)
     try:
         bar = progress(total=len(samples), desc=desc)
         bar.update(len(samples) - len(todo))
         for s in todo:
             g = generate(model, tokenizer, s["prompt"], s["tokens_to_generate"],
-                         None if full_prompt_prefill else s.get("context_end"))
+                         None if full_prompt_prefill else s.get("context_end"), peer=peer)
             run.add(_row(s, g, score_fn(s, g.text)))
             bar.update(1)
         bar.close()
     finally:
-        kvkit.unpatch(model)
+        if peer is None:
+            kvkit.unpatch(model)
     order = {s["id"]: i for i, s in enumerate(samples)}
     return sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])
 

@@ -1,0 +1,106 @@
+"""The fresh-needle table and figure: accuracy against the full cache's on the same samples, per run, vs KV bytes.
+
+Reads run folders (``config.json`` + ``samples.jsonl`` of :class:`kvkit.evals.common.RunDir`) of one protocol and
+sample set; the baseline is the run whose policy is ``full``. Per run: accuracy (mean ``string_match_all``),
+accuracy on the samples full answers (``kept``: the needles the policy keeps of those the model can find at all),
+``x full`` = accuracy / full's accuracy on the same samples, per-format accuracy, and the mean KV bytes held at the
+end of generation as a fraction of full's. Rows are matched on (id, sample_sha): a run of other prompts is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvkit.evals.common import atomic_write_bytes, atomic_write_text, read_rows
+from kvkit.evals.report import budget_of, markdown_table
+
+
+def load_runs(folders: list[Path]) -> list[tuple[str, dict, list[dict]]]:
+    out = []
+    for d in folders:
+        cfg = json.loads((d / "config.json").read_text())
+        out.append((d.name, cfg, read_rows(d / "samples.jsonl", required=("id", "task", "score"))))
+    return out
+
+
+def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[list], list[dict]]:
+    """(header, rows, records) of the runs against their ``full`` run (ValueError without one, or on other
+    samples)."""
+    base = [r for r in runs if r[1].get("policy") == "full"]
+    if len(base) != 1:
+        raise ValueError(f"the needle table needs exactly one run of policy 'full' among the runs, found {len(base)}")
+    _, _, brows = base[0]
+    bkey = {(r["id"], r.get("sample_sha")): r for r in brows}
+    formats = sorted({r.get("task") for r in brows})
+    header = ["run", "policy", "options", "accuracy", "x full", "kept (of full's)", *formats, "KV bytes x full",
+              "samples"]
+    out, records = [], []
+    for name, cfg, rows in runs:
+        shared = [r for r in rows if (r["id"], r.get("sample_sha")) in bkey]
+        if len(shared) != len(rows):
+            raise ValueError(f"run {name!r}: {len(rows) - len(shared)} of its rows are not samples of the full run "
+                             "(another seed, length, protocol or prompt set)")
+        if not shared:
+            continue
+        b = [bkey[(r["id"], r.get("sample_sha"))] for r in shared]
+        acc = sum(r["score"] for r in shared) / len(shared)
+        bacc = sum(r["score"] for r in b) / len(b)
+        known = [r for r, x in zip(shared, b) if x["score"] >= 1.0]
+        kept = sum(r["score"] for r in known) / len(known) if known else None
+        per = {f: [r["score"] for r in shared if r.get("task") == f] for f in formats}
+        kvb = sum(r["kv_bytes"] for r in shared) / max(1, sum(x["kv_bytes"] for x in b))
+        rec = dict(run=name, policy=cfg.get("policy"), options=cfg.get("options") or {}, accuracy=acc,
+                   x_full=acc / bacc if bacc else None, kept=kept, kv_fraction=kvb, samples=len(shared),
+                   per_format={f: (sum(v) / len(v) if v else None) for f, v in per.items()})
+        records.append(rec)
+        out.append([name, rec["policy"], budget_of(rec["options"]) or "-", round(acc, 3),
+                    None if rec["x_full"] is None else round(rec["x_full"], 3), None if kept is None else round(kept, 3),
+                    *[None if rec["per_format"][f] is None else round(rec["per_format"][f], 3) for f in formats],
+                    round(kvb, 3), len(shared)])
+    return header, out, records
+
+
+def figure_png(records: list[dict], title: str) -> bytes:
+    """Accuracy x full vs KV bytes x full, one point per run, labelled (matplotlib, Agg)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for r in records:
+        if r["x_full"] is None:
+            continue
+        peer = r["policy"] == "quantized"
+        ax.scatter(r["kv_fraction"], r["x_full"], s=45, marker="s" if peer else "o",
+                   color="tab:gray" if peer else ("black" if r["policy"] == "full" else "tab:blue"))
+        ax.annotate(r["run"], (r["kv_fraction"], r["x_full"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("KV bytes held / full's (log scale)")
+    ax.set_xscale("log")
+    ax.set_ylabel("needles answered / full's (same samples)")
+    ax.axhline(1.0, color="black", lw=0.6, ls=":")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_report(root: Path, folders: list[Path], title: str) -> str:
+    """``root/needles.md`` (+ ``needles.png``) over ``folders``; returns the markdown."""
+    runs = load_runs(folders)
+    header, rows, records = table(runs)
+    cfg = runs[0][1]
+    md = (f"# {title}\n\nModel {cfg.get('model')}; protocol {cfg.get('protocol')}; lengths {cfg.get('lengths')}; "
+          f"formats {cfg.get('formats')}; haystack {cfg.get('haystack')}; seed {cfg.get('seed')} (calibrations: "
+          "seeds 0-99 of kvkit.calibrate.needles, other needles and text). `x full`: accuracy / full's on the same "
+          "samples; `kept`: accuracy on the samples full answers.\n\n" + markdown_table(header, rows) + "\n")
+    atomic_write_text(root / "needles.md", md)
+    atomic_write_bytes(root / "needles.png", figure_png(records, title))
+    return md
