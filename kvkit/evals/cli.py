@@ -359,6 +359,68 @@ def _niah_run(args, run, model, tok, samples, policy, options, lengths, depths) 
     print((run.path / "summary.md").read_text())
 
 
+# ------------------------------------------------------------------------------------------ needles
+
+
+def _parse_needle_run(spec: str) -> tuple[str, str, dict]:
+    """``NAME=POLICY[:KEY=VALUE,...]`` where POLICY is a kvkit policy or a peer (:mod:`kvkit.evals.peers`)."""
+    from kvkit.evals.peers import is_peer, peer_options
+
+    name, sep, rest = spec.partition("=")
+    policy, _, opts = rest.partition(":")
+    if is_peer(policy.strip()):
+        if not sep or not name.strip() or "/" in name:
+            raise ValueError(f"--run {spec!r} must look like NAME=POLICY[:key=value,...]")
+        return name.strip(), policy.strip(), peer_options(policy.strip(), parse_opts([opts] if opts else None))
+    return _parse_run(spec)
+
+
+def cmd_needles(args) -> int:
+    """Fresh needles (:mod:`kvkit.evals.needles`) through several runs (policies and peers), then the table and the
+    accuracy-vs-bytes figure of every run folder under --out-root made with the same samples."""
+    from kvkit.evals import needles
+    from kvkit.evals.common import RunDir, check_length, run_samples
+    from kvkit.evals.needles_report import write_report
+
+    if not args.run:
+        raise ValueError("kvkit eval needles needs at least one --run NAME=POLICY[:options] (one of them full)")
+    specs = [_parse_needle_run(r) for r in args.run]
+    names = [n for n, _, _ in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--run names must be unique, got {names}")
+    lengths = _ints(args.lengths, "--lengths")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if args.haystack not in needles.HAYSTACKS:
+        raise ValueError(f"--haystack must be one of {', '.join(needles.HAYSTACKS)}, got {args.haystack!r}")
+    args.seed = needles.DEFAULT_SEED if args.seed is None else args.seed
+    _check_counts(args)
+    model, tok = _load(args)
+    check_length(model, max(lengths), "--lengths")
+    samples = needles.generate_samples(tok, lengths, args.samples, seed=args.seed, formats=formats,
+                                       haystack=args.haystack, depths=args.depths)
+    aware = args.protocol == "aware"
+    root = Path(args.out_root)
+    folders = []
+    for name, policy, options in specs:
+        cfg = _config(args, "needles", policy, options, model=model, length=max(lengths), lengths=lengths,
+                      formats=formats, haystack=args.haystack, depths=args.depths, protocol=args.protocol,
+                      chat=True)
+        cfg["full_prompt_prefill"] = aware
+        with RunDir(root / name, cfg, resume=args.resume) as run:
+            run_samples(model, tok, samples, run, policy, options,
+                        lambda s, p: ruler_score(s["metric"], p, s["outputs"]), desc=f"needles {name}",
+                        full_prompt_prefill=aware)
+            folders.append(run.path)
+    print(write_report(root, folders, f"Fresh needles - {args.model} - {args.protocol}"))
+    return 0
+
+
+def ruler_score(metric, prediction, outputs):
+    from kvkit.evals import ruler
+
+    return ruler.score(metric, prediction, outputs)
+
+
 # ---------------------------------------------------------------------------------------- longbench
 
 
@@ -579,6 +641,25 @@ def add_commands(sub) -> None:
     n.add_argument("--dump-prompts", default=None, metavar="FILE", help="write the prompts as jsonl and stop")
     n.add_argument("--prompts", default=None, metavar="FILE", help="run the prompts of a --dump-prompts file")
     n.set_defaults(func=cmd_niah)
+
+    nd = esub.add_parser("needles", help="fresh needles no calibration saw: policies and peers, accuracy vs bytes")
+    nd.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    nd.add_argument("--run", action="append", metavar="NAME=POLICY[:KEY=VALUE,...]",
+                    help="a kvkit policy setting or a peer (quantized:nbits=4) written to OUT_ROOT/NAME; one run "
+                         "must be full (repeatable)")
+    nd.add_argument("--out-root", required=True, help="folder holding one run folder per --run, needles.md/png")
+    nd.add_argument("--lengths", default="2048,4096", help="comma-separated prompt + generation lengths")
+    nd.add_argument("--samples", type=int, default=33, help="samples per length (formats and depths cycle)")
+    nd.add_argument("--formats", default="digits,uuid,words", help="needle values: digits, uuid, words")
+    nd.add_argument("--haystack", default="essay", help="essay (first 66%% of the essays) | squad (paragraphs)")
+    nd.add_argument("--depths", type=int, default=11, help="number of depths from 0%% to 100%%")
+    nd.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic",
+                    help="agnostic: context prefilled and compressed before the question; aware: together")
+    nd.add_argument("--seed", type=int, default=None, help="sample seed (default kvkit.evals.needles.DEFAULT_SEED)")
+    nd.add_argument("--resume", action="store_true", help="continue interrupted runs (each run folder separately)")
+    nd.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    nd.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    nd.set_defaults(func=cmd_needles)
 
     lb = esub.add_parser("longbench", help="LongBench's 21 tasks from the official jsonl files")
     _common(lb)

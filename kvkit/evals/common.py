@@ -205,8 +205,8 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
                 raise ValueError(f"the peer row {peer[0]!r} runs on the unpatched model; kvkit.unpatch(model) first")
             cache = peers.make_cache(model, *peer)
             if ctx is not None:
-                model(input_ids=ids[:, : ctx.shape[1]], past_key_values=cache, use_cache=True)
-            kwargs["past_key_values"] = cache
+                model(input_ids=ids[:, : ctx.shape[1]], **cache_kw(cache), use_cache=True)
+            kwargs.update(cache_kw(cache))
         elif patched:
             cache = kvkit.KVCache(model)
             if ctx is not None and replay is not None:

@@ -69,13 +69,22 @@ def value_for(rng: random.Random, fmt: str) -> str:
     raise ValueError(f"unknown needle format {fmt!r}; use {', '.join(FORMATS)}")
 
 
-def _essay_units(rng: random.Random, words: int) -> list[str]:
+def essay_span() -> int:
+    """Words of the essays haystacks may use: ``[0, essay_span())`` (calibration haystacks start there)."""
     from kvkit.evals.ruler import essay_words
 
-    ew = essay_words()
-    span = int(len(ew) * ESSAY_SPAN)
+    return int(len(essay_words()) * ESSAY_SPAN)
+
+
+def _essay_units(rng: random.Random, words: int) -> tuple[list[str], int]:
+    from kvkit.evals.ruler import essay_words
+
+    span = essay_span()
+    if words > span:
+        raise ValueError(f"needles: a haystack of {words} essay words is more than the {span} words kept apart from "
+                         "calibration; use a shorter length or --haystack squad")
     start = rng.randrange(0, max(1, span - words))
-    return _SENT.split(" ".join(ew[start:start + min(words, span)]).strip())
+    return _SENT.split(" ".join(essay_words()[start:start + words]).strip()), start
 
 
 def _squad_units(rng: random.Random, words: int) -> list[str]:
@@ -102,15 +111,19 @@ def build(seed: int, fmt: str, haystack: str, words: int, depth: float) -> tuple
     key, value = pseudo_word(rng), value_for(rng, fmt)
     kind = KIND[fmt]
     hay_rng = random.Random(seed + 1)
+    offset = None
     if haystack == "essay":
-        units, sep = _essay_units(hay_rng, words), " "
+        (units, offset), sep = _essay_units(hay_rng, words), " "
     elif haystack == "squad":
         units, sep = _squad_units(hay_rng, words), "\n\n"
     else:
         raise ValueError(f"unknown haystack {haystack!r}; use {', '.join(HAYSTACKS)}")
     context = sep.join(_insert_at_depths(units, [NEEDLE.format(key=key, kind=kind, value=value)], [depth]))
     user = INTRO + context + "\n\n" + QUESTION.format(key=key, kind=kind)
-    return user, PREFIX.format(key=key, kind=kind), value, context, dict(key=key, format=fmt, haystack=haystack)
+    meta = dict(key=key, format=fmt, haystack=haystack, words=words)
+    if offset is not None:
+        meta["essay_offset"] = offset  # first essay word of the haystack: offset + words <= essay_span()
+    return user, PREFIX.format(key=key, kind=kind), value, context, meta
 
 
 def depth_list(n: int) -> list[float]:

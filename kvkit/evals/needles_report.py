@@ -54,7 +54,10 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
                    x_full=acc / bacc if bacc else None, kept=kept, kv_fraction=kvb, samples=len(shared),
                    per_format={f: (sum(v) / len(v) if v else None) for f, v in per.items()})
         records.append(rec)
-        out.append([name, rec["policy"], budget_of(rec["options"]) or "-", round(acc, 3),
+        opts = rec["options"]
+        label = (f"{opts.get('nbits')}-bit {opts.get('backend')}, groups {opts.get('q_group_size')}, "
+                 f"{opts.get('residual_length')} recent exact") if rec["policy"] == "quantized" else budget_of(opts)
+        out.append([name, rec["policy"], label or "-", round(acc, 3),
                     None if rec["x_full"] is None else round(rec["x_full"], 3), None if kept is None else round(kept, 3),
                     *[None if rec["per_format"][f] is None else round(rec["per_format"][f], 3) for f in formats],
                     round(kvb, 3), len(shared)])

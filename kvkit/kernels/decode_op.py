@@ -1,3 +1,4 @@
+# ruff: noqa: UP045  (Optional[...] annotations: torch.library.custom_op infers the schema from them)
 """``torch.ops.kvkit.view_decode``: the decode seam as one opaque operator inside compiled graphs.
 
 :func:`kvkit.kernels.decode` calls this operator when ``torch.compile`` traces it (a static store's compiled decode
@@ -20,7 +21,7 @@ graphs capture its launches (no host synchronisation, splits from shapes only). 
 This module has no ``from __future__ import annotations``: ``torch.library.custom_op`` reads the annotations.
 """
 
-from typing import Optional
+from typing import Optional  # noqa: UP035 -- custom_op reads these annotations; Optional works on every torch
 
 import torch
 

@@ -1,0 +1,142 @@
+"""Fresh needles (kvkit.evals.needles), the QuantizedCache peer row (kvkit.evals.peers), the needle table
+(kvkit.evals.needles_report) and `kvkit eval needles` end to end on a tiny model."""
+
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+
+from kvkit.evals import needles, peers
+from kvkit.evals.needles_report import table
+from kvkit.models import load_tokenizer
+
+HAS_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("default")
+
+
+def test_samples_fit_their_length_cycle_formats_and_depths_and_split_before_the_question(tok):
+    ss = needles.generate_samples(tok, [1024, 2048], 6, depths=3)
+    assert [s["task"] for s in ss[:6]] == ["digits", "uuid", "words"] * 2
+    assert [s["depth"] for s in ss[:6]] == [0.0, 50.0, 100.0] * 2
+    for s in ss:
+        L = s["target_length"]
+        assert 0.98 * L <= s["length"] <= L  # prompt + generation within 2% below the target
+        ctx, rest = s["prompt"][: s["context_end"]], s["prompt"][s["context_end"]:]
+        key = s["meta"]["key"]
+        assert needles.NEEDLE.format(key=key, kind=needles.KIND[s["task"]], value=s["outputs"][0]) in ctx
+        assert "Which" in rest and key in rest and s["outputs"][0] not in rest  # the question, not the answer
+    # deterministic for a seed, different for another
+    again = needles.generate_samples(tok, [1024, 2048], 6, depths=3)
+    assert [s["prompt"] for s in again] == [s["prompt"] for s in ss]
+    other = needles.generate_samples(tok, [1024], 2, depths=3, seed=7)
+    assert other[0]["outputs"] != ss[0]["outputs"]
+
+
+def test_needles_are_disjoint_from_calibration_data(tok):
+    """Keys are not calibration words, the template is not the calibration's, and the essay haystack ends before
+    the calibration haystacks' first word (the last third of the same essays)."""
+    from kvkit.calibrate import needles as calib
+    from kvkit.calibrate.duo import essay_path
+
+    ss = needles.generate_samples(tok, [2048], 9, depths=3)
+    for s in ss:
+        assert s["meta"]["key"] not in calib.WORDS
+        assert "vault" not in s["prompt"] and "special magic" not in s["prompt"]
+        assert s["meta"]["essay_offset"] + s["meta"]["words"] <= needles.essay_span()
+    data = json.loads(essay_path().read_text(encoding="utf-8"))
+    text = data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
+    calib_first_word = len(re.sub(r"\s+", " ", text[: int(len(text) * calib.HAYSTACK_START)]).strip().split(" "))
+    assert needles.essay_span() < calib_first_word
+    squad = needles.generate_sample(tok, 1024, 0, haystack="squad")
+    assert "essay_offset" not in squad["meta"] and 0.98 * 1024 <= squad["length"] <= 1024
+
+
+def test_bad_needle_arguments(tok):
+    with pytest.raises(ValueError, match="format"):
+        needles.generate_samples(tok, [1024], 2, formats=["digits", "hex"])
+    with pytest.raises(ValueError, match="haystack"):
+        needles.generate_sample(tok, 1024, 0, haystack="wiki")
+    with pytest.raises(ValueError, match="too small"):
+        needles.generate_sample(tok, 40, 0)
+    with pytest.raises(ValueError, match="positive"):
+        needles.generate_samples(tok, [1024], 0)
+
+
+def test_peer_options_are_checked():
+    assert peers.peer_options("quantized", {"nbits": 2})["nbits"] == 2
+    with pytest.raises(ValueError, match="unknown option"):
+        peers.peer_options("quantized", {"bits": 4})
+    with pytest.raises(ValueError, match="backend"):
+        peers.peer_options("quantized", {"backend": "bnb"})
+    with pytest.raises(ValueError, match="positive"):
+        peers.peer_options("quantized", {"q_group_size": 0})
+
+
+@pytest.mark.skipif(not HAS_QUANTO, reason="needs optimum-quanto (the eval extra)")
+def test_quantized_peer_holds_fewer_bytes_and_keeps_greedy_tokens_on_a_short_prompt():
+    """The peer on a tiny model: before residual_length tokens nothing is quantized (same tokens as the plain
+    cache, bytes = the exact window); past it, the 4-bit part holds fewer bytes than full precision."""
+    from transformers import DynamicCache
+
+    from kvkit.compat import cache_kw
+    from kvkit.testing import random_ids, tiny_model
+
+    model = tiny_model("llama")
+    ids = random_ids(300, seed=3)
+    full = DynamicCache(config=model.config)
+    q = peers.make_cache(model, "quantized", {"nbits": 4, "q_group_size": 16, "residual_length": 32})
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kw(full), use_cache=True)
+        model(input_ids=ids, **cache_kw(q), use_cache=True)
+    fb = peers.cache_nbytes(full)
+    qb = peers.cache_nbytes(q)
+    assert fb == sum(t.numel() * t.element_size() for layer in full.layers for t in (layer.keys, layer.values))
+    assert 0 < qb < 0.6 * fb, (qb, fb)
+
+
+def _rows(ids, scores, kv, task="digits"):
+    return [dict(id=i, sample_sha=f"sha{i}", task=task, score=s, kv_bytes=k) for i, s, k in zip(ids, scores, kv)]
+
+
+def test_needle_table_is_relative_to_full_on_the_same_samples():
+    full = ("full", dict(policy="full", options={}), _rows([1, 2, 3, 4], [1, 1, 1, 0], [100] * 4))
+    half = ("snap", dict(policy="snapkv", options={"budget": 8}), _rows([1, 2, 3, 4], [1, 0, 1, 1], [50] * 4))
+    q = ("q4", dict(policy="quantized", options=peers.peer_options("quantized", {})),
+         _rows([1, 2, 3, 4], [1, 1, 1, 0], [20] * 4))
+    header, rows, recs = table([full, half, q])
+    by = {r["run"]: r for r in recs}
+    assert by["snap"]["accuracy"] == 0.75 and by["snap"]["x_full"] == 1.0
+    assert by["snap"]["kept"] == pytest.approx(2 / 3) and by["snap"]["kv_fraction"] == 0.5
+    assert by["q4"]["kv_fraction"] == 0.2 and "4-bit quanto" in rows[2][2]
+    with pytest.raises(ValueError, match="exactly one run of policy 'full'"):
+        table([half, q])
+    other = ("x", dict(policy="streaming", options={}), _rows([9], [1], [1]))
+    with pytest.raises(ValueError, match="not samples of the full run"):
+        table([full, other])
+
+
+@pytest.mark.skipif(not HAS_QUANTO, reason="needs optimum-quanto (the eval extra)")
+def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
+    from kvkit.cli import main
+
+    out = tmp_path / "nd"
+    rc = main(["eval", "needles", "--model", tiny_dir, "--run", "full=full", "--run", "q4=quantized:nbits=4",
+               "--run", "snap=snapkv:budget=128", "--out-root", str(out), "--lengths", "512", "--samples", "3",
+               "--depths", "3"])
+    assert rc == 0
+    md = (out / "needles.md").read_text()
+    assert "| q4 | quantized |" in md and "| snap | snapkv | 128 |" in md
+    assert (out / "needles.png").stat().st_size > 1000
+    rows = [json.loads(x) for x in (out / "snap" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and {r["task"] for r in rows} == {"digits", "uuid", "words"}
+    cfg = json.loads((out / "q4" / "config.json").read_text())
+    assert cfg["protocol"] == "agnostic" and cfg["seed"] == needles.DEFAULT_SEED
+    assert main(["eval", "needles", "--model", tiny_dir, "--run", "a=full", "--run", "a=streaming",
+                 "--out-root", str(out)]) == 2
+    assert "--run names must be unique" in capsys.readouterr().err
