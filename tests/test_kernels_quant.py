@@ -161,11 +161,14 @@ from kvkit.kernels import quant_cpu  # noqa: E402
 
 needs_cpu_kernel = pytest.mark.skipif(not quant_cpu.available(), reason="no C compiler: quant_decode uses the reference")
 
-CPU_CASES = [  # (B, Hq, Hkv, Tq, D, [(N, kbits, vbits, prescale)])
-    (2, 9, 3, 1, 64, [(37, 4, 4, True), (50, 2, 2, True)]),  # the default model's shape, two precision groups
-    (1, 4, 2, 3, 16, [(20, 4, 2, False), (7, 2, 8, True)]),  # tiny test models' head_dim (masked 4/8-byte rows)
-    (2, 8, 1, 2, 128, [(33, 8, 4, True)]),  # 8 query rows per KV head: two row blocks
-    (1, 2, 2, 1, 32, [(1, 2, 4, True), (16, 8, 8, False), (3, 4, 2, True)]),
+CPU_CASES = [  # (B, Hq, Hkv, Tq, D, [(N, kbits, vbits, prescale, key group tokens or None)])
+    (2, 9, 3, 1, 64, [(37, 4, 4, True, None), (50, 2, 2, True, None)]),  # the default model's shape, two groups
+    (1, 4, 2, 3, 16, [(20, 4, 2, False, None), (7, 2, 8, True, None)]),  # tiny models' head_dim (4/8-byte rows)
+    (2, 8, 1, 2, 128, [(33, 8, 4, True, None)]),  # 8 query rows per KV head: two row blocks
+    (1, 2, 2, 1, 32, [(1, 2, 4, True, None), (16, 8, 8, False, None), (3, 4, 2, True, None)]),
+    # key statistics per token group (KIVI-style; ZipCache's key_group): ragged last group, a group of 1
+    (2, 9, 3, 1, 64, [(37, 4, 4, True, 16), (50, 2, 2, True, 8), (5, 4, 4, False, 1)]),
+    (1, 4, 2, 3, 16, [(20, 4, 2, False, 32), (70, 8, 8, True, 64)]),
 ]
 
 
@@ -180,10 +183,11 @@ def test_quant_decode_cpu_kernel_matches_reference(monkeypatch, case, with_mask,
     g = torch.Generator().manual_seed(D + len(parts))
     q = torch.randn(B, Hq, Tq, D, generator=g)
     kps, vps, valids = [], [], []
-    for N, kb, vb, pre in parts:
+    for N, kb, vb, pre, kg in parts:
         k = torch.randn(B, Hkv, N, D, generator=g) * 3
+        k[..., :: 7, :] *= 4  # outlier tokens: per-group statistics differ between groups
         v = torch.randn(B, Hkv, N, D, generator=g)
-        kps.append(K.quantize(k, kb, None, axis=-2))
+        kps.append(K.quantize(k, kb, kg, axis=-2))
         vps.append(K.quantize(v, vb, None, axis=-1, channel_prescale=pre))
         valids.append(torch.randint(0, N + 1, (B,), generator=g) if with_mask else torch.full((B,), N))
     prior = None
@@ -216,7 +220,7 @@ def test_quant_decode_cpu_kernel_bf16_and_3d_query():
 
 
 def test_quant_decode_layouts_the_cpu_kernel_does_not_read_use_the_reference():
-    """Token-grouped key statistics (KIVI-style groups along N) are not the kernel's layout: reference path."""
+    """Channel-grouped value statistics (groups of 8 channels) are not the kernel's layout: reference path."""
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 2, 32, generator=g)
     k, v = torch.randn(1, 1, 40, 32, generator=g), torch.randn(1, 1, 40, 32, generator=g)

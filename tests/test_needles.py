@@ -119,6 +119,9 @@ def test_needle_table_is_relative_to_full_on_the_same_samples():
     other = ("x", dict(policy="streaming", options={}), _rows([9], [1], [1]))
     with pytest.raises(ValueError, match="not samples of the full run"):
         table([full, other])
+    short = ("s", dict(policy="streaming", options={}), _rows([1, 2], [1, 0], [10, 10]))  # stopped early
+    _, _, recs = table([full, half, short])
+    assert [r["samples"] for r in recs] == [2, 2, 2] and recs[1]["accuracy"] == 0.5 and recs[2]["x_full"] == 0.5
 
 
 @pytest.mark.skipif(not HAS_QUANTO, reason="needs optimum-quanto (the eval extra)")

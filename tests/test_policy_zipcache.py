@@ -45,18 +45,24 @@ def test_default_bits_are_lossy_but_close():
 
 
 @pytest.mark.parametrize("n", [50, 61])
-def test_nbytes_formula(n):
+@pytest.mark.parametrize("layout", ["paper", "default"])
+def test_nbytes_formula(n, layout):
+    """Paper layout (key_group=None, stats="auto" on an fp32 model): one fp32 key statistic per channel per part.
+    kvkit's default: key statistics per 32 tokens of a part, every scale / zero point in fp16."""
     model = tiny_model("llama")
-    kvkit.patch(model, "zipcache")  # 60% at 4 bits, 40% at 2 bits
+    opts = dict(key_group=None, stats="auto") if layout == "paper" else {}
+    kvkit.patch(model, "zipcache", **opts)  # 60% at 4 bits, 40% at 2 bits
     cache = kvkit.KVCache(model)
     with torch.no_grad():
         model(input_ids=_ids(n), past_key_values=cache, use_cache=True)
     hi = math.ceil(0.6 * n)
+    s_bytes, kg = (4, None) if layout == "paper" else (2, 32)
     expect = 4  # first_pos int32 [1]
     for m, bits in ((hi, 4), (n - hi, 2)):
         codes = 2 * H * m * D * bits // 8  # keys + values, packed
-        key_stats = 2 * H * D * 4  # fp32 scale + zero per channel
-        value_stats = 2 * H * m * 4 + H * D * 4  # fp32 scale + zero per token, prescale per channel
+        groups = 1 if kg is None else math.ceil(m / kg)
+        key_stats = 2 * H * groups * D * s_bytes  # scale + zero per channel per key group
+        value_stats = 2 * H * m * s_bytes + H * D * 4  # scale + zero per token, fp32 prescale per channel
         expect += codes + key_stats + value_stats + 8  # + the group's valid length (int64 [1])
     for s in _stores(cache):
         assert s.quantized_tokens() == n and s.keys.shape[-2] == 0
@@ -147,7 +153,7 @@ def test_key_bits_keeps_every_key_at_one_width():
     """key_bits=4: keys of both saliency groups at 4 bits, values keep the 4/2 split; bytes follow."""
     model = tiny_model("llama")
     n = 50
-    kvkit.patch(model, "zipcache", key_bits=4)
+    kvkit.patch(model, "zipcache", key_bits=4, key_group=None, stats="auto")  # the paper's layout of statistics
     cache = kvkit.KVCache(model)
     with torch.no_grad():
         model(input_ids=_ids(n), past_key_values=cache, use_cache=True)
@@ -164,7 +170,8 @@ def test_key_bits_keeps_every_key_at_one_width():
 
 @pytest.mark.parametrize("bad", [dict(high_bits=3), dict(key_bits=3), dict(key_bits=True), dict(low_bits=1), dict(high_bits=16), dict(high_bits=2, low_bits=4),
                                  dict(high_ratio=1.5), dict(high_ratio=-0.1), dict(requant_interval=0),
-                                 dict(probe_ratio=0), dict(high_bits=True)])
+                                 dict(probe_ratio=0), dict(high_bits=True), dict(key_group=0), dict(key_group=1.5),
+                                 dict(stats="bf16")])
 def test_bad_options(bad):
     with pytest.raises(ValueError, match="zipcache"):
         kvkit.get_policy("zipcache", **bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import sys
@@ -411,6 +412,9 @@ def cmd_needles(args) -> int:
                         lambda s, p: ruler_score(s["metric"], p, s["outputs"]), desc=f"needles {name}",
                         full_prompt_prefill=aware)
             folders.append(run.path)
+    # the table covers every needle run folder under --out-root (earlier invocations' runs too)
+    folders = sorted(d for d in root.iterdir() if (d / "config.json").is_file()
+                     and json.loads((d / "config.json").read_text()).get("benchmark") == "needles")
     print(write_report(root, folders, f"Fresh needles - {args.model} - {args.protocol}"))
     return 0
 

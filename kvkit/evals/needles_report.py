@@ -4,7 +4,8 @@ Reads run folders (``config.json`` + ``samples.jsonl`` of :class:`kvkit.evals.co
 sample set; the baseline is the run whose policy is ``full``. Per run: accuracy (mean ``string_match_all``),
 accuracy on the samples full answers (``kept``: the needles the policy keeps of those the model can find at all),
 ``x full`` = accuracy / full's accuracy on the same samples, per-format accuracy, and the mean KV bytes held at the
-end of generation as a fraction of full's. Rows are matched on (id, sample_sha): a run of other prompts is refused.
+end of generation as a fraction of full's. Rows are matched on (id, sample_sha): a run of other prompts is refused;
+every run is scored on the samples all runs share (a run stopped early narrows the table).
 """
 
 from __future__ import annotations
@@ -32,15 +33,22 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
         raise ValueError(f"the needle table needs exactly one run of policy 'full' among the runs, found {len(base)}")
     _, _, brows = base[0]
     bkey = {(r["id"], r.get("sample_sha")): r for r in brows}
+    for name, _, rows in runs:
+        stray = [r["id"] for r in rows if (r["id"], r.get("sample_sha")) not in bkey]
+        if stray:
+            raise ValueError(f"run {name!r}: {len(stray)} of its rows are not samples of the full run "
+                             "(another seed, length, protocol or prompt set)")
+    # every row is scored on the samples all runs have (a run stopped early narrows the table, never skews it)
+    common = set(bkey)
+    for _, _, rows in runs:
+        common &= {(r["id"], r.get("sample_sha")) for r in rows}
+    bkey = {k: v for k, v in bkey.items() if k in common}
     formats = sorted({r.get("task") for r in brows})
     header = ["run", "policy", "options", "accuracy", "x full", "kept (of full's)", *formats, "KV bytes x full",
               "samples"]
     out, records = [], []
     for name, cfg, rows in runs:
         shared = [r for r in rows if (r["id"], r.get("sample_sha")) in bkey]
-        if len(shared) != len(rows):
-            raise ValueError(f"run {name!r}: {len(rows) - len(shared)} of its rows are not samples of the full run "
-                             "(another seed, length, protocol or prompt set)")
         if not shared:
             continue
         b = [bkey[(r["id"], r.get("sample_sha"))] for r in shared]

@@ -4,7 +4,7 @@ The torch reference (:func:`kvkit.kernels.reference.quant_decode_ref`) dequantiz
 a float K and V and attends densely, so each decode step writes and re-reads a float copy of the whole
 cache. This kernel reads only the packed bytes and the statistics:
 
-* scores, keys quantised per channel with one statistic per channel (``scale_k, zero_k [D]``):
+* scores, keys quantised per channel with one statistic per channel per token group (``scale_k, zero_k [D]``):
   ``q . k_n = sum_d (q_d scale_d) code_nd + sum_d q_d zero_d``: the query is multiplied by the key scale
   once per part, and each token's codes are unpacked in registers (16 channels per shift/mask/convert)
   and dotted with it; no float key is ever stored;
@@ -22,8 +22,9 @@ The C source below is compiled on first use by :func:`kvkit.kernels.cbuild.build
 intrinsics path; others a portable C loop. Without a compiler :func:`available` is False and
 ``quant_decode`` uses the torch reference. ``KVKIT_QUANT_CPU=0`` disables this kernel.
 
-Supported layouts (:func:`supported`): keys ``axis=-2`` with one statistic per channel over all tokens
-(``group_size >= N``, ZipCache's layout), values ``axis=-1`` with one statistic per token
+Supported layouts (:func:`supported`): keys ``axis=-2`` with one statistic per channel per group of
+``group_size`` tokens (``group_size >= N``: one over all tokens, the ZipCache paper's layout; the query is scaled
+once per group), values ``axis=-1`` with one statistic per token
 (``group_size == D``), ``D * bits / 8`` bytes per token in {4, 8} or a multiple of 16, D <= 256.
 """
 
@@ -277,11 +278,12 @@ AI float row_exp_sum(float *s, int64_t n, float mx) {
 #define QK(qs, qz, kd, msk, n, scaling, s, lds, R_, D_, B_) qk_rows(qs, qz, kd, msk, n, R_, D_, B_, scaling, s, lds)
 #define PV(p, ldp, vd, vs, vz, vp, n, o, R_, D_, B_) pv_rows(p, ldp, vd, vs, vz, vp, n, R_, D_, B_, o)
 
-/* q [B*H, M, D]; part i: kd [B*H, n_i, D*kb_i/8], ks/kz [B*H, D], vd [B*H, n_i, D*vb_i/8], vs/vz [B*H, n_i],
+/* q [B*H, M, D]; part i: kd [B*H, n_i, D*kb_i/8], ks/kz [B*H, ng_i, D] (ng_i = ceil(n_i / kg_i): one statistic
+   per channel per group of kg_i tokens), vd [B*H, n_i, D*vb_i/8], vs/vz [B*H, n_i],
    vp [B*H, D] or NULL, mask [B, n_i] or NULL (uint8, 0 = not visible); scratch [B*H, M, sum n_i];
    prior_out [B*H, M, D] / prior_lse [B*H, M] or NULL: a partial attention over other keys, merged in;
    out [B*H, M, D]; lse [B*H, M] */
-int kvkit_quant_attn(int nparts, const int64_t *ns, const int *kb, const int *vb, const uint8_t **kd,
+int kvkit_quant_attn(int nparts, const int64_t *ns, const int64_t *kg, const int *kb, const int *vb, const uint8_t **kd,
                      const float **ks, const float **kz, const uint8_t **vd, const float **vs, const float **vz,
                      const float **vp, const uint8_t **mask, const float *q, int64_t B, int64_t H, int M, int D,
                      float scaling, float *scratch, const float *prior_out, const float *prior_lse, float *out,
@@ -301,15 +303,20 @@ int kvkit_quant_attn(int nparts, const int64_t *ns, const int *kb, const int *vb
       float qs[RB * 256], qz[RB];
       int64_t off = 0;
       for (int i = 0; i < nparts; i++) {
-        const float *sc = ks[i] + bh * D, *zp = kz[i] + bh * D;
-        for (int r = 0; r < R; r++) {
-          float z = 0.f;
-          for (int d = 0; d < D; d++) { float x = qb[(r0 + r) * D + d]; qs[r * D + d] = x * sc[d]; z += x * zp[d]; }
-          qz[r] = z;
+        int64_t G = kg[i] > 0 && kg[i] < ns[i] ? kg[i] : (ns[i] > 0 ? ns[i] : 1);
+        int64_t ng = (ns[i] + G - 1) / G;
+        for (int64_t g = 0; g < ng; g++) {  /* the query scaled by group g's key statistics, then its tokens */
+          const float *sc = ks[i] + (bh * ng + g) * D, *zp = kz[i] + (bh * ng + g) * D;
+          for (int r = 0; r < R; r++) {
+            float z = 0.f;
+            for (int d = 0; d < D; d++) { float x = qb[(r0 + r) * D + d]; qs[r * D + d] = x * sc[d]; z += x * zp[d]; }
+            qz[r] = z;
+          }
+          int64_t t0 = g * G, nn = ns[i] - t0 < G ? ns[i] - t0 : G;
+          const uint8_t *kdp = kd[i] + (bh * ns[i] + t0) * (D * kb[i] / 8);
+          const uint8_t *mp = mask[i] ? mask[i] + b * ns[i] + t0 : 0;
+          DISPATCH(QK, R, D, kb[i], qs, qz, kdp, mp, nn, scaling, sb + r0 * ntot + off + t0, ntot);
         }
-        const uint8_t *kdp = kd[i] + bh * ns[i] * (D * kb[i] / 8);
-        const uint8_t *mp = mask[i] ? mask[i] + b * ns[i] : 0;
-        DISPATCH(QK, R, D, kb[i], qs, qz, kdp, mp, ns[i], scaling, sb + r0 * ntot + off, ntot);
         off += ns[i];
       }
       for (int r = 0; r < R; r++) {
@@ -349,7 +356,7 @@ int kvkit_quant_attn(int nparts, const int64_t *ns, const int *kb, const int *vb
 
 P, I64, Int, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KERNEL = Kernel("quant_cpu", _SRC, {
-    "kvkit_quant_attn": ([Int, P, P, P, P, P, P, P, P, P, P, P, P, I64, I64, Int, Int, F, P, P, P, P, P, Int], Int),
+    "kvkit_quant_attn": ([Int, P, P, P, P, P, P, P, P, P, P, P, P, P, I64, I64, Int, Int, F, P, P, P, P, P, Int], Int),
     "kvkit_has_avx512": ([], Int),
 }, "KVKIT_QUANT_CPU")
 _load = _KERNEL.load
@@ -374,8 +381,9 @@ def supported(kpack: Packed, vpack: Packed, D: int) -> bool:
         db = D * p.bits // 8
         if not (db in (4, 8) or db % 16 == 0):
             return False
-    return (kpack.axis == -2 and kpack.scale.shape[-2] == 1 and (kpack.group_size >= N or N == 0)
-            and kpack.prescale is None and vpack.axis == -1 and vpack.group_size == D)
+    groups_ok = N == 0 or kpack.scale.shape[-2] == -(-N // max(1, kpack.group_size))
+    return (kpack.axis == -2 and groups_ok and kpack.prescale is None
+            and vpack.axis == -1 and vpack.group_size == D)
 
 
 def _view(p: Packed):
@@ -411,6 +419,7 @@ def quant_attn(q4: torch.Tensor, parts, scale: float, prior=None):
     P = ctypes.c_void_p
     kv = [(_view(kp), _view(vpk)) for kp, vpk, _ in parts]
     ns = (ctypes.c_int64 * n)(*(kp.shape[-2] for kp, _, _ in parts))
+    kg = (ctypes.c_int64 * n)(*(kp.group_size for kp, _, _ in parts))  # tokens per key statistic
     kb = (ctypes.c_int * n)(*(kp.bits for kp, _, _ in parts))
     vb = (ctypes.c_int * n)(*(vp.bits for _, vp, _ in parts))
     kd, ks, kz = (P * n)(*(k[0] for k, _ in kv)), (P * n)(*(k[1] for k, _ in kv)), (P * n)(*(k[2] for k, _ in kv))
@@ -426,7 +435,7 @@ def quant_attn(q4: torch.Tensor, parts, scale: float, prior=None):
         po = ptr(prior[0].reshape(B, H, M, D), torch.float32)
         pl = ptr(prior[1].reshape(B, H, M), torch.float32)
     with torch.profiler.record_function("kvkit::quant_attn_cpu"):  # names the C call in torch.profiler tables
-        rc = lib.kvkit_quant_attn(n, ns, kb, vb, kd, ks, kz, vd, vs, vz, vp, mk, ptr(qf, torch.float32), B, H, M, D,
+        rc = lib.kvkit_quant_attn(n, ns, kg, kb, vb, kd, ks, kz, vd, vs, vz, vp, mk, ptr(qf, torch.float32), B, H, M, D,
                                   float(scale), scratch.data_ptr(), po, pl, out.data_ptr(), lse.data_ptr(),
                                   max(1, torch.get_num_threads()))
     if rc != 0:

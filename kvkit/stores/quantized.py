@@ -105,14 +105,18 @@ class QuantizedSegmentStore(SlotStore):
     Parameters: ``tail_tokens`` -- the tail is quantised into a new segment once it holds this many tokens;
     ``bits`` -- bit width of the default :meth:`split_block` (one group, keys and values); ``value_prescale``
     -- divide values by ``sqrt(max |V|)`` per channel before quantising them (ZipCache's outlier-channel
-    handling).
+    handling); ``key_group`` -- tokens per key statistic (KIVI-style groups; None: one per channel per part);
+    ``stat_dtype`` -- dtype of the scales and zero points (None: fp16 for 16-bit models, fp32 otherwise).
     """
 
-    def __init__(self, info: LayerInfo, tail_tokens: int, bits: int = 4, value_prescale: bool = False):
+    def __init__(self, info: LayerInfo, tail_tokens: int, bits: int = 4, value_prescale: bool = False,
+                 key_group: int | None = None, stat_dtype: torch.dtype | None = None):
         super().__init__(info)
+        self.stat_dtype = stat_dtype
         self.tail_tokens = tail_tokens
         self.bits = bits
         self.value_prescale = value_prescale
+        self.key_group = key_group
         self.segments: list[Segment] = []
         self._read = None  # (kpacks, vpacks, valid lengths or None where every row is full): built once per change
 
@@ -125,10 +129,20 @@ class QuantizedSegmentStore(SlotStore):
         return rank_groups(ones, valid, (), ((self.bits, self.bits),))
 
     def quantize_group(self, k, v, key_bits: int, value_bits: int) -> tuple[Packed, Packed]:
-        """Pack one group ``k, v [B, H, m, D]``: keys per channel, values per token (optional pre-scale)."""
-        kp = quantize(k, key_bits, None, axis=-2)
-        vp = quantize(v, value_bits, None, axis=-1, channel_prescale=self.value_prescale)
+        """Pack one group ``k, v [B, H, m, D]``: keys per channel (one statistic per ``key_group`` tokens of the
+        group's order, or over all m when None), values per token (optional pre-scale)."""
+        sd = self._stat_dtype(k)
+        kp = quantize(k, key_bits, self.key_group if self.key_group and self.key_group < k.shape[-2] else None,
+                      axis=-2, stat_dtype=sd)
+        vp = quantize(v, value_bits, None, axis=-1, channel_prescale=self.value_prescale, stat_dtype=sd)
         return kp, vp
+
+    def _stat_dtype(self, k):
+        """The scale/zero dtype: ``stat_dtype`` (fp16 falls back to fp32 when the block exceeds fp16's range;
+        one host read per compression event), else :func:`~kvkit.kernels.quantize`'s default."""
+        if self.stat_dtype == torch.float16 and k.numel() and float(k.abs().amax()) > 6.0e4:
+            return torch.float32
+        return self.stat_dtype
 
     def tail_score(self):
         """The score of the tail's tokens handed to :meth:`split_block` at a compression (None: none)."""
