@@ -47,3 +47,18 @@ def test_no_import_circle_from_any_entry_point():
     for mod in ("kvkit.stores", "kvkit.model_info", "kvkit.cache", "kvkit.policies.snapkv"):
         r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, text=True)
         assert r.returncode == 0, f"import {mod} failed:\n{r.stderr}"
+
+
+def test_c_sources_live_in_csrc_not_in_python_strings():
+    """The CPU kernels' C is in kvkit/kernels/csrc/*.c (shipped as package data, read by cbuild.c_source)."""
+    from pathlib import Path
+
+    import kvkit
+    from kvkit.kernels.cbuild import c_source
+
+    root = Path(kvkit.__file__).parent
+    holders = [str(p.relative_to(root)) for p in root.rglob("*.py") if "#include <" in p.read_text(encoding="utf-8")]
+    assert holders == []
+    sources = sorted(p.name for p in (root / "kernels" / "csrc").glob("*.c"))
+    assert sources == ["decode_cpu.c", "paged_heads_cpu.c", "paged_quant_cpu.c", "quant_cpu.c", "vec.c"]
+    assert all("{" in c_source(s) for s in sources)  # readable through the package (what cbuild compiles)
