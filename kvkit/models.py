@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from kvkit import env
+
 
 @dataclass(frozen=True)
 class GGUFSource:
@@ -79,7 +81,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvkit")
+    root = env.cache_root()
     return Path(root)
 
 

@@ -62,3 +62,23 @@ def test_c_sources_live_in_csrc_not_in_python_strings():
     sources = sorted(p.name for p in (root / "kernels" / "csrc").glob("*.c"))
     assert sources == ["decode_cpu.c", "paged_heads_cpu.c", "paged_quant_cpu.c", "quant_cpu.c", "vec.c"]
     assert all("{" in c_source(s) for s in sources)  # readable through the package (what cbuild compiles)
+
+
+def test_kvkit_switches_are_read_in_one_place():
+    """Every KVKIT_* environment switch is listed in kvkit.env.SWITCHES and read only by kvkit/env.py."""
+    import re
+    from pathlib import Path
+
+    import kvkit
+    from kvkit import env
+
+    root = Path(kvkit.__file__).parent
+    named, readers = set(), []
+    for p in root.rglob("*.py"):
+        text = p.read_text(encoding="utf-8")
+        named |= set(re.findall(r"KVKIT_[A-Z0-9_]+[A-Z0-9]", text))
+        if p.name != "env.py" and re.search(r"(environ\.get|getenv|environ\[)\(?\s*[\"']KVKIT_", text):
+            readers.append(str(p.relative_to(root)))
+    assert readers == []
+    assert named <= set(env.SWITCHES), sorted(named - set(env.SWITCHES))
+    assert "| `KVKIT_KERNELS` |" in env.table()

@@ -37,6 +37,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from kvkit import env
+
 FORMAT = "kvkit-calibration"
 VERSION = 1
 MAX_FILE_BYTES = 16 << 20  # a calibration file is a few KiB; its evidence a few hundred at most
@@ -105,14 +107,14 @@ def user_dir() -> Path:
 
 
 def search_dirs() -> list[Path]:
-    dirs = [Path(p).expanduser() for p in os.environ.get("KVKIT_CALIBRATION_DIR", "").split(os.pathsep) if p]
+    dirs = [Path(p).expanduser() for p in env.calibration_dirs()]
     return [*dirs, user_dir(), shipped_dir()]
 
 
 def default_out(name: str) -> Path:
     """Where ``kvkit calibrate`` writes without ``--out``: the first ``$KVKIT_CALIBRATION_DIR`` folder, else
     the user folder (both are searched before the shipped files)."""
-    dirs = [p for p in os.environ.get("KVKIT_CALIBRATION_DIR", "").split(os.pathsep) if p]
+    dirs = env.calibration_dirs()
     return (Path(dirs[0]).expanduser() if dirs else user_dir()) / f"{file_stem(name)}.json"
 
 

@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from kvkit import env
 from kvkit.cli import parse_options as parse_opts
 
 PROMPT_FIELDS = ("id", "task", "prompt", "outputs", "tokens_to_generate", "metric")
@@ -548,7 +549,7 @@ def _bench_batch(args, policy, options, lengths, more, threads) -> int:
     model, tok = _load(args)
     threads = threads or [torch.get_num_threads()]
     try:
-        commit = os.environ.get("KVKIT_GIT_COMMIT") or subprocess.run(
+        commit = env.git_commit() or subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
             cwd=Path(__file__).resolve().parent).stdout.strip() or None
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvkit"], capture_output=True, text=True,

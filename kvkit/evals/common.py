@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvkit import env
 from kvkit.compat import cache_kw
 
 # --------------------------------------------------------------------------------------------- I/O
@@ -571,7 +572,7 @@ def run_label(model: str, policy: str, options: dict, length) -> str:
 def progress(iterable=None, total=None, desc=None):
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, disable=os.environ.get("KVKIT_NO_PROGRESS") == "1")
+    return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, disable=env.no_progress())
 
 
 # ------------------------------------------------------------------------------------------ runner

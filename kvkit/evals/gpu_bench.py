@@ -82,7 +82,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import os
 import platform
 import statistics
 import subprocess
@@ -91,6 +90,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from kvkit import env
 from kvkit.hostsync import HostSyncCounter
 
 #: model shapes (transformers ``LlamaConfig`` fields); random weights of these are built on the device
@@ -1092,7 +1092,7 @@ def _git() -> tuple[str | None, list | None]:
                                timeout=10, cwd=here).stdout.split("\n") if commit else None
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
-    commit = commit or os.environ.get("KVKIT_GIT_COMMIT") or None
+    commit = commit or env.git_commit()
     return commit, None if dirty is None else [x.strip() for x in dirty if x.strip()]
 
 

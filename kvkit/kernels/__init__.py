@@ -24,9 +24,10 @@ IndexError (one device sync); without it, out-of-range entries are treated as pa
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
+
+from kvkit import env
 
 from . import reference as _ref
 from ._common import (
@@ -58,14 +59,12 @@ __all__ = [
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Which path runs for these tensors: ``KVKIT_KERNELS`` = auto (default) | reference | triton."""
-    mode = os.environ.get("KVKIT_KERNELS", "auto").strip().lower()
+    mode = env.kernels_mode()
     if mode == "reference":
         return False
     if mode == "triton":
         require_triton()
         return True
-    if mode not in ("", "auto"):
-        raise ValueError(f"KVKIT_KERNELS must be 'auto', 'reference' or 'triton', got {mode!r}")
     return all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)) and triton_available()
 
 
@@ -78,7 +77,7 @@ def _on_device(t: torch.Tensor):
 def backend(device=None) -> str:
     """Human-readable kernel path for a device (used by ``kvkit doctor``)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    if os.environ.get("KVKIT_KERNELS", "auto").lower() == "reference":
+    if env.kernels_mode() == "reference":
         return "torch reference (KVKIT_KERNELS=reference)"
     if dev.type == "cuda" and triton_available():
         import triton
@@ -215,7 +214,7 @@ def quant_decode(q, kpack, vpack, *, scale=None, valid=None, return_lse=False, n
     else:
         from . import quant_cpu
 
-        if (q.device.type == "cpu" and os.environ.get("KVKIT_KERNELS", "auto").strip().lower() != "reference"
+        if (q.device.type == "cpu" and env.kernels_mode() != "reference"
                 and q.dtype != torch.float64 and all(quant_cpu.supported(k, v, D) for k, v in zip(kps, vps))
                 and quant_cpu.available()):
             out, lse = quant_cpu.quant_attn(q4, list(zip(kps, vps, masks())), scale, prior=prior)

@@ -7,7 +7,6 @@ the Triton and the reference path, with a message that says what was wrong.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -17,7 +16,9 @@ INTS = (torch.int32, torch.int64)
 
 def debug() -> bool:
     """``KVKIT_DEBUG=1``: check index ranges on the host (costs a device sync, so off by default)."""
-    return os.environ.get("KVKIT_DEBUG", "0") not in ("", "0")
+    from kvkit import env
+
+    return env.debug()
 
 
 def fail(fn: str, msg: str):

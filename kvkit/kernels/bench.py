@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import kvkit.kernels as K
+from kvkit import env
 
 H100_SXM_GBS = 3350.0
 
@@ -78,15 +78,8 @@ def _nb(*ts):
 def _ref_path(fn):
     """The same call through the torch reference path of the dispatcher."""
     def g():
-        old = os.environ.get("KVKIT_KERNELS")
-        os.environ["KVKIT_KERNELS"] = "reference"
-        try:
+        with env.override("KVKIT_KERNELS", "reference"):
             return fn()
-        finally:
-            if old is None:
-                os.environ.pop("KVKIT_KERNELS")
-            else:
-                os.environ["KVKIT_KERNELS"] = old
     return g
 
 

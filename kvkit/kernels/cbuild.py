@@ -39,6 +39,7 @@ import threading
 import time
 import warnings
 
+from kvkit import env as kvkit_env
 
 
 def c_source(name: str) -> str:
@@ -71,7 +72,7 @@ def _warn(msg: str) -> None:
 
 def cache_dir() -> str:
     """The configured kernel cache folder (``$KVKIT_CACHE/kernels``, default ``~/.cache/kvkit/kernels``)."""
-    root = os.environ.get("KVKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvkit")
+    root = kvkit_env.cache_root()
     return os.path.join(root, "kernels")
 
 
@@ -286,7 +287,7 @@ def build(name: str, src: str):
 
 def disabled(env: str) -> bool:
     """True when the environment variable ``env`` switches a kernel off (0 / false / no / off)."""
-    return os.environ.get(env, "1").strip().lower() in ("0", "false", "no", "off")
+    return kvkit_env.switched_off(env)
 
 
 class Kernel:

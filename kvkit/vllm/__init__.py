@@ -24,8 +24,8 @@ environment it raises an error naming the supported version.
 from __future__ import annotations
 
 import logging
-import os
 
+from kvkit import env
 from kvkit.vllm.config import ENV_VAR, PluginPolicy, parse_policy, policy_from  # noqa: F401
 
 SUPPORTED_VLLM = "0.32.0"
@@ -68,11 +68,11 @@ def register() -> None:
     try:
         check_version()
     except RuntimeError:
-        if os.environ.get(ENV_VAR):
+        if env.vllm_policy():
             raise
         log.debug("kvkit.vllm: unsupported vLLM, plugin not registered", exc_info=True)
         return
-    parse_policy(os.environ.get(ENV_VAR), source=f"${ENV_VAR}")  # a malformed switch fails here, in every process, early
+    parse_policy(env.vllm_policy(), source=f"${ENV_VAR}")  # a malformed switch fails here, in every process, early
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

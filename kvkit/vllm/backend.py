@@ -37,7 +37,6 @@ tested here (no GPU on this machine).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -59,6 +58,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvkit import env
 from kvkit.vllm.config import PluginPolicy, policy_from
 from kvkit.vllm.stats import STATS, StepRecord
 
@@ -300,7 +300,7 @@ class KvkitCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         self._keys: torch.Tensor | None = None  # tidal score=exact: selection layers' keys [slots, kv_heads, D]
         self._duo_retrieval: torch.Tensor | None = None  # duo: [layers, this rank's KV heads] bool
         self._duo_mask: tuple[bool, ...] | None = None  # duo: this layer's heads (True: retrieval)
-        self._duo_kernel = os.environ.get("KVKIT_VLLM_DUO_KERNEL", "mixed").strip().lower()
+        self._duo_kernel = env.vllm_duo_kernel()
         if p is not None and p.name == "duo" and self.attn_type == AttentionType.DECODER:
             if self.sinks is not None or self.alibi_slopes is not None or self.logits_soft_cap or \
                     self.kv_cache_dtype != "auto":

@@ -25,6 +25,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from kvkit import env
+
 ENV_VAR = "KVKIT_VLLM_POLICY"
 CONFIG_KEY = "kvkit"
 
@@ -366,7 +368,7 @@ def policy_from(vllm_config=None) -> PluginPolicy | None:
         policy = parse_policy(extra[CONFIG_KEY], source=f"additional_config[{CONFIG_KEY!r}]")
         source = f"additional_config[{CONFIG_KEY!r}]"
     else:
-        policy = parse_policy(os.environ.get(ENV_VAR), source=f"${ENV_VAR}")
+        policy = parse_policy(env.vllm_policy(), source=f"${ENV_VAR}")
         source = f"${ENV_VAR}"
     model = _model_config(vllm_config) if vllm_config is not None else None
     if policy is not None and model is not None:
