@@ -1,8 +1,9 @@
 """Every ``KVKIT_*`` environment switch, read here and only here (a leaf module: it imports nothing of kvkit).
 
-:data:`SWITCHES` lists them with what they do (the README's table is generated from it:
-``python -m kvkit.env``); each has one reader below, which normalises the value the same way wherever it is read.
-Values are read at call time, so a switch set inside a process (tests, benchmarks) takes effect at the next call.
+:data:`SWITCHES` lists them with what they do (the README's table is :func:`table`:
+``python -c "import kvkit.env as e; print(e.table())"``); each has one reader below, which normalises the value
+the same way wherever it is read. Values are read at call time, so a switch set inside a process (tests,
+benchmarks) takes effect at the next call.
 """
 
 from __future__ import annotations
