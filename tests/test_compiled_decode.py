@@ -57,6 +57,18 @@ def _decode(model, ids, steps, step, cache=None):
     return torch.cat(toks, 1), logits, cache
 
 
+def _compiled_matches(model, ids, step, ref_toks, ref_logits, tol=1e-4):
+    """``STEPS`` steps through ``step`` without recompiling: one graph, the reference tokens and logits.
+    Returns the cache."""
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        toks, logits, cache = _decode(model, ids, STEPS, step)
+    assert _graphs() == 1
+    assert torch.equal(toks, ref_toks)
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    return cache
+
+
 @pytest.mark.parametrize("policy", STATIC_POLICIES)
 def test_compiled_step_equals_eager_without_recompiling(policy):
     model = tiny_model("llama")
@@ -68,13 +80,7 @@ def test_compiled_step_equals_eager_without_recompiling(policy):
         ref_toks, ref_logits, cache = _decode(model, ids, STEPS, model)
         assert cache.is_compileable and cache.compile_refusal is None
         assert torch.equal(ref_toks, dyn_toks)  # static buffers keep the policy's decoding
-        step = model.get_compiled_call(_config())
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            toks, logits, cache = _decode(model, ids, STEPS, step)
-        assert _graphs() == 1
-        assert torch.equal(toks, ref_toks)
-        for a, b in zip(logits, ref_logits):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        cache = _compiled_matches(model, ids, model.get_compiled_call(_config()), ref_toks, ref_logits)
         assert cache.get_seq_length() == ids.shape[1] + STEPS
     finally:
         kvkit.unpatch(model)
@@ -134,12 +140,7 @@ def test_compiled_step_on_cuda_with_cuda_graphs_equals_eager(policy):
             out.logits = out.logits.clone()
             return out
 
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            toks, logits, _ = _decode(model, ids, STEPS, step)
-        assert _graphs() == 1
-        assert torch.equal(toks, ref_toks)
-        for a, b in zip(logits, ref_logits):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+        _compiled_matches(model, ids, step, ref_toks, ref_logits, tol=1e-3)
     finally:
         kvkit.unpatch(model)
 

@@ -274,17 +274,23 @@ def _parse_run(spec: str) -> tuple[str, str, dict]:
     return name.strip(), policy.strip(), resolve_policy_options(policy.strip(), parse_opts([opts] if opts else None))
 
 
+def _run_specs(args, command: str, parse=None) -> list[tuple[str, str, dict]]:
+    """The ``--run NAME=POLICY[:options]`` of a multi-run command, parsed, with unique names (ValueError)."""
+    if not args.run:
+        raise ValueError(f"kvkit eval {command} needs at least one --run NAME=POLICY[:options]")
+    specs = [(parse or _parse_run)(r) for r in args.run]
+    names = [n for n, _, _ in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--run names must be unique, got {names}")
+    return specs
+
+
 def cmd_sweep(args) -> int:
     """RULER prompts through several policies, one shared (recorded, replayed) context prefill per sample."""
     from kvkit.evals import ruler
     from kvkit.evals.common import RunDir, run_sweep
 
-    if not args.run:
-        raise ValueError("kvkit eval sweep needs at least one --run NAME=POLICY[:options]")
-    specs = [_parse_run(r) for r in args.run]
-    names_seen = [n for n, _, _ in specs]
-    if len(set(names_seen)) != len(names_seen):
-        raise ValueError(f"--run names must be unique, got {names_seen}")
+    specs = _run_specs(args, "sweep")
     samples, tasks, length, model, tok = _ruler_prompts(args)
     with contextlib.ExitStack() as held:  # every run folder locked until the sweep ends
         runs = []
@@ -384,12 +390,7 @@ def cmd_needles(args) -> int:
     from kvkit.evals.common import RunDir, check_length, run_samples
     from kvkit.evals.needles_report import write_report
 
-    if not args.run:
-        raise ValueError("kvkit eval needles needs at least one --run NAME=POLICY[:options] (one of them full)")
-    specs = [_parse_needle_run(r) for r in args.run]
-    names = [n for n, _, _ in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--run names must be unique, got {names}")
+    specs = _run_specs(args, "needles (one run of them full)", _parse_needle_run)
     lengths = _ints(args.lengths, "--lengths")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if args.haystack not in needles.HAYSTACKS:
