@@ -11,6 +11,7 @@ every run is scored on the samples all runs share (a run stopped early narrows t
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from kvkit.evals.common import atomic_write_bytes, atomic_write_text, read_rows
@@ -81,16 +82,27 @@ def figure_png(records: list[dict], title: str) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
     fig, ax = plt.subplots(figsize=(7.5, 5))
+    placed: dict = {}
     for r in records:
         if r["x_full"] is None:
             continue
         peer = r["policy"] == "quantized"
         ax.scatter(r["kv_fraction"], r["x_full"], s=45, marker="s" if peer else "o",
                    color="tab:gray" if peer else ("black" if r["policy"] == "full" else "tab:blue"))
-        ax.annotate(r["run"], (r["kv_fraction"], r["x_full"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        spot = (round(math.log10(max(r["kv_fraction"], 1e-9)) * 25), round(r["x_full"] * 25))  # ~4% apart
+        n = placed[spot] = placed.get(spot, -1) + 1  # labels of coinciding points stack downwards
+        ax.annotate(r["run"], (r["kv_fraction"], r["x_full"]), textcoords="offset points", xytext=(5, 4 - 11 * n),
+                    fontsize=8)
     ax.set_xlabel("KV bytes held / full's (log scale)")
     ax.set_xscale("log")
+    ticks = [t for t in (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
+             if min(r["kv_fraction"] for r in records) / 1.2 <= t <= 1.2 * max(r["kv_fraction"] for r in records)]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("needles answered / full's (same samples)")
     ax.axhline(1.0, color="black", lw=0.6, ls=":")
     ax.set_ylim(bottom=0)
