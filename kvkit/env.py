@@ -58,8 +58,9 @@ def calibration_dirs() -> list[str]:
 
 
 def switched_off(name: str) -> bool:
-    """True when a kernel switch (``KVKIT_*_CPU``) is 0 / false / no / off."""
-    return (raw(name) or "1").strip().lower() in _OFF
+    """True when a kernel's switch (``KVKIT_*_CPU`` of :data:`SWITCHES`, or the name a ``cbuild.Kernel`` was given)
+    is 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() in _OFF
 
 
 def no_progress() -> bool:
