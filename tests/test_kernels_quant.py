@@ -254,3 +254,13 @@ def test_quant_decode_triton_parts_and_prior_match_reference(monkeypatch):
     monkeypatch.setenv("KVKIT_KERNELS", "reference")
     want, want_lse = K.quant_decode(q, kps, vps, return_lse=True, prior=prior)
     assert max_err(out, want) < 1e-4 and max_err(lse, want_lse) < 1e-4
+
+
+def test_fp16_statistics_fall_back_to_fp32_beyond_fp16_range():
+    """stat_dtype=float16 (ZipCache's default) keeps fp32 statistics for a block fp16 cannot hold, as the default
+    for 16-bit inputs does; inside the range the statistics are fp16."""
+    x = torch.randn(1, 1, 8, 16)
+    assert K.quantize(x, 4, axis=-2, stat_dtype=torch.float16).scale.dtype == torch.float16
+    big = K.quantize(x * 1e5, 4, axis=-1, stat_dtype=torch.float16)
+    assert big.scale.dtype == big.zero.dtype == torch.float32
+    assert max_err(K.dequantize(big, torch.float32), x * 1e5) < 1e5 * 0.5  # finite, not inf statistics

@@ -3,12 +3,12 @@
 import torch
 
 import kvkit
-from kvkit.evals import needles
+from kvkit.evals import needles, niah
 from kvkit.evals.common import encode
 from kvkit.models import load_default
 
 model, tok = load_default()
-s = needles.generate_sample(tok, 4096, 0, depths=needles.depth_list(11))
+s = needles.generate_sample(tok, 4096, 0, depths=niah.depth_grid(11))
 ce = s["context_end"]; ctx = encode(tok, s["prompt"][:ce])
 val = s["outputs"][0]
 # token positions of the value inside the context

@@ -386,7 +386,7 @@ def _parse_needle_run(spec: str) -> tuple[str, str, dict]:
 def cmd_needles(args) -> int:
     """Fresh needles (:mod:`kvkit.evals.needles`) through several runs (policies and peers), then the table and the
     accuracy-vs-bytes figure of every run folder under --out-root made with the same samples."""
-    from kvkit.evals import needles
+    from kvkit.evals import needles, ruler
     from kvkit.evals.common import RunDir, check_length, run_samples
     from kvkit.evals.needles_report import write_report
 
@@ -403,7 +403,6 @@ def cmd_needles(args) -> int:
                                        haystack=args.haystack, depths=args.depths)
     aware = args.protocol == "aware"
     root = Path(args.out_root)
-    folders = []
     for name, policy, options in specs:
         cfg = _config(args, "needles", policy, options, model=model, length=max(lengths), lengths=lengths,
                       formats=formats, haystack=args.haystack, depths=args.depths, protocol=args.protocol,
@@ -411,20 +410,13 @@ def cmd_needles(args) -> int:
         cfg["full_prompt_prefill"] = aware
         with RunDir(root / name, cfg, resume=args.resume) as run:
             run_samples(model, tok, samples, run, policy, options,
-                        lambda s, p: ruler_score(s["metric"], p, s["outputs"]), desc=f"needles {name}",
+                        lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"needles {name}",
                         full_prompt_prefill=aware)
-            folders.append(run.path)
     # the table covers every needle run folder under --out-root (earlier invocations' runs too)
     folders = sorted(d for d in root.iterdir() if (d / "config.json").is_file()
                      and json.loads((d / "config.json").read_text()).get("benchmark") == "needles")
     print(write_report(root, folders, f"Fresh needles - {args.model} - {args.protocol}"))
     return 0
-
-
-def ruler_score(metric, prediction, outputs):
-    from kvkit.evals import ruler
-
-    return ruler.score(metric, prediction, outputs)
 
 
 # ---------------------------------------------------------------------------------------- longbench

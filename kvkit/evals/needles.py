@@ -31,6 +31,7 @@ import uuid
 import zlib
 
 from kvkit.evals.common import build_prompt, count_tokens
+from kvkit.evals.niah import depth_grid
 
 FORMATS = ("digits", "uuid", "words")
 HAYSTACKS = ("essay", "squad")
@@ -126,20 +127,13 @@ def build(seed: int, fmt: str, haystack: str, words: int, depth: float) -> tuple
     return user, PREFIX.format(key=key, kind=kind), value, context, meta
 
 
-def depth_list(n: int) -> list[float]:
-    """``n`` depths evenly from 0% to 100% of the haystack."""
-    if n < 1:
-        raise ValueError(f"--depths must be >= 1, got {n}")
-    return [0.0] if n == 1 else [round(100 * i / (n - 1), 2) for i in range(n)]
-
-
 def generate_sample(tokenizer, length: int, index: int, *, seed: int = DEFAULT_SEED, formats=FORMATS,
                     haystack: str = "essay", depths: list[float] | None = None, chat: bool = True,
                     start_words: int | None = None) -> dict:
     """Sample ``index`` at ``length`` tokens (prompt + generation within 2% below it)."""
     formats = list(formats)
     fmt = formats[index % len(formats)]
-    depths = depths or depth_list(11)
+    depths = depths or depth_grid(11)
     depth = depths[index % len(depths)]
     s_seed = sample_seed(seed, length, index)
     gen = GENERATE[fmt]
@@ -178,7 +172,7 @@ def generate_samples(tokenizer, lengths: list[int], samples: int, *, seed: int =
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
         raise ValueError(f"unknown needle format(s) {bad or formats}; use a subset of {', '.join(FORMATS)}")
-    dl = depth_list(depths)
+    dl = depth_grid(depths)
     out = []
     bar = progress(total=len(lengths) * samples, desc="fresh needles")
     for L in lengths:

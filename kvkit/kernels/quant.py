@@ -68,7 +68,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None, axis: in
 
     axis: -1 token-wise (groups of ``group_size`` channels, default D) or -2 channel-wise (groups of
     ``group_size`` tokens, default N). ``stat_dtype``: dtype of scale/zero, default fp16 for 16-bit
-    inputs (fp32 if values exceed fp16's range) and fp32 otherwise.
+    inputs and fp32 otherwise; fp16 (default or asked for) becomes fp32 where values exceed fp16's range.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2:
         _err(f"x must be a float tensor [..., N, D], got {getattr(x, 'shape', type(x))}")
@@ -87,8 +87,8 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None, axis: in
     xf = x.float()
     if stat_dtype is None:
         stat_dtype = torch.float16 if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
-        if stat_dtype == torch.float16 and xf.numel() and float(xf.abs().amax()) > 6.0e4:
-            stat_dtype = torch.float32
+    if stat_dtype == torch.float16 and xf.numel() and float(xf.abs().amax()) > 6.0e4:
+        stat_dtype = torch.float32  # beyond fp16's range (asked for or by default): fp32 statistics
     pre = None
     if channel_prescale:
         c = xf.abs().amax(dim=-2, keepdim=True).sqrt()  # [..., 1, D]

@@ -198,11 +198,11 @@ def _quant_attn_kernel(
     tl.store(LP + orow * S + split, lse, mask=row_ok)
 
 
-TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # best of bench --sweep on an H100 (results/kernels)
 #: the most query rows (G heads x Tq tokens) one program holds: more rows go to more programs (grid axis 2). One
 #: tile of 4096 rows (a 1024-token prefill chunk at G = 4) needed 569,344 bytes of shared memory on an H100
 #: (limit 232,448; results/bench/gpu/h100-b16-16k-2026-11-26/log.txt)
-MAX_BLOCK_M = 64  # best of bench --sweep on an H100 (results/kernels)
+MAX_BLOCK_M = 64
 
 
 def _parts(p):

@@ -131,18 +131,10 @@ class QuantizedSegmentStore(SlotStore):
     def quantize_group(self, k, v, key_bits: int, value_bits: int) -> tuple[Packed, Packed]:
         """Pack one group ``k, v [B, H, m, D]``: keys per channel (one statistic per ``key_group`` tokens of the
         group's order, or over all m when None), values per token (optional pre-scale)."""
-        sd = self._stat_dtype(k)
         kp = quantize(k, key_bits, self.key_group if self.key_group and self.key_group < k.shape[-2] else None,
-                      axis=-2, stat_dtype=sd)
-        vp = quantize(v, value_bits, None, axis=-1, channel_prescale=self.value_prescale, stat_dtype=sd)
+                      axis=-2, stat_dtype=self.stat_dtype)
+        vp = quantize(v, value_bits, None, axis=-1, channel_prescale=self.value_prescale, stat_dtype=self.stat_dtype)
         return kp, vp
-
-    def _stat_dtype(self, k):
-        """The scale/zero dtype: ``stat_dtype`` (fp16 falls back to fp32 when the block exceeds fp16's range;
-        one host read per compression event), else :func:`~kvkit.kernels.quantize`'s default."""
-        if self.stat_dtype == torch.float16 and k.numel() and float(k.abs().amax()) > 6.0e4:
-            return torch.float32
-        return self.stat_dtype
 
     def tail_score(self):
         """The score of the tail's tokens handed to :meth:`split_block` at a compression (None: none)."""
