@@ -119,17 +119,37 @@ def test_replayed_prefill_decodes_like_own_prefill(model, tok, name, opts):
         kvkit.patch(model, run.name, **run.options)
         with torch.no_grad():
             for _ in range(n):
-                bench._decode_step(model, run)
+                bench.decode_step(model, run)
                 out.append(run.nxt.clone())
         kvkit.unpatch(model)
         return torch.cat(out, 1)
 
     for batch in (2, 3):
-        replayed = bench._prefill_run(model, name, opts, ids, mask, rec, batch=batch)
-        own = bench._prefill_run(model, name, opts, ids, mask, batch=batch)
+        replayed = bench.prefill_run(model, name, opts, ids, mask, rec, batch=batch)
+        own = bench.prefill_run(model, name, opts, ids, mask, batch=batch)
         assert replayed.replayed and not own.replayed
         assert replayed.kv_held == own.kv_held
         assert torch.equal(tokens(replayed), tokens(own))
+
+
+def test_skip_prompt_attention_switches_hf_sdpa():
+    """The replay's switch: inside the block ``hf_sdpa`` returns zeros for the prompt's own attention (queries and
+    keys both span the prompt) and the real attention for any other call; after it, the real attention again."""
+    from types import SimpleNamespace
+
+    from kvkit.stores.attend import hf_sdpa, skip_prompt_attention
+
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+    prompt, step = hf_sdpa(module, q, k, k, None, 8**-0.5), hf_sdpa(module, q[:, :, -1:], k, k, None, 8**-0.5)
+    with skip_prompt_attention(6) as counts:
+        assert torch.equal(hf_sdpa(module, q, k, k, None, 8**-0.5), torch.zeros(1, 6, 4, 8))
+        assert torch.equal(hf_sdpa(module, q[:, :, -1:], k, k, None, 8**-0.5), step)
+        assert counts["skipped"] == 1
+        with pytest.raises(RuntimeError, match="nest"), skip_prompt_attention(6):
+            pass
+    assert torch.equal(hf_sdpa(module, q, k, k, None, 8**-0.5), prompt)
 
 
 def test_bad_input_refused(model, tok):

@@ -22,6 +22,10 @@ _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 
 _SEAM = {"failed": None}  # the first exception of a kernel launch on the seam (then SDPA for the process)
 
+#: inside a :func:`skip_prompt_attention` block: the prompt length whose own attention :func:`hf_sdpa` skips, and
+#: the block's count of skipped calls
+_PROMPT_SKIP = {"tokens": None, "counts": None}
+
 
 def seam_decode(query, keys, values, scaling, *, pos=None, qpos=None, extra_mask=None, log_weight=None):
     """One decode query per row through the decode seam (:func:`kvkit.kernels.decode`: the fused split-K Triton
@@ -94,7 +98,14 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
     kernel). torch's CPU flash kernel runs masked GQA natively (``enable_gqa``) and gives the same
     bits (``tests/test_core.py::test_cpu_masked_gqa_matches_transformers_bitwise``); cost measured by
     ``benchmarks/speculative/profile_verify.py`` (results/speculative).
+
+    Inside :func:`skip_prompt_attention` a call whose queries and keys both span the prompt returns zeros.
     """
+    skip = _PROMPT_SKIP["tokens"]
+    if skip is not None and query.shape[2] == skip and key.shape[2] == skip:
+        _PROMPT_SKIP["counts"]["skipped"] += 1
+        B, Hq, T, _ = query.shape
+        return query.new_zeros(B, T, Hq, value.shape[-1])
     if (
         attention_mask is not None
         and query.device.type == "cpu"
@@ -111,6 +122,23 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         **kwargs)
     return out
+
+
+@contextlib.contextmanager
+def skip_prompt_attention(tokens: int):
+    """Inside the block, :func:`hf_sdpa` returns zeros ``[B, T, Hq, Dv]`` for the prompt's own attention (a call
+    whose queries and keys both span the ``tokens`` prompt tokens) instead of computing it; every other call runs
+    the real one. For a replay of a recorded prefill (:func:`kvkit.evals.shared_prefill.replay_prefill`), which
+    discards the attention output: the stores keep K/V and their statistics from the query, never the output.
+    Yields ``{"skipped": n}``, the number of calls skipped so far in the block. Blocks do not nest."""
+    if _PROMPT_SKIP["tokens"] is not None:
+        raise RuntimeError("skip_prompt_attention blocks do not nest")
+    counts = {"skipped": 0}
+    _PROMPT_SKIP.update(tokens=tokens, counts=counts)
+    try:
+        yield counts
+    finally:
+        _PROMPT_SKIP.update(tokens=None, counts=None)
 
 
 def attend_static(module, query, keys, values, attention_mask, length, scaling, dropout=0.0, **kwargs):
