@@ -1,4 +1,4 @@
-"""Per-model calibration files (kvkit.calibrate.store) and the knob calibrations (kvkit.calibrate.knobs)."""
+"""Per-model calibration files (kvkit.calibrate.store) and the calibrators (kvkit.calibrate.<policy>, registry)."""
 
 from __future__ import annotations
 
@@ -140,7 +140,8 @@ def test_calibrated_cake_taus_found_from_config(caldir):
 
 def test_calibrate_cake_sweeps_the_taus(monkeypatch):
     """The sweep tries the paper's taus first and keeps the pair answering most needles (ties: the paper's)."""
-    from kvkit.calibrate import knobs, needles
+    from kvkit.calibrate import cake as cal
+    from kvkit.calibrate import needles
 
     seen = []
 
@@ -152,8 +153,8 @@ def test_calibrate_cake_sweeps_the_taus(monkeypatch):
     monkeypatch.setattr(needles, "score_policies", fake_score)
     monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0, values="mixed": [None] * 3)
     model = tiny_model("llama", num_hidden_layers=4)
-    opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, budget_fraction=0.5, kernels=(),
-                                    log=lambda m: None)
+    opts, ev = cal.calibrate_cake(model, None, length=256, samples=3, budget_fraction=0.5, kernels=(),
+                                  log=lambda m: None)
     assert seen[0][0] == "1.0,1.0" and all(sp[2]["budget"] == 128 for sp in seen)
     assert opts == {"tau1": 0.5, "tau2": 0.5}  # first of the two best in candidate order
     assert ev["per_taus"]["2.0,0.5"] == {"answered": 2, "of": 3} and ev["paper_taus"] == [1.0, 1.0]
@@ -163,9 +164,9 @@ def test_calibrate_cake_sweeps_the_taus(monkeypatch):
         seen.extend(specs)
         return 2, {s[0]: {"answered": 1, "of": 1} for s in specs}, {"needles_answered_by_full": "1/1", "predictions": {}}
 
-    monkeypatch.setattr(knobs, "pooling_sweep", fake_pool)
+    monkeypatch.setattr(cal, "pooling_sweep", fake_pool)
     seen.clear()
-    opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, kernels=(5, 15, 31), log=lambda m: None)
+    opts, ev = cal.calibrate_cake(model, None, length=256, samples=3, kernels=(5, 15, 31), log=lambda m: None)
     stage2 = [sp for sp in seen if "pool_kernel" in sp[2]]
     assert [sp[2]["pool_kernel"] for sp in stage2] == [5, 15, 31]
     assert all((sp[2]["tau1"], sp[2]["tau2"], sp[2]["budget"]) == (0.5, 0.5, 128) for sp in stage2)
@@ -173,8 +174,8 @@ def test_calibrate_cake_sweeps_the_taus(monkeypatch):
     assert ev["pooling"]["needles_answered_by_full"] == "1/1"  # the sweep's shared evidence fields are kept
     # a trailing-window candidate (kvkit's) is a (kernel, "trailing") entry; when it wins, the file records it
     seen.clear()
-    opts, ev = knobs.calibrate_cake(model, None, length=256, samples=3, kernels=(5, 15, (31, "trailing")),
-                                    log=lambda m: None)
+    opts, ev = cal.calibrate_cake(model, None, length=256, samples=3, kernels=(5, 15, (31, "trailing")),
+                                  log=lambda m: None)
     stage2 = [sp for sp in seen if "pool_kernel" in sp[2]]
     assert stage2[-1][0] == "kernel 31 trailing" and stage2[-1][2]["pool_window"] == "trailing"
     assert "pool_window" not in stage2[0][2]
@@ -214,7 +215,8 @@ def test_calibrated_snapkv_pooling_found_from_config(caldir):
 def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
     """The sweep scores with the question in the prefill, keeps the pooling answering most needles, breaks ties
     by the answers' log-probability, then the candidate order (the paper's first)."""
-    from kvkit.calibrate import knobs, needles
+    from kvkit.calibrate import needles
+    from kvkit.calibrate import snapkv as cal
 
     seen = {}
 
@@ -231,8 +233,8 @@ def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
 
     monkeypatch.setattr(needles, "score_policies", fake_score)
     monkeypatch.setattr(needles, "make_samples", fake_samples)
-    opts, ev = knobs.calibrate_snapkv(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
-                                      log=lambda m: None)
+    opts, ev = cal.calibrate_snapkv(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
+                                    log=lambda m: None)
     assert seen["question_aware"] and seen["margin"] and seen["far"]
     assert seen["specs"][0][0] == "5,avg" and all(sp[2]["budget"] == 128 for sp in seen["specs"])
     assert opts == {"kernel": 31, "pooling": "avg"}  # 31,avg and 9,max tie on needles and log-prob: order
@@ -245,11 +247,11 @@ def test_calibrate_snapkv_sweeps_pooling_question_aware(monkeypatch):
                 **{s[0]: ([1, 1, 1] if s[0] == "15,avg,trailing" else [1, 0, 0]) for s in specs}}
 
     monkeypatch.setattr(needles, "score_policies", fake_trailing_wins)
-    opts, _ = knobs.calibrate_snapkv(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
-                                     candidates=((5, "avg"), (31, "avg"), (15, "avg", "trailing")), log=lambda m: None)
+    opts, _ = cal.calibrate_snapkv(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
+                                   candidates=((5, "avg"), (31, "avg"), (15, "avg", "trailing")), log=lambda m: None)
     assert opts == {"kernel": 15, "pooling": "avg", "pool_window": "trailing"}
     with pytest.raises(ValueError, match="budget_fraction"):
-        knobs.calibrate_snapkv(None, None, budget_fraction=1.5)
+        cal.calibrate_snapkv(None, None, budget_fraction=1.5)
 
 
 def test_calibrated_chelsea_protection_found_from_config(caldir):
@@ -316,7 +318,8 @@ def test_chelsea_protect_is_checked_against_the_calibrated_chunk(caldir):
 def test_calibrate_chelsea_sweeps_the_protection_question_aware(monkeypatch):
     """The sweep runs Chelsea at ratio = budget_fraction with protect 0.8 x ratio, the question in the prefill, and
     records the winner's chunk size and protection pooling (ties: log-probability, then kvkit's fallback first)."""
-    from kvkit.calibrate import knobs, needles
+    from kvkit.calibrate import chelsea as cal
+    from kvkit.calibrate import needles
 
     seen = {}
 
@@ -328,8 +331,8 @@ def test_calibrate_chelsea_sweeps_the_protection_question_aware(monkeypatch):
 
     monkeypatch.setattr(needles, "score_policies", fake_score)
     monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0, far=False, values="mixed": [None] * 3)
-    opts, ev = knobs.calibrate_chelsea(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
-                                       log=lambda m: None)
+    opts, ev = cal.calibrate_chelsea(tiny_model("llama", num_hidden_layers=4), None, length=256, samples=3,
+                                     log=lambda m: None)
     assert seen["question_aware"]
     assert seen["specs"][0][0] == "chunk 64, 7,max" and all(
         sp[2]["ratio"] == 0.5 and sp[2]["protect"] == 0.4 for sp in seen["specs"])
@@ -337,7 +340,7 @@ def test_calibrate_chelsea_sweeps_the_protection_question_aware(monkeypatch):
     assert ev["per_setting"]["chunk 128, 31,max,trailing"]["answered"] == 3
     kvkit.registry.policy_class("chelsea")(ratio=0.5, protect=0.4, **opts)  # the options it records are valid
     with pytest.raises(ValueError, match="budget_fraction"):
-        knobs.calibrate_chelsea(None, None, budget_fraction=0)
+        cal.calibrate_chelsea(None, None, budget_fraction=0)
 
 
 @pytest.mark.parametrize("content, why", [
@@ -398,7 +401,7 @@ def test_calibrate_shadowkv_cli_on_tiny_model(caldir, monkeypatch):
 
 
 def test_key_rank_errors():
-    from kvkit.calibrate.knobs import key_rank_errors
+    from kvkit.calibrate.shadowkv import key_rank_errors
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 4, generator=g) @ torch.randn(4, 12, generator=g)  # rank 4
@@ -407,7 +410,8 @@ def test_key_rank_errors():
 
 
 def test_candidates():
-    from kvkit.calibrate.knobs import ZIPCACHE_CANDIDATES, tidal_candidates, zipcache_bits
+    from kvkit.calibrate.tidal import tidal_candidates
+    from kvkit.calibrate.zipcache import ZIPCACHE_CANDIDATES, zipcache_bits
 
     c = tidal_candidates(30)
     assert (2, 12) in c and (2, 15) in c and all(x[0] == 2 and list(x) == sorted(set(x)) for x in c)
@@ -419,7 +423,7 @@ def test_candidates():
 @pytest.mark.parametrize("layout", [(2, 4), (2, 3, 6), (3, 6)])
 def test_tidal_budget_for_matches_measured_reads(layout, attend):
     """The read-fraction calibration's budget arithmetic is what a decode step really reads (decode_read_bytes)."""
-    from kvkit.calibrate.knobs import tidal_budget_for, tidal_read_fraction
+    from kvkit.calibrate.tidal import tidal_budget_for, tidal_read_fraction
     from kvkit.policies.tidal import decode_read_bytes
 
     model = tiny_model("llama", num_hidden_layers=8)
@@ -445,7 +449,8 @@ def test_tidal_budget_for_matches_measured_reads(layout, attend):
 
 def test_calibrate_tidal_at_a_read_fraction(monkeypatch):
     """Each layout gets the budget that puts its reads at the fraction; most needles wins, ties -> fewer layers."""
-    from kvkit.calibrate import knobs, needles
+    from kvkit.calibrate import needles
+    from kvkit.calibrate import tidal as cal
 
     seen = []
 
@@ -460,17 +465,17 @@ def test_calibrate_tidal_at_a_read_fraction(monkeypatch):
     monkeypatch.setattr(needles, "score_policies", fake_score)
     monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0, values="mixed": [None] * 3)
     model = tiny_model("llama", num_hidden_layers=8)
-    opts, ev = knobs.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.7, log=lambda m: None,
-                                     shares=False)
+    opts, ev = cal.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.7, log=lambda m: None,
+                                   shares=False)
     # three layouts answer 2 of 3; (2, 4, 6) keeps the answers likelier; (2, 5) and (2, 6) tie -> the earlier
     assert opts == {"select_layers": [2, 4, 6]} and ev["per_layout"]["2,4,6"]["answer_logprob"] == pytest.approx(-4 / 3, abs=1e-4)
     for label, _, o in seen:
-        assert o["budget"] == knobs.tidal_budget_for(o["select_layers"], 8, 512, 0.7)
+        assert o["budget"] == cal.tidal_budget_for(o["select_layers"], 8, 512, 0.7)
         assert ev["per_layout"][label]["read_fraction"] <= 0.7
     budgets = {lab: o["budget"] for lab, _, o in seen}
     assert budgets["2,4,6"] < budgets["2,5"]  # more selection layers, smaller budget
     with pytest.raises(ValueError, match="not both"):
-        knobs.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.5, budget_fraction=0.25)
+        cal.calibrate_tidal(model, None, length=512, samples=3, read_fraction=0.5, budget_fraction=0.25)
 
 
 class CharTokenizer:
@@ -571,7 +576,9 @@ def test_mixed_needles_hold_codes_in_half_the_samples():
 
 def test_calibration_cli_passes_the_needle_values(monkeypatch, tmp_path):
     """``--values`` reaches every needle calibration (default mixed) and is recorded in the command."""
-    from kvkit.calibrate import cli, knobs, store
+    import importlib
+
+    from kvkit.calibrate import cli, store
 
     got = {}
 
@@ -582,7 +589,7 @@ def test_calibration_cli_passes_the_needle_values(monkeypatch, tmp_path):
         return f
 
     for name in ("tidal", "zipcache", "cake", "snapkv", "chelsea"):
-        monkeypatch.setattr(knobs, f"calibrate_{name}", fake(name))
+        monkeypatch.setattr(importlib.import_module(f"kvkit.calibrate.{name}"), f"calibrate_{name}", fake(name))
     model = tiny_model("llama", num_hidden_layers=4)
     monkeypatch.setattr("kvkit.models.load", lambda name, device="cpu": (model, None))
     monkeypatch.setattr("kvkit.models.resolve_name", lambda name: "tiny")
@@ -637,7 +644,7 @@ def test_bad_kernels_refused_before_the_model_loads(monkeypatch):
 def test_tidal_shares_equalise_the_captured_mass():
     """Max-min water-filling: the layer whose reads capture less attention gets more of the budget, the reuse layers'
     mean share is 1 (so are the reads), other layers stay 1.0; equal curves give equal shares."""
-    from kvkit.calibrate.knobs import tidal_shares_from_curves
+    from kvkit.calibrate.tidal import tidal_shares_from_curves
 
     g = 8
     spread = [j / g for j in range(1, g + 1)]  # attention spread evenly: each step captures as much
@@ -652,7 +659,8 @@ def test_tidal_shares_equalise_the_captured_mass():
 def test_calibrate_tidal_shares_on_a_tiny_model(caldir):
     """Capture curves are cumulative attention mass (non-decreasing, 1 at the whole context), the shares keep the
     reuse layers' mean, and the calibrated layers + shares written to a file are what a patched model then uses."""
-    from kvkit.calibrate import knobs, needles
+    from kvkit.calibrate import needles
+    from kvkit.calibrate import tidal as cal
     from kvkit.calibrate.needles import NeedleSample
 
     model = tiny_model("llama", num_hidden_layers=8)
@@ -660,15 +668,15 @@ def test_calibrate_tidal_shares_on_a_tiny_model(caldir):
     ctx = "the code of the amber vault is 4711 . and then some words of filler text follow here . " * 5
     data = [NeedleSample(f"n/{i}", ctx + "\n\nwhat is the code? The code is", len(ctx), "4711", 0.5, 1)
             for i in range(2)]
-    curves = knobs.tidal_capture_curves(model, tok, (2, 5), data, grid=16)
+    curves = cal.tidal_capture_curves(model, tok, (2, 5), data, grid=16)
     assert sorted(curves) == [3, 4, 6, 7]  # the reuse layers
     for c in curves.values():
         assert len(c) == 16 and all(b >= a - 1e-9 for a, b in zip(c, c[1:])) and c[-1] == pytest.approx(1.0, abs=1e-5)
     orig = needles.make_samples
     needles.make_samples = lambda tok, n, length, seed=0, values="mixed": data
     try:
-        opts, ev = knobs.calibrate_tidal(model, tok, length=len(ctx), samples=2, read_fraction=0.7,
-                                         layout=(2, 5), log=lambda m: None)
+        opts, ev = cal.calibrate_tidal(model, tok, length=len(ctx), samples=2, read_fraction=0.7,
+                                       layout=(2, 5), log=lambda m: None)
     finally:
         needles.make_samples = orig
     sh = opts["layer_shares"]
@@ -689,7 +697,7 @@ def test_calibrate_tidal_shares_on_a_tiny_model(caldir):
     finally:
         kvkit.unpatch(model)
     with pytest.raises(ValueError, match="only the layer shares"):
-        knobs.calibrate_tidal(model, tok, length=64, samples=1, read_fraction=0.7, layout=(2, 5), shares=False)
+        cal.calibrate_tidal(model, tok, length=64, samples=1, read_fraction=0.7, layout=(2, 5), shares=False)
 
 
 def test_malformed_tidal_shares_refused(caldir):
@@ -712,3 +720,88 @@ def test_calibrate_tidal_select_layers_checked_before_loading(bad, monkeypatch):
     monkeypatch.setattr(kvkit.models, "load", lambda *a, **k: pytest.fail("the model must not load"))
     with pytest.raises(SystemExit, match="--select-layers"):
         cli.main_calibrate(["tidal", f"--select-layers={bad}"])
+
+
+# ---- the calibrator registry -----------------------------------------------------------------------------------
+def test_each_calibrated_policy_has_its_calibrator_module():
+    """One calibrator per calibrated policy, registered from ``kvkit/calibrate/<policy>.py``; the store's table is
+    the policies' own ``calibrated_options``; the CLI offers one command per calibrator (and duo)."""
+    import argparse
+
+    from kvkit.calibrate import cli, registry
+
+    cals = registry.calibrators()
+    assert set(cals) == set(store.calibrated_options()) == {"shadowkv", "tidal", "zipcache", "cake", "snapkv",
+                                                             "chelsea"}
+    assert all(cal.run.__module__ == f"kvkit.calibrate.{name}" for name, cal in cals.items())
+    assert store.CALIBRATED_OPTIONS == {  # what the files may set (the table store.py held before)
+        "tidal": ("select_layers", "reselect_layer", "layer_shares"),
+        "shadowkv": ("rank",),
+        "zipcache": ("high_ratio", "high_bits", "low_bits", "key_bits"),
+        "cake": ("tau1", "tau2", "pool_kernel", "pool_window"),
+        "snapkv": ("kernel", "pooling", "pool_window"),
+        "chelsea": ("chunk_size", "protect_kernel", "protect_pooling", "protect_window"),
+    }
+    p = argparse.ArgumentParser(prog="kvkit")
+    cli.add_commands(p.add_subparsers(dest="command"))
+    for name in ("duo", *cals):
+        args = p.parse_args(["calibrate", name, *(["--out", "x.json"] if name == "duo" else [])])
+        assert args.func is (cli.cmd_calibrate_duo if name == "duo" else cli.cmd_calibrate_knob)
+    with pytest.raises(ValueError, match="no calibrator for policy 'full'"):
+        registry.get("full")
+    with pytest.raises(ValueError, match="declares no calibrated_options"):
+        registry.calibrator("streaming", command=lambda sub: None)
+
+
+def test_calibration_store_imports_no_calibrator_and_calibrate_no_evals_at_import():
+    """The store (what the policies read at run time) imports neither a calibrator nor kvkit.evals, and no module of
+    kvkit.calibrate imports kvkit.evals at module level (kvkit.evals reads the store): no import circle."""
+    import ast
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(kvkit.__file__).parent / "calibrate"
+
+    def imported(nodes):
+        out = set()
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                out.update([node.module] + [f"{node.module}.{a.name}" for a in node.names])
+        return out
+
+    tree = ast.parse((root / "store.py").read_text())
+    assert not [m for m in imported(ast.walk(tree)) if m.startswith(("kvkit.evals", "kvkit.calibrate"))]
+    for f in root.glob("*.py"):
+        top = imported(ast.parse(f.read_text()).body)
+        assert not [m for m in top if m.startswith("kvkit.evals")], f
+    code = "import kvkit.calibrate.store, kvkit.calibrate.registry as r; r.calibrators()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_tidal_cli_with_given_layers_keeps_the_sweep_that_chose_them(caldir, monkeypatch):
+    """``kvkit calibrate tidal --select-layers`` (shares only) keeps the replaced section's command and evidence as
+    layout_command / layout_evidence when its layers are the same, and not when they differ."""
+    from kvkit.calibrate import cli
+    from kvkit.calibrate import tidal as cal
+
+    model = tiny_model("llama", num_hidden_layers=6)
+    monkeypatch.setattr("kvkit.models.load", lambda name, device="cpu": (model, None))
+    monkeypatch.setattr("kvkit.models.resolve_name", lambda name: "tiny")
+    monkeypatch.setattr(cal, "calibrate_tidal", lambda model, tok, **kw: (
+        {"select_layers": list(kw["layout"]), "layer_shares": [1.0] * 6}, {"layout": "given (not swept)"}))
+    path = caldir / "tiny.json"
+    _write(path, model, {"tidal": {**_section(select_layers=[2, 4]), "command": "kvkit calibrate tidal",
+                                   "evidence": {"per_layout": {"2,4": {"answered": 3}}}}})
+    store._CACHE.clear()
+    assert cli.main_calibrate(["tidal", "--select-layers", "2,4", "--out", str(path)]) == 0
+    ev = json.loads(path.read_text())["policies"]["tidal"]["evidence"]
+    assert ev["layout_command"] == "kvkit calibrate tidal" and ev["layout_evidence"]["per_layout"]["2,4"]["answered"] == 3
+    assert cli.main_calibrate(["tidal", "--select-layers", "2,4", "--out", str(path)]) == 0  # and again: still kept
+    ev = json.loads(path.read_text())["policies"]["tidal"]["evidence"]
+    assert ev["layout_command"] == "kvkit calibrate tidal" and "per_layout" in ev["layout_evidence"]
+    assert cli.main_calibrate(["tidal", "--select-layers", "2,3", "--out", str(path)]) == 0
+    assert "layout_command" not in json.loads(path.read_text())["policies"]["tidal"]["evidence"]

@@ -191,7 +191,7 @@ else:
         ("snapkv1024-qaware", "snapkv", "budget 1024, paper pooling", "question in prefill", "bytes", None),
     ]
 # tidal stores every byte and saves reads: (selection layers, model layers, budget) of each tidal run, for the
-# per-step read fraction at the run's prompt length (kvkit.calibrate.knobs.tidal_read_fraction; the first decode step)
+# per-step read fraction at the run's prompt length (kvkit.calibrate.tidal.tidal_read_fraction; the first decode step)
 SMOL_SHARES = json.loads((root / "results" / "policies" / "tidalsh1132kv-4k" / "config.json").read_text())["options"][
     "layer_shares"] if (root / "results" / "policies" / "tidalsh1132kv-4k" / "config.json").exists() else None
 QWEN_SHARES = json.loads((root / "kvkit" / "data" / "calibration" / "qwen2.5-coder-0.5b-instruct.json").read_text())[
@@ -264,7 +264,7 @@ for folder, policy, setting, protocol, saves, paper in RUNS:
     kv = statistics.mean(rs[i]["kv_bytes"] for i in ids) / statistics.mean(full[i]["kv_bytes"] for i in ids)
     reads = None
     if folder in READS:
-        from kvkit.calibrate.knobs import tidal_read_fraction
+        from kvkit.calibrate.tidal import tidal_read_fraction
 
         layout, n_layers, budget, *rest = READS[folder]  # rest: select_attention, layer_shares
         reads = statistics.mean(tidal_read_fraction(layout, n_layers, rs[i]["prompt_tokens"] + 1, budget, *rest)

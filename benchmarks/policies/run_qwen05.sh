@@ -76,7 +76,7 @@ chelsea-default)  # fourteenth session: Chelsea's default (protect = 0.8 x ratio
 tidalrf)  # fifteenth session: TidalDecode with the model's calibrated selection layers (`kvkit calibrate tidal --model
   # qwen2.5-coder-0.5b --out kvkit/data/calibration/qwen2.5-coder-0.5b-instruct.json --threads 1 --samples 6 --values
   # number`: [2, 6, 10, 14, 18, 22]); budget 999 puts the decode reads at 0.50 of full's at the prompts' ~3995 tokens
-  # (kvkit.calibrate.knobs.tidal_budget_for)
+  # (kvkit.calibrate.tidal.tidal_budget_for)
   nice -n 5 .venv/bin/kvkit eval sweep --model $M --prompts $P --out-root $Q --resume \
     --run tidalrf999kv=tidal:budget=999,selection=kv_head ;;
 tidalsh)  # the same with the layer shares of `kvkit calibrate tidal ... --select-layers 2,6,10,14,18,22` (per-layer

@@ -22,9 +22,13 @@ then the user's folder ``~/.cache/kvkit/calibration`` (``kvkit calibrate`` write
 the files shipped in ``kvkit/data/calibration``.
 
 How a policy uses it (:func:`resolve`): when the policy's ``calibrated`` option is True (default) and the
-user left every option the calibration sets at its default, those options take the calibrated values;
-``calibrated=False`` gives the paper's settings. A malformed file is refused with a ValueError that names
-the file and what is wrong (also a file of another model in a searched folder: it cannot be matched).
+user left every option the calibration sets (the policy class's ``calibrated_options``) at its default, those
+options take the calibrated values; ``calibrated=False`` gives the paper's settings. A malformed file is refused
+with a ValueError that names the file and what is wrong (also a file of another model in a searched folder: it
+cannot be matched).
+
+This module is what the policies read at run time: it imports neither the calibrators
+(``kvkit/calibrate/<policy>.py``, which write the sections) nor :mod:`kvkit.evals`.
 """
 
 from __future__ import annotations
@@ -43,16 +47,23 @@ FORMAT = "kvkit-calibration"
 VERSION = 1
 MAX_FILE_BYTES = 16 << 20  # a calibration file is a few KiB; its evidence a few hundred at most
 
-#: The options each policy's calibration may set. The calibration applies only when the user left all
-#: of them at their defaults (so it never mixes with a setting the user chose).
-CALIBRATED_OPTIONS: dict[str, tuple[str, ...]] = {
-    "tidal": ("select_layers", "reselect_layer", "layer_shares"),
-    "shadowkv": ("rank",),
-    "zipcache": ("high_ratio", "high_bits", "low_bits", "key_bits"),
-    "cake": ("tau1", "tau2", "pool_kernel", "pool_window"),
-    "snapkv": ("kernel", "pooling", "pool_window"),
-    "chelsea": ("chunk_size", "protect_kernel", "protect_pooling", "protect_window"),
-}
+
+def calibrated_options() -> dict[str, tuple[str, ...]]:
+    """The options each policy's calibration may set (policy name -> its class's ``calibrated_options``, in registry
+    order; policies without any left out). The calibration applies only when the user left all of them at their
+    defaults (so it never mixes with a setting the user chose)."""
+    from kvkit.registry import available_policies, policy_class
+
+    return {name: policy_class(name).calibrated_options for name in available_policies()
+            if policy_class(name).calibrated_options}
+
+
+def __getattr__(name: str):
+    # ``CALIBRATED_OPTIONS``, the table this module held before the policies declared their calibrated options
+    if name == "CALIBRATED_OPTIONS":
+        return calibrated_options()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The config fields that identify a model (all must be equal; a file may omit the optional ones).
 IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -127,14 +138,15 @@ def check_section(policy: str, section, path) -> dict:
     """A policy's section -> its options (checked: known policy, options it may set, values it accepts)."""
     from kvkit.registry import policy_class
 
-    if policy not in CALIBRATED_OPTIONS:
-        raise _bad(path, f"policy {policy!r} has no calibrated options (known: {', '.join(CALIBRATED_OPTIONS)})")
+    table = calibrated_options()
+    if policy not in table:
+        raise _bad(path, f"policy {policy!r} has no calibrated options (known: {', '.join(table)})")
     if not isinstance(section, dict):
         raise _bad(path, f"policies.{policy} must be an object with an 'options' object, got {type(section).__name__}")
     opts = section.get("options")
     if not isinstance(opts, dict) or not opts:
         raise _bad(path, f"policies.{policy}.options must be a non-empty object of option values")
-    allowed = CALIBRATED_OPTIONS[policy]
+    allowed = table[policy]
     unknown = sorted(set(opts) - set(allowed))
     if unknown:
         raise _bad(path, f"policies.{policy}.options sets {', '.join(unknown)}; a calibration may set only "
@@ -254,7 +266,7 @@ def lookup(config, policy: str) -> tuple[dict, Path] | None:
 
 def resolve(policy, config):
     """The policy with its calibrated options filled in for this model (itself when nothing applies)."""
-    group = CALIBRATED_OPTIONS.get(policy.name)
+    group = policy.calibrated_options
     if not group or not getattr(policy, "calibrated", False) or not policy.uses_calibration():
         return policy
     defaults = {f.name: f.default for f in dataclasses.fields(policy)}

@@ -135,6 +135,7 @@ class Cake(Policy):
 
     description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
     saves = "memory+reads"
+    calibrated_options: ClassVar[tuple[str, ...]] = ("tau1", "tau2", "pool_kernel", "pool_window")
     test_options: ClassVar[dict] = dict(budget=16, window=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (

@@ -157,6 +157,8 @@ class Chelsea(Policy):
 
     description = "Chelsea: chunked soft-matching merge of similar keys/values into sized centroids (2506.11418)"
     saves = "memory+reads"
+    calibrated_options: ClassVar[tuple[str, ...]] = (
+        "chunk_size", "protect_kernel", "protect_pooling", "protect_window")
     test_options: ClassVar[dict] = dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8)
     covering_options: ClassVar[dict | None] = dict(ratio=1.0)
 

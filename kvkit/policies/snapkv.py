@@ -72,6 +72,7 @@ class SnapKV(Policy):
 
     description = "SnapKV: observation-window attention, pooled, per-head top-k of the prompt (2404.14469)"
     saves = "memory+reads"
+    calibrated_options: ClassVar[tuple[str, ...]] = ("kernel", "pooling", "pool_window")
     test_options: ClassVar[dict] = dict(budget=16, window=4, kernel=3, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (

@@ -23,7 +23,7 @@ On SmolLM2-135M the reuse layers differ in how much of their attention the top-k
 ``layer_shares`` the selection layer ranks once, at the largest budget of the layers reading its selection, and
 each reuse layer takes its own top-k of that ranking; the budgets' mean over the reuse layers stays ``budget``, so
 the reads do too. ``kvkit calibrate tidal`` picks the shares that equalise the captured attention mass
-(:func:`kvkit.calibrate.knobs.calibrate_tidal_shares`).
+(:func:`kvkit.calibrate.tidal.calibrate_tidal_shares`).
 
 The selection travels from layer to layer through the cache's :class:`TidalSelection`. All tidal
 stores hold every token in the same slot order, so a slot index means the same token in every layer.
@@ -131,6 +131,7 @@ class Tidal(Policy):
 
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
     saves = "reads"
+    calibrated_options: ClassVar[tuple[str, ...]] = ("select_layers", "reselect_layer", "layer_shares")
     test_options: ClassVar[dict] = dict(budget=8)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 

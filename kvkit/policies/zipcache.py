@@ -93,6 +93,7 @@ class ZipCache(Policy):
 
     description = "ZipCache: saliency (probe-query attention) picks 4-bit vs 2-bit tokens, packed KV (2405.14256)"
     saves = "memory+reads"  # decode reads the packed codes (Triton quant_decode on CUDA)
+    calibrated_options: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
     test_options: ClassVar[dict] = {}
     covering_options: ClassVar[dict | None] = None
     speculative_refusal: ClassVar[str | None] = (

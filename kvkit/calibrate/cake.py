@@ -1,0 +1,121 @@
+"""``kvkit calibrate cake``: CAKE's layer-preference temperatures from a needle sweep, then its pooling kernel.
+
+:func:`calibrate_cake` returns ``(options, evidence)``: ``tau1`` / ``tau2`` (the pair answering the most calibration
+needles, the context compressed before the question) and, unless the second stage is skipped, the indicator's
+``pool_kernel`` (and ``pool_window`` when not centered) from a question-aware :func:`~kvkit.calibrate.search.pooling_sweep`
+at those taus; written by :func:`kvkit.calibrate.store.write_section`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvkit.calibrate import needles
+from kvkit.calibrate.registry import calibrator, sweep_command
+from kvkit.calibrate.search import picked, pooling_sweep, window_option
+
+CAKE_TAUS = [(1.0, 1.0), (0.5, 0.5), (2.0, 2.0), (1.0, 2.0), (2.0, 1.0), (1.6, 0.4), (0.5, 2.0), (2.0, 0.5), (4.0, 4.0)]
+
+
+#: the indicator's pooling candidates: kernels with the paper's centered window, then (kernel, "trailing") (kvkit)
+CAKE_KERNELS = (5, 15, 21, 31, 41, 61, (15, "trailing"), (31, "trailing"), (61, "trailing"))
+
+
+def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budget_fraction: float = 0.5,
+                   seed: int = 0, kernels=CAKE_KERNELS, values: str = "mixed", log=print) -> tuple[dict, dict]:
+    """The (tau1, tau2) of CAKE's layer preference ``H^(1/tau1) V^(1/tau2)`` that answers the most calibration
+    needles at ``budget = budget_fraction * length``, the context compressed before the question (ties: the
+    paper's value for the model first, then the order of ``CAKE_TAUS``); then, at those taus, the indicator's
+    pooling kernel by :func:`pooling_sweep` (question in the prefill; the paper's 5 first). ``kernels=()`` skips
+    the second stage. ``values``: the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
+    from kvkit.policies.cake import model_taus
+
+    t0 = time.perf_counter()
+    budget = max(2, int(budget_fraction * length))
+    paper, source = model_taus(model.config)
+    cands = [tuple(paper)] + [t for t in CAKE_TAUS if tuple(t) != tuple(paper)]
+    data = needles.make_samples(tokenizer, samples, length, seed=seed, values=values)
+    specs = [(f"{t1},{t2}", "cake", dict(budget=budget, tau1=t1, tau2=t2)) for t1, t2 in cands]
+    res = needles.score_policies(model, tokenizer, data, specs, log=log)
+    table = needles.summarize(res, [s[0] for s in specs])
+    best = max(range(len(cands)), key=lambda i: (table[specs[i][0]]["answered"], -i))
+    t1, t2 = cands[best]
+    pool = None
+    if kernels:  # stage 2: the pooling kernel, question-aware, at the chosen taus
+        pool, chosen = _pooling_stage(model, tokenizer, kernels, budget, t1, t2, length, samples, seed, values, log)
+    evidence = {
+        "criterion": f"most needles answered at budget {budget} of ~{length} tokens, context compressed before the "
+                     "question; ties: the paper's taus, then the candidate order",
+        "needles_answered_by_full": f"{sum(res['full'])}/{len(data)}",
+        "per_taus": table,
+        "paper_taus": list(paper),
+        "paper_taus_from": source,
+        "predictions": res["predictions"],
+        "data": needles.describe_data(values),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    if pool is not None:
+        evidence["pooling"] = pool
+        return {"tau1": t1, "tau2": t2, **picked(chosen, ("pool_kernel", "pool_window"))}, evidence
+    return {"tau1": t1, "tau2": t2}, evidence
+
+
+def _pooling_stage(model, tokenizer, kernels, budget: int, t1, t2, length: int, samples: int, seed: int,
+                   values: str, log) -> tuple[dict, dict]:
+    """The second stage at taus ``(t1, t2)``: ``(its evidence, the chosen candidate's options)``."""
+    pspecs = []
+    for cand in kernels:  # a kernel (centered) or (kernel, pool_window)
+        k, win = (cand, "centered") if isinstance(cand, int) else cand
+        pspecs.append((f"kernel {k}" + ("" if win == "centered" else f" {win}"), "cake",
+                       dict(budget=budget, tau1=t1, tau2=t2, pool_kernel=k, **window_option(win))))
+    pbest, ptable, pev = pooling_sweep(model, tokenizer, pspecs, length, samples, seed=seed, values=values, log=log)
+    pool = {
+        "criterion": f"most needles answered at budget {budget} of ~{length} tokens with taus ({t1}, {t2}), "
+                     "question in the prefill (CAKE's protocol); ties: the higher mean teacher-forced "
+                     "log-probability of the answers, then the candidate order (centered kernels, smallest first, then trailing)",
+        "per_kernel": ptable,
+        "paper_kernel": 5,
+        **pev,
+    }
+    return pool, pspecs[pbest][2]
+
+
+# ---- the command ----------------------------------------------------------------------------------------------
+def parse_kernels(text: str) -> tuple:
+    """``--kernels``: odd kernels separated by commas, a ``t`` suffix for kvkit's trailing window ("31t"); checked
+    when the command line is parsed, before the model loads (a typo costs no minutes)."""
+    kernels = []
+    for item in (k.strip() for k in text.split(",")):
+        if not item:
+            continue
+        trailing = item.endswith("t")
+        try:
+            k = int(item[:-1] if trailing else item)
+        except ValueError:
+            raise SystemExit(f"--kernels: expected odd integers (a 't' suffix: trailing window) separated by "
+                             f"commas, got {text!r}") from None
+        if k <= 0 or k % 2 == 0:
+            raise SystemExit(f"--kernels: every kernel must be a positive odd integer, got {text!r}")
+        kernels.append((k, "trailing") if trailing else k)
+    return tuple(kernels)
+
+
+def _command(sub):
+    c = sweep_command(
+        sub, "cake", "CAKE layer-preference temperatures tau1/tau2, then its pooling kernel",
+        "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text; CAKE at --budget-fraction of the context with "
+        "each candidate (tau1, tau2) decodes them from one shared prefill per sample; the pair answering most "
+        "needles is kept (ties: the paper's). Then, at those taus and with the question in the prefill, the "
+        "indicator's pooling kernel (--kernels).")
+    c.add_argument("--kernels", type=parse_kernels, default=None,
+                   help="pooling kernels (odd; a 't' suffix: kvkit's trailing window, the token and the kernel - 1 "
+                        "before it) for the second, question-aware stage at the chosen taus; '' skips it (default: "
+                        "kvkit.calibrate.cake.CAKE_KERNELS, the paper's 5 and wider, centered and trailing)")
+    return c
+
+
+@calibrator("cake", command=_command)
+def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
+    return calibrate_cake(model, tokenizer, length=args.length, samples=args.samples,
+                          budget_fraction=args.budget_fraction, seed=args.seed,
+                          kernels=CAKE_KERNELS if args.kernels is None else args.kernels, values=args.values, log=log)

@@ -1,0 +1,110 @@
+"""Calibrator registry: ``@calibrator("name", command=...)`` on a calibration's command-line entry, lookup by name.
+
+A calibrator writes one section of a model's calibration file (:mod:`kvkit.calibrate.store`) for the policy of the
+same name, which must declare the options it sets (the policy class's ``calibrated_options``). It lives in
+``kvkit/calibrate/<policy>.py`` and declares two things:
+
+* ``command(subparsers)``: adds ``kvkit calibrate <name>``'s parser with its options and returns it (options that
+  need checking before the model loads parse with an argparse ``type``);
+* the decorated ``run(model, tokenizer, args, out, log) -> (options, evidence)``: the calibration on the loaded
+  model, ``out`` being the file the section goes to (a calibrator may read the section it replaces there).
+
+:func:`calibrators` imports ``kvkit.calibrate.<policy>`` for every registered policy that declares calibrated
+options and has such a module (registration order = the policy registry's); a calibrator elsewhere registers by
+being imported. The shared command-line options (:func:`common_options`, :func:`needle_values`,
+:func:`sweep_command`) are here too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Calibrator:
+    name: str
+    #: command(subparsers) -> the ``kvkit calibrate <name>`` parser, its options added
+    command: Callable
+    #: run(model, tokenizer, args, out, log) -> (options, evidence)
+    run: Callable
+
+
+_CALIBRATORS: dict[str, Calibrator] = {}
+
+
+def calibrator(name: str, *, command: Callable):
+    """Decorator on a calibration's ``run(model, tokenizer, args, out, log)``: register it under the policy ``name``
+    with its ``command`` (refused when that policy declares no calibrated options: the store would refuse its
+    section)."""
+    from kvkit.registry import policy_class
+
+    if not policy_class(name).calibrated_options:
+        raise ValueError(f"calibrator {name!r}: policy {name!r} declares no calibrated_options for it to set")
+
+    def deco(run):
+        cal = Calibrator(name, command, run)
+        old = _CALIBRATORS.get(name)
+        if old is not None and old.run.__module__ != run.__module__:
+            raise ValueError(f"calibrator {name!r} is already registered by {old.run.__module__}")
+        _CALIBRATORS[name] = cal
+        return run
+
+    return deco
+
+
+def _load_builtin() -> None:
+    import kvkit.calibrate
+    from kvkit.registry import available_policies, policy_class
+
+    here = {m.name for m in pkgutil.iter_modules(kvkit.calibrate.__path__)}
+    for name in available_policies():
+        if name in here and policy_class(name).calibrated_options:
+            importlib.import_module(f"kvkit.calibrate.{name}")
+
+
+def calibrators() -> dict[str, Calibrator]:
+    """Every registered calibrator by policy name (the built-in ones imported first)."""
+    _load_builtin()
+    return dict(_CALIBRATORS)
+
+
+def get(name: str) -> Calibrator:
+    found = calibrators()
+    if name not in found:
+        raise ValueError(f"no calibrator for policy {name!r}; calibrated policies: {', '.join(found)}")
+    return found[name]
+
+
+# ---- the options every calibrator's command shares ------------------------------------------------------------
+def common_options(p, length: int, samples: int) -> None:
+    """--model, --out, --length, --samples, --seed, --device, --threads (``length`` / ``samples``: the defaults)."""
+    p.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    p.add_argument("--out", default=None,
+                   help="calibration file to add this policy's section to (default: "
+                        "$KVKIT_CALIBRATION_DIR or ~/.cache/kvkit/calibration/<model>.json, found automatically)")
+    p.add_argument("--length", type=int, default=length, help="tokens per calibration sample")
+    p.add_argument("--samples", type=int, default=samples, help="calibration samples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def needle_values(p) -> None:
+    """--values: the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
+    from kvkit.calibrate.needles import VALUE_KINDS
+
+    p.add_argument("--values", default=VALUE_KINDS[0], choices=VALUE_KINDS,
+                   help="needle values: 'mixed' (half of the samples hold UUID-shaped codes, which need every token "
+                        "kept; default) or 'number' (7-digit numbers only, as calibrations before 2026-11-24)")
+
+
+def sweep_command(sub, name: str, help: str, description: str):
+    """A needle-sweep calibration at a budget fraction of the context (2048 tokens, 8 samples by default)."""
+    p = sub.add_parser(name, help=help, description=description)
+    common_options(p, 2048, 8)
+    p.add_argument("--budget-fraction", type=float, default=0.5, help=f"{name} budget as a fraction of --length")
+    needle_values(p)
+    return p
