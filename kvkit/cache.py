@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from transformers.cache_utils import Cache
 
 from kvkit.model_info import layer_infos, make_rope_fn, text_config
+from kvkit.state import patch_state
 from kvkit.stores.full import SlidingStore
 
 #: the policies whose stores have a static variant (``KVCache(..., static=True)``)
@@ -53,7 +54,7 @@ class KVCache(Cache):
                  **options):
         from kvkit.registry import get_policy
 
-        state = getattr(model, "_kvkit_state", None)
+        state = patch_state(model)
         if policy is None:
             policy = state.policy if state is not None and not options else "full"
             if static is None and state is not None and not options:

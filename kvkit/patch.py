@@ -21,6 +21,9 @@ previous attention implementation. The hooks and wrappers reach their model thro
 reference that a deep copy of the model re-targets at the copy: ``copy.deepcopy(patched)`` is an independent
 patched model (its own policy object, hooks and state).
 
+What a patch installed is the model's :class:`~kvkit.state.PatchState`; every module reads it with
+:func:`patch_state` / :func:`is_patched` (:mod:`kvkit.state`, below the cache; re-exported here).
+
 Static caches (``patch(model, policy, static=True)``) and ``torch.compile``: the hooks trace without graph
 breaks (under ``torch.compiler.is_compiling()`` they skip the checks that read device values; the context
 length is checked by the step wrapper and by ``generate`` on host ints), so a single-token decode forward
@@ -34,7 +37,6 @@ import functools
 import inspect
 import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -47,22 +49,9 @@ from kvkit.compat import TRANSFORMERS_SUPPORTED, get_cache, set_cache
 from kvkit.model_info import context_limit
 from kvkit.policies.base import Policy
 from kvkit.registry import get_policy
+from kvkit.state import PatchState, is_patched, patch_state, set_patch_state
 
 ATTN_NAME = "kvkit"
-
-
-@dataclass
-class PatchState:
-    policy: Policy
-    old_impl: object
-    handles: list = field(default_factory=list)
-    attn_modules: list = field(default_factory=list)
-    allow_beyond_context: bool = False
-    warned_beyond_context: bool = False
-    own_generate: bool = False  # patch() set the context-checking model.generate (unpatch removes it)
-    own_compiled_call: bool = False  # patch() set model.get_compiled_call (compiled steps through _compiled_step)
-    static: bool = False  # the caches it builds are static (``KVCache(..., static=True)``)
-    max_length: int | None = None  # their least capacity
 
 
 class _ModelRef:
@@ -170,7 +159,7 @@ def check_context(model, cached: int, new: int, where: str = "this forward") -> 
     total = cached + new
     if limit is None or total <= limit:
         return
-    state = getattr(model, "_kvkit_state", None)
+    state = patch_state(model)
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     if state is not None and state.allow_beyond_context:
         if not state.warned_beyond_context:
@@ -208,7 +197,7 @@ def check_foreign_cache(model, cache) -> None:
     the policy (the cache is used as is), under any other policy the request would silently run without it. It is
     never swapped for a new cache either (the caller's object would stay empty and the next call that passes it
     would run without the context)."""
-    state = getattr(model, "_kvkit_state", None)
+    state = patch_state(model)
     if state is None or not isinstance(cache, Cache) or isinstance(cache, KVCache) or state.policy.name == "full":
         return
     name = state.policy.name
@@ -357,7 +346,7 @@ def _generate_checked(model_ref, generate, *args, **kwargs):
       needs to grow it. For assisted generation the cache is told the prompt's length, so the first forward (prompt
       + first candidates) prefills the prompt alone (:func:`_split_first_forward`)."""
     model = model_ref()
-    state = getattr(model, "_kvkit_state", None)
+    state = patch_state(model)
     sig = inspect.signature(generate)
     try:
         bound = sig.bind(*args, **kwargs)
@@ -542,7 +531,7 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, static: b
     check_model(model, pol)
     if static:
         KVCache(model, pol, static=True, max_length=max_length)  # refuses a policy without static stores
-    if getattr(model, "_kvkit_state", None) is not None:
+    if is_patched(model):
         unpatch(model)
     _register()
     state = PatchState(policy=pol, old_impl=model.config._attn_implementation,
@@ -561,13 +550,13 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, static: b
     state.own_compiled_call = "get_compiled_call" not in vars(model)
     if state.own_compiled_call:
         model.get_compiled_call = functools.partial(_compiled_call, ref, model.get_compiled_call)
-    model._kvkit_state = state
+    set_patch_state(model, state)
     return model
 
 
 def unpatch(model):
     """Remove kvkit from ``model``: hooks, attributes and the previous attention implementation."""
-    state = getattr(model, "_kvkit_state", None)
+    state = patch_state(model)
     if state is None:
         return model
     for h in state.handles:
@@ -580,14 +569,15 @@ def unpatch(model):
         del model.generate
     if getattr(state, "own_compiled_call", False) and "get_compiled_call" in vars(model):
         del model.get_compiled_call
-    del model._kvkit_state
+    set_patch_state(model, None)
     return model
 
 
 def patched_policy(model) -> Policy | None:
-    state = getattr(model, "_kvkit_state", None)
+    """The policy ``kvkit.patch`` installed on ``model``, or None when it is not patched (:func:`is_patched`)."""
+    state = patch_state(model)
     return None if state is None else state.policy
 
 
-__all__ = ["patch", "unpatch", "patched_policy", "check_model", "check_context", "check_foreign_cache", "context_limit",
-           "Cache"]
+__all__ = ["patch", "unpatch", "patched_policy", "patch_state", "is_patched", "PatchState", "check_model",
+           "check_context", "check_foreign_cache", "context_limit", "Cache"]

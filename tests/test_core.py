@@ -173,6 +173,20 @@ def test_patch_twice_repatches_cleanly():
     assert torch.equal(model(ids).logits, ref)
 
 
+def test_patch_state_accessors():
+    from kvkit.patch import PatchState, is_patched, patch_state
+
+    model = tiny_model("llama")
+    assert patch_state(model) is None and not is_patched(model)
+    assert patch_state(object()) is None and not is_patched(None)  # anything that is not a patched model
+    kvkit.patch(model, "streaming", budget=8, sink=2, allow_beyond_context=True)
+    state = patch_state(model)
+    assert isinstance(state, PatchState) and is_patched(model)
+    assert state.policy is kvkit.patched_policy(model) and state.allow_beyond_context and not state.static
+    kvkit.unpatch(model)
+    assert patch_state(model) is None and not is_patched(model)
+
+
 def test_unsupported_models_are_refused():
     from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
 

@@ -44,9 +44,58 @@ def test_lower_layers_never_import_upper_layers():
 
 def test_no_import_circle_from_any_entry_point():
     # each module imported first in a fresh interpreter: a circle shows up as an ImportError on partial init
-    for mod in ("kvkit.stores", "kvkit.model_info", "kvkit.cache", "kvkit.policies.snapkv"):
+    for mod in ("kvkit.stores", "kvkit.model_info", "kvkit.state", "kvkit.cache", "kvkit.policies.snapkv",
+                "kvkit.speculative.hierarchy", "kvkit.speculative.rows", "kvkit.speculative.cli"):
         r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, text=True)
         assert r.returncode == 0, f"import {mod} failed:\n{r.stderr}"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_speculative_modules_import_one_way_at_module_top():
+    """No import circle among kvkit/speculative's modules (at any depth of their files), and no kvkit module imported
+    inside a function there: the package's shared pieces sit in the module that owns them."""
+    files = {_module_name(f): f for f in (ROOT / "speculative").glob("*.py")}
+    graph = {name: {m for m in _imports(f) if m in files and m != name} for name, f in files.items()}
+
+    def in_circle(name: str) -> bool:  # does an import chain from ``name`` lead back to it?
+        stack, seen = [name], set()
+        while stack:
+            for m in graph[stack.pop()]:
+                if m == name:
+                    return True
+                if m not in seen:
+                    seen.add(m)
+                    stack.append(m)
+        return False
+
+    circles = [name for name in graph if in_circle(name)]
+    assert not circles, circles
+    nested = []
+    for name, f in files.items():
+        for fn in ast.walk(ast.parse(f.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                            [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                    nested += [f"{name}.{fn.name} imports {m}" for m in mods if m.split(".")[0] == "kvkit"]
+    assert not nested, nested
+
+
+def test_patch_state_is_read_through_its_accessors():
+    """The model attribute that holds the patch state is named in kvkit/state.py only (kvkit.state.patch_state,
+    is_patched, set_patch_state), and kvkit.state imports no kvkit module at run time (it sits below the cache)."""
+    import re
+
+    holders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if re.search(r"\b_kvkit_state\b", p.read_text())]
+    assert holders == ["state.py"]
+    top = ast.parse((ROOT / "state.py").read_text()).body  # module-level statements: TYPE_CHECKING's block is an If
+    runtime = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    runtime += [n.module for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in runtime if m.split(".")[0] == "kvkit"], runtime
 
 
 def test_c_sources_live_in_csrc_not_in_python_strings():

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import kvkit
 from kvkit.calibrate.duo import calibrate, streaming_mask
+from kvkit.patch import is_patched
 from kvkit.policies.duo import Duo, DuoStore, binarize, load_pattern, save_pattern
 from kvkit.testing import greedy, tiny_model
 
@@ -195,7 +196,7 @@ def test_bad_pattern_files(tmp_path, name, content, match):
     with pytest.raises(ValueError, match=match) as err:
         kvkit.patch(model, "duo", pattern=str(path))
     assert name in str(err.value)
-    assert getattr(model, "_kvkit_state", None) is None  # refused before anything was installed
+    assert not is_patched(model)  # refused before anything was installed
 
 
 def test_missing_pattern_and_bad_options(tmp_path):

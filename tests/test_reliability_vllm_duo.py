@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 
 import kvkit
 from kvkit import fileio
+from kvkit.patch import is_patched
 from kvkit.policies import duo as D
 from kvkit.policies.duo import Duo, DuoStore, PatternFile, load_pattern
 from kvkit.testing import greedy, tiny_model
@@ -176,7 +177,7 @@ def test_pattern_path_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_pat
     with pytest.raises(ValueError, match=f"duo: pattern file {path} ?{why}") as err:
         kvkit.patch(model, "duo", pattern=path)
     assert "does not exist" not in str(err.value)
-    assert getattr(model, "_kvkit_state", None) is None
+    assert not is_patched(model)
     with pytest.raises(ValueError, match=why):
         load_pattern(path)
 
@@ -272,7 +273,7 @@ def test_patched_model_keeps_the_pattern_it_was_patched_with(tmp_path):
         assert _retrieval(cache) == RETRIEVAL and torch.equal(toks, toks2)
         path.unlink()  # nor does it need the file any more
         assert _retrieval(kvkit.KVCache(model)) == RETRIEVAL
-        pol = model._kvkit_state.policy
+        pol = kvkit.patched_policy(model)
         assert pol.pattern_sha256 == hashlib.sha256(raw).hexdigest()
         assert pol.content_hashes() == {"pattern": hashlib.sha256(raw).hexdigest()}
         assert json.loads(json.dumps(pol.options()))["pattern"] == str(path)  # recorded as the path it was given
@@ -282,7 +283,7 @@ def test_patched_model_keeps_the_pattern_it_was_patched_with(tmp_path):
     kvkit.patch(model, "duo", pattern=str(path), **SMALL)  # a new patch reads the file again
     try:
         assert _retrieval(kvkit.KVCache(model)) == FLIPPED_RETRIEVAL
-        assert model._kvkit_state.policy.pattern_sha256 == hashlib.sha256(new).hexdigest()
+        assert kvkit.patched_policy(model).pattern_sha256 == hashlib.sha256(new).hexdigest()
     finally:
         kvkit.unpatch(model)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvkit
+from kvkit.patch import is_patched
 from kvkit.speculative import DraftCache, SpeculativeStats, StreamingView, generate
 from kvkit.testing import greedy, tiny_model
 
@@ -32,7 +33,7 @@ def test_greedy_equals_plain_greedy(arch, policy, gammas):
                        eos_token_id=None, stats=st)
         assert torch.equal(out[0, 90:], ref[0]), (arch, policy, gamma)
         assert st.new_tokens == 14 and st.drafted >= st.accepted >= 0 and st.rounds > 0
-    assert getattr(m, "_kvkit_state", None) is None  # patched only for the call
+    assert not is_patched(m)  # patched only for the call
 
 
 def test_draft_really_is_sparse_and_rejections_happen():
@@ -69,7 +70,7 @@ def test_hierarchical_greedy_with_assistant():
                    eos_token_id=None, stats=st)
     assert torch.equal(out[0, 60:], ref[0])
     assert st.assistant_drafted > 0
-    assert getattr(small, "_kvkit_state", None) is None
+    assert not is_patched(small)
 
 
 @pytest.mark.parametrize("n,gamma,assistant_gamma", [(200, 6, 4), (120, 5, 3)])
@@ -277,7 +278,7 @@ def test_bad_inputs():
         generate(m, ids, assistant=tiny_model("llama", vocab_size=64), max_new_tokens=4)
     with pytest.raises(ValueError, match="draft must be 'self'"):
         generate(m, ids, draft="other", max_new_tokens=4)
-    assert getattr(m, "_kvkit_state", None) is None
+    assert not is_patched(m)
 
 
 def test_greedy_check_reports_a_broken_verifier(monkeypatch):
@@ -299,7 +300,7 @@ def test_greedy_check_reports_a_broken_verifier(monkeypatch):
     (bad,) = check_prompt(m, ids, 10, settings)
     assert not bad.identical and bad.first_mismatch is not None and bad.margin is not None and bad.margin > 0
     assert "first difference at new token" in format_result(bad)
-    assert getattr(m, "_kvkit_state", None) is None
+    assert not is_patched(m)
 
 
 def test_greedy_check_bad_lengths():

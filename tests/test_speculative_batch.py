@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvkit
+from kvkit.patch import is_patched
 from kvkit.speculative import SpeculativeStats, generate
 from kvkit.speculative.rows import Rows
 from kvkit.testing import greedy, left_padded_batch, tiny_model
@@ -53,7 +54,7 @@ def test_batched_greedy_equals_plain_batched_greedy(arch, overrides, policy, gam
         assert st.new_tokens == 16 * len(LENGTHS) and st.drafted >= st.accepted
         if gamma > 1 and arch != "mistral" or overrides:  # (a 24-token window is read whole by the draft: exact)
             assert any(len(set(n)) > 1 for n in accepted_counts), "rows never accepted different counts: no holes"
-    assert getattr(m, "_kvkit_state", None) is None
+    assert not is_patched(m)
 
 
 @pytest.mark.parametrize("policy", ["streaming", "retrieval"])
@@ -165,7 +166,7 @@ def test_batched_hierarchy_equals_plain_batched_greedy(arch, policy, gamma, assi
     if acache["policy"] == "streaming":  # compacted to at most the budget, after the prompt and while decoding
         shrunk = [(a, b) for a, b in widths if b < a]
         assert len(shrunk) >= 2 and all(b <= acache["budget"] for _, b in shrunk)
-    assert getattr(small, "_kvkit_state", None) is None and getattr(m, "_kvkit_state", None) is None
+    assert not is_patched(small) and not is_patched(m)
 
 
 def test_batched_hierarchy_levels_feed_exactly():

@@ -10,11 +10,11 @@ from kvkit.speculative.draft import DraftCache, DraftView, RetrievalView, Stream
 from kvkit.speculative.generate import (
     SpeculativeOutput,
     SpeculativeStats,
-    batch_cache,
     check_assistant,
     check_target_policy,
     generate,
 )
+from kvkit.speculative.rows import batch_cache
 
 __all__ = [
     "generate",

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+import kvkit
 from kvkit.compat import cache_kw
+from kvkit.demo import essay_text, needle_prompt
+from kvkit.patch import is_patched
+from kvkit.speculative.generate import SpeculativeStats, generate
 
 #: (draft policy, draft options, gamma), cycled over the prompts. Even prompts are needle questions,
 #: where a streaming window misses the needle (acceptance ~0.1), so retrieval drafts them; odd prompts
@@ -57,8 +61,6 @@ def prompt_lengths(n: int, min_length: int, max_length: int) -> list[int]:
 
 def make_prompt(tokenizer, i: int, length: int) -> tuple[str, torch.Tensor]:
     """Prompt ``i``: even -> a needle question (depth and value vary), odd -> raw essay text from an offset."""
-    from kvkit.demo import essay_text, needle_prompt
-
     if i % 2 == 0:
         depth = (0.1 + 0.17 * i) % 1.0
         ids, _ = needle_prompt(tokenizer, context_tokens=length, depth=depth, seed=i)
@@ -90,10 +92,7 @@ def plain_greedy(model, cache, ids: torch.Tensor, new_tokens: int) -> tuple[list
 @torch.no_grad()
 def check_prompt(model, ids: torch.Tensor, new_tokens: int, settings, prompt: int = 0, kind: str = "") -> list[GreedyCheck]:
     """Plain vs speculative greedy on one prompt ``ids [1, n]`` (on the model's device), one result per setting."""
-    import kvkit
-    from kvkit.speculative import SpeculativeStats, generate
-
-    patched_here = getattr(model, "_kvkit_state", None) is None
+    patched_here = not is_patched(model)
     if patched_here:
         kvkit.patch(model, "full")
     try:

@@ -15,7 +15,13 @@ import statistics
 import sys
 import time
 
+import kvkit
+import kvkit.models
+from kvkit.cli import parse_options
 from kvkit.compat import cache_kw
+from kvkit.demo import essay_text, needle_prompt
+from kvkit.speculative.generate import SpeculativeStats, generate
+from kvkit.speculative.rows import batch_cache
 
 
 def add_commands(subparsers) -> None:
@@ -102,8 +108,6 @@ def _prompt(tok, task: str, length: int, seed: int):
     """One prompt ``[1, n]``: a needle question (--length counts the whole chat prompt) or essay text from an offset."""
     import torch
 
-    from kvkit.demo import essay_text, needle_prompt
-
     if task == "needle":
         ids, _ = needle_prompt(tok, context_tokens=length, seed=seed)
         extra = ids.shape[1] - length
@@ -128,11 +132,6 @@ def _int_list(flag: str, text) -> list[int]:
 def cmd_speculate(args) -> int:
     import torch
 
-    import kvkit
-    from kvkit.cli import parse_options
-    from kvkit.models import load
-    from kvkit.speculative import SpeculativeStats, batch_cache, generate
-
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     gammas = _int_list("--gamma", args.gamma)
@@ -154,11 +153,11 @@ def cmd_speculate(args) -> int:
         torch.set_num_threads(args.threads)
     opts = parse_options(args.draft_opt)
     print(f"loading model {args.model!r} ...", flush=True)
-    model, tok = load(args.model, dtype=dtype, device=args.device)
+    model, tok = kvkit.models.load(args.model, dtype=dtype, device=args.device)
     assistant = None
     if args.assistant:
         print(f"loading assistant {args.assistant!r} ...", flush=True)
-        assistant, _ = load(args.assistant, dtype=dtype, device=args.device)
+        assistant, _ = kvkit.models.load(args.assistant, dtype=dtype, device=args.device)
     rows = [_prompt(tok, args.task, args.length, args.seed * args.batch + b) for b in range(args.batch)]
     width = max(r.shape[1] for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)

@@ -41,12 +41,14 @@ from transformers.utils import ModelOutput
 
 from kvkit.cache import KVCache
 from kvkit.compat import CACHE_ARG, cache_kw, get_cache
+from kvkit.model_info import context_limit
+from kvkit.patch import is_patched, patch, patch_state, unpatch
 from kvkit.speculative.draft import DraftCache, make_view
 from kvkit.speculative.forward import logits as forward_logits
 from kvkit.speculative.hierarchy import HierarchicalDraft
-from kvkit.speculative.rows import Rows
+from kvkit.speculative.rows import Rows, batch_cache, layer_windows
 from kvkit.speculative.verify import accept_greedy, accept_sample, pick
-from kvkit.stores import FullStore, SlidingStore, SlotStore
+from kvkit.stores import FullStore, SlotStore
 
 #: adaptive=True stops drafting when the draft's top probability falls below this
 #: (transformers' default ``assistant_confidence_threshold``)
@@ -250,16 +252,6 @@ def _processors(gc, do_sample) -> LogitsProcessorList:
     return lp
 
 
-def batch_cache(model) -> KVCache:
-    """A ``full`` cache for batched speculation (to prefill a prompt once and speculate from copies): the model's sliding-window layers keep every slot too (the window is
-    applied by the attention mask in token positions, which holes make differ from slot positions)."""
-    cache = KVCache(model, "full")
-    for i, layer in enumerate(cache.layers):
-        if isinstance(layer, SlidingStore):
-            cache.layers[i] = FullStore(layer.info)
-    return cache
-
-
 def _target_cache(model, cache, batch: int, held_ok) -> tuple[KVCache, int]:
     """The target's cache and how many prompt columns it already holds."""
     if isinstance(cache, KVCache):
@@ -285,12 +277,6 @@ def _target_cache(model, cache, batch: int, held_ok) -> tuple[KVCache, int]:
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.activate_past_recording()  # keep rejected tokens croppable on sliding layers
     return cache, held
-
-
-def _layer_windows(cache: KVCache) -> dict:
-    """Layer type -> sliding window (None for full attention), for the batched attention masks."""
-    return {info.layer_type: (info.sliding_window if info.layer_type == "sliding_attention" else None)
-            for info in cache.infos}
 
 
 # ---- the entry point ----------------------------------------------------------------------------
@@ -391,23 +377,20 @@ def generate(
     if B == 1 and not bool(mask.all()):  # one row: decode its real tokens only
         prompt, mask = input_ids[:, mask[0].bool()], torch.ones_like(input_ids[:, mask[0].bool()])
 
-    import kvkit
-    from kvkit.patch import context_limit
-
     def held_ok(held):
         if held >= prompt.shape[1]:
             raise ValueError(f"past_key_values already holds {held} tokens; input_ids must extend it")
 
     patched_here = []
     try:
-        if getattr(model, "_kvkit_state", None) is None:
-            kvkit.patch(model, "full")
+        if not is_patched(model):
+            patch(model, "full")
             patched_here.append(model)
-        if assistant is not None and getattr(assistant, "_kvkit_state", None) is None:
-            kvkit.patch(assistant, "full")  # routing only: the assistant reads its own cache below
+        if assistant is not None and not is_patched(assistant):
+            patch(assistant, "full")  # routing only: the assistant reads its own cache below
             patched_here.append(assistant)
         cache, held = _target_cache(model, get_cache(model_kwargs), B, held_ok)
-        limit = None if model._kvkit_state.allow_beyond_context else context_limit(model)
+        limit = None if patch_state(model).allow_beyond_context else context_limit(model)
         rows = Rows(prompt, mask, max_new_tokens, set(eos), stopping_criteria)
         run = _Run(logits_processor, do_sample, threshold, stats if stats is not None else SpeculativeStats())
         if assistant is None:
@@ -427,7 +410,7 @@ def generate(
         _sync(model)
         t1 = time.perf_counter()
         run.stats.prefill_seconds += t1 - t0
-        decode(model, cache, drafter, rows, gamma, limit, _layer_windows(cache), run)
+        decode(model, cache, drafter, rows, gamma, limit, layer_windows(cache), run)
         if B == 1:
             # plain decoding's state: the prompt and every new token but the last (the round may have run past the end)
             cache.rollback(cache.get_seq_length() - (prompt.shape[1] + len(rows.new[0]) - 1))
@@ -438,7 +421,7 @@ def generate(
         run.stats.decode_tokens += new - B
     finally:
         for m in patched_here:
-            kvkit.unpatch(m)
+            unpatch(m)
 
     if streamer is not None:
         streamer.put(torch.tensor(rows.new[0]))

@@ -31,7 +31,7 @@ from kvkit.compat import cache_kw
 from kvkit.policies.base import check_positive_int
 from kvkit.speculative.draft import DraftCache, mask_to_index
 from kvkit.speculative.forward import logits as forward_logits
-from kvkit.speculative.rows import hole_mask, process_rows
+from kvkit.speculative.rows import batch_cache, hole_mask, layer_windows, process_rows
 from kvkit.speculative.verify import accept_greedy, accept_sample, pick
 
 
@@ -51,8 +51,6 @@ class Assistant:
     #               budget / 4 new slots (at least 8)
 
     def __init__(self, model, options: dict):
-        from kvkit.speculative.generate import _layer_windows, batch_cache
-
         opts = dict(options)
         policy = opts.pop("policy", "streaming")
         if policy not in ("streaming", "full"):
@@ -67,7 +65,7 @@ class Assistant:
             if isinstance(self.sink, bool) or not isinstance(self.sink, int) or not 0 <= self.sink < self.budget:
                 raise ValueError(f"assistant_cache: sink must be an integer in [0, budget), got {self.sink!r}")
         self.model, self.cache = model, batch_cache(model)
-        self.windows = _layer_windows(self.cache)  # the assistant's own layer types
+        self.windows = layer_windows(self.cache)  # the assistant's own layer types
         self.pos = None  # [B, S] token position of every slot (-1: hole / padding / filler)
         self.next = None  # [B] first token position the assistant has not fed
 

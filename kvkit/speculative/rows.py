@@ -17,13 +17,36 @@ is passed, which keeps the CPU prefix + causal-suffix verification path.
 
 Finished rows leave the batch (``batch_select_indices`` on the cache: one copy of the KV) once the
 work they would still cost outweighs that copy.
+
+Such a KV keeps every slot: :func:`batch_cache` builds one (``full`` stores on every layer, sliding-window
+layers included), and :func:`layer_windows` gives the sliding windows its masks apply.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvkit.cache import KVCache
 from kvkit.speculative.verify import process
+from kvkit.stores import FullStore, SlidingStore
+
+
+def batch_cache(model) -> KVCache:
+    """A ``full`` cache for batched speculation (to prefill a prompt once and speculate from copies): the model's
+    sliding-window layers keep every slot too (the window is applied by the attention mask in token positions, which
+    holes make differ from slot positions)."""
+    cache = KVCache(model, "full")
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, SlidingStore):
+            cache.layers[i] = FullStore(layer.info)
+    return cache
+
+
+def layer_windows(cache: KVCache) -> dict[str, int | None]:
+    """Layer type -> sliding window (None for full attention): the ``windows`` of :func:`hole_mask` and
+    :meth:`Rows.mask` for a model whose cache is ``cache``."""
+    return {info.layer_type: (info.sliding_window if info.layer_type == "sliding_attention" else None)
+            for info in cache.infos}
 
 
 def process_rows(logits_processor, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
