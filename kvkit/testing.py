@@ -98,13 +98,16 @@ def greedy_stacked(model, ids, steps: int = 10, mask=None):
     return toks, torch.stack(logits, 1), cache
 
 
-def reconstruction_scores_reference(model, ids, chunk: int, overlap: int) -> torch.Tensor:
+def reconstruction_scores_reference(model, ids, chunk: int, overlap: int, normalize: str = "held",
+                                    sink: int = 0) -> torch.Tensor:
     """KVzip's scores written out with transformers' eager attention on the unpatched model: for each chunk of
     the context (cut from the end), the context followed by the chunk's repeat (``overlap`` tokens of the previous
     chunk first) runs as one sequence; a context token of the chunk scores the largest attention probability any
     repeat query of its KV head's group pays it. Returns ``[layers, H, S]``. The reference of
     :mod:`kvkit.stores.reconstruct` (tests of ``kvzip`` and of ``chelsea``'s reconstruction-scored protection); the
-    model is left in eager attention."""
+    model is left in eager attention. ``normalize="chunk"``: each probability renormalised over the reference's
+    set (the first ``sink`` tokens before the chunk, the chunk's own tokens and the repeat), the ratio of two
+    probabilities of one softmax being the ratio of their exponentials."""
     S = ids.shape[1]
     cfg = model.config
     H, g = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
@@ -116,6 +119,9 @@ def reconstruction_scores_reference(model, ids, chunk: int, overlap: int) -> tor
         att = model(seq, output_attentions=True, use_cache=False).attentions  # per layer [1, Hq, L, L]
         for li, a in enumerate(att):
             rows = a[0, :, S:, lo:e]  # repeat queries -> the chunk's own context tokens
+            if normalize == "chunk":
+                local = rows.sum(-1) + a[0, :, S:, S:].sum(-1) + a[0, :, S:, : min(sink, lo)].sum(-1)
+                rows = rows / local.unsqueeze(-1)
             out[li, :, lo:e] = rows.amax(dim=1).view(H, g, e - lo).amax(dim=1)
     return out
 

@@ -34,6 +34,30 @@ def test_scores_are_the_models_attention_while_repeating_the_context():
             assert kept[h].tolist() == want
 
 
+def _kept_scores(extra: dict, transform):
+    """Compress a 47-token prompt with ``extra`` options; per layer the kept slots' scores and the reference's."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = random_ids(47, seed=3)
+    with torch.no_grad():
+        ref = transform(_reference_scores(model, ids, OPTS["chunk"], OPTS["overlap"],
+                                          normalize=extra.get("normalize", "held"), sink=OPTS["sink"]))
+        kvkit.patch(model, "kvzip", **dict(OPTS, budget=30, **extra))
+        try:
+            cache = kvkit.KVCache(model)
+            model(input_ids=ids, **kvkit.compat.cache_kw(cache), use_cache=True)
+        finally:
+            kvkit.unpatch(model)
+    return [(st.rscore[0], ref[li].gather(1, st.pos[0].long())) for li, st in enumerate(cache.layers)]
+
+
+def test_chunk_normalisation_is_the_references_local_softmax():
+    for got, want in _kept_scores(dict(normalize="chunk"), lambda r: r):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    held = _kept_scores({}, lambda r: r)
+    assert any(not torch.allclose(g, w) for (g, _), (w, _) in zip(held, _kept_scores(dict(normalize="chunk"),
+                                                                                     lambda r: r)))
+
+
 def test_compresses_once_the_prompt_exceeds_the_budget_and_leaves_no_trace():
     model = tiny_model("qwen2")
     ids = random_ids(60, seed=5)
@@ -89,7 +113,7 @@ def test_sweeps_refuse_a_replayed_prefill():
     assert not replayable("kvzip")
 
 
-@pytest.mark.parametrize("bad", [dict(budget=0), dict(chunk=0), dict(overlap=-1), dict(sink=1.5),
+@pytest.mark.parametrize("bad", [dict(budget=0), dict(chunk=0), dict(overlap=-1), dict(sink=1.5), dict(normalize="all"),
                                  dict(budget=10, window=8, sink=2)])
 def test_bad_options(bad):
     with pytest.raises(ValueError, match="kvzip"):

@@ -91,8 +91,12 @@ class KVzip(Policy):
     adaptive : bool
         Rank the scores of all layers together, as the reference does: each layer keeps per KV head the number of
         its slots above the global threshold, so layers share ``budget x layers`` (heads within a layer stay
-        uniform, kvkit's rectangular store). Default True (on RULER it kept the multikey needles that a uniform
-        budget lost on Qwen2.5-Coder-0.5B: results/policies/README.md). False: every layer keeps ``budget``.
+        uniform, kvkit's rectangular store). Default True (results/policies/README.md compares the two). False:
+        every layer keeps ``budget``.
+    normalize : str
+        The softmax a slot's score is a probability of: ``"held"`` (default, kvkit) the model's own, over every held
+        slot; ``"chunk"`` the reference's, renormalised over the first ``sink`` tokens, the chunk's own tokens and
+        the repeat (causal).
     """
 
     budget: int = 1024
@@ -103,6 +107,7 @@ class KVzip(Policy):
     tail: int = 32
     instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
     adaptive: bool = True  # the reference ranks all layers together: per-layer budgets (mean = budget)
+    normalize: str = "held"  # "held": softmax over every held slot; "chunk": the reference's local softmax
 
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
     saves = "memory+reads"
@@ -124,6 +129,8 @@ class KVzip(Policy):
         for name in ("instruct", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"kvzip: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.normalize not in ("held", "chunk"):
+            raise ValueError(f"kvzip: normalize must be 'held' or 'chunk', got {self.normalize!r}")
         if self.window + self.sink >= self.budget:
             raise ValueError(f"kvzip: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
 
@@ -223,6 +230,7 @@ class KVzipStore(ReconstructionScoring, ScoredStore):
         super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
         self.rscore: torch.Tensor | None = None  # [B, H, n] reconstruction score per slot, -1 = not scored yet
         self.row_budget: torch.Tensor | None = None  # [B] adaptive: each row's share of this layer (budget = max)
+        self.score_norm, self.score_sinks = p.normalize, p.sink
 
     # ---- scores --------------------------------------------------------------------------------------------
     def score(self) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 After an exact prefill, the context is fed again, chunk by chunk, on top of the cache (the model "repeats" it); a held
 slot's score is the largest attention probability any repeat query of its KV head's group pays it, in the model's own
-softmax over every held slot. Each repeat forward is rolled back exactly afterwards, so the pass leaves only scores.
+softmax over every held slot (``score_norm="held"``) or renormalised, as KVzip's reference does, over the first
+``score_sinks`` tokens, the chunk's own tokens and the repeat (``"chunk"``). Each repeat forward is rolled back exactly afterwards, so the pass leaves only scores.
 
 Two pieces:
 
@@ -92,6 +93,8 @@ class ReconstructionScoring:
     score_range = (0, 0)  # positions of the tokens the running reconstruction chunk repeats
     verifying = False  # inside speculative verification: the pass is skipped (one-token decoding never runs it)
     last_forward_tokens = 0  # tokens of the newest forward (set by the store's ``attend``; read by the pass)
+    score_norm = "held"  # "held": the model's softmax over every held slot; "chunk": the reference's (see _score_chunk)
+    score_sinks = 4  # "chunk": the first real slots counted in the normaliser (the reference's system prompt)
 
     def set_verifying(self, on: bool) -> None:
         self.verifying = on
@@ -160,13 +163,35 @@ class ReconstructionScoring:
         inside = (p_idx >= lo) & (p_idx < hi)
         k = self.keys.gather(2, idx.unsqueeze(-1).expand(B, H, C, D)).float()
         real_q = self.pos[:, :1, -T:] >= 0  # [B, 1, T] padding queries of the repeat score nothing
+        local = self.score_norm == "chunk"
+        if local:  # the reference's normaliser: the first sinks, the chunk's own slots and the repeat (causal)
+            S0 = min(self.score_sinks, n - T)
+            first = torch.searchsorted(held, torch.zeros((*pos.shape[:2], 1), dtype=pos.dtype, device=pos.device))
+            sidx = (first + torch.arange(S0, device=pos.device)).clamp(max=n - T - 1).expand(B, H, S0)
+            p_s = pos.expand(B, H, n).gather(2, sidx)
+            sink_ok = (p_s >= 0) & (p_s < lo)  # [B, H, S0] sinks before the chunk (inside it they count once)
+            ks = self.keys.gather(2, sidx.unsqueeze(-1).expand(B, H, S0, D)).float()
+            kr = self.keys[:, :, n - T :].float()  # [B, H, T, D] the repeat's own keys
+            causal = torch.ones(T, T, dtype=torch.bool, device=pos.device).tril()
+            rep_ok = causal & (self.pos[:, :, None, n - T :] >= 0)  # [B, Hp, T, T]
         best = torch.zeros(B, H, C, device=self.keys.device)  # probabilities are >= 0: max(0, p) = p
-        for rows, h0, h1, ts in score_blocks(B, H, G, T, C):
+        for rows, h0, h1, ts in score_blocks(B, H, G, T, C + (T + S0 if local else 0)):
             q = query[rows, h0 * G : h1 * G, ts].float()
             b, t = q.shape[0], q.shape[2]
             q = q.reshape(b, h1 - h0, G, t, D)
-            logit = (torch.einsum("bhgtd,bhcd->bhgtc", q, k[rows, h0:h1]) * scaling
-                     - lse[rows, h0 * G : h1 * G, ts].reshape(b, h1 - h0, G, t, 1))
+            logit = torch.einsum("bhgtd,bhcd->bhgtc", q, k[rows, h0:h1]) * scaling
+            if local:
+                neg = float("-inf")
+                ls = (torch.einsum("bhgtd,bhcd->bhgtc", q, ks[rows, h0:h1]) * scaling).masked_fill(
+                    ~sink_ok[rows, h0:h1, None, None, :], neg)
+                lr = (torch.einsum("bhgtd,bhcd->bhgtc", q, kr[rows, h0:h1]) * scaling).masked_fill(
+                    ~block_part(rep_ok, rows, h0, h1)[:, :, None, ts, :], neg)
+                lc = logit.masked_fill(~inside[rows, h0:h1, None, None, :], neg)
+                norm = torch.logsumexp(torch.cat([ls, lc, lr], dim=-1), dim=-1, keepdim=True)
+                del ls, lr, lc
+            else:  # the model's own softmax over every held slot
+                norm = lse[rows, h0 * G : h1 * G, ts].reshape(b, h1 - h0, G, t, 1)
+            logit = logit - norm
             prob = logit.exp().masked_fill(~real_q[rows, :, ts].view(b, 1, 1, t, 1), 0.0).nan_to_num(0.0)
             part = best[rows, h0:h1]
             torch.maximum(part, prob.amax(dim=(2, 3)), out=part)
