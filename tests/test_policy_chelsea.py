@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.policies.chelsea import ChelseaStore, merge_chunks
+from kvkit.policies.chelsea import ChelseaStore
+from kvkit.stores.merge import merge_chunks
 from kvkit.testing import greedy_stacked as _run
 from kvkit.testing import random_ids as _ids
 from kvkit.testing import tiny_model
@@ -340,7 +341,8 @@ def test_reconstruct_protection_in_generate_batches_and_refusals():
 def test_merge_free_equals_merge_chunks_over_the_unprotected_slots():
     """merge_free with the same number of frozen slots in every chunk is the chunk-scoped protection: the unprotected
     slots merged by merge_chunks down to target, the frozen ones kept as they are."""
-    from kvkit.policies.chelsea import _rows, merge_free
+    from kvkit.stores.merge import merge_free
+    from kvkit.stores.merge import rows as _rows
 
     g = torch.Generator().manual_seed(0)
     B, H, C, L, D, P, K = 2, 3, 5, 16, 8, 3, 8

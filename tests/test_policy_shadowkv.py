@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.policies.shadowkv import ShadowKVStore, apply_rope, inverse_rope
+from kvkit.model_info import apply_rope, inverse_rope
+from kvkit.policies.shadowkv import ShadowKVStore
 from kvkit.testing import greedy, left_padded_batch, tiny_model
 
 SMALL = dict(min_prompt=32, chunk_size=8)  # tiny prompts get compressed
@@ -246,7 +247,7 @@ def test_fused_cpu_step_matches_general_path(arch, c_kernel, monkeypatch):
     chunks (selections padded with -1)."""
     from kvkit.policies.shadowkv import ShadowKVStore
 
-    monkeypatch.setenv("KVKIT_LOWRANK_CPU", c_kernel)
+    monkeypatch.setenv("KVKIT_DECODE_CPU", c_kernel)
     model = tiny_model(arch)
     kvkit.patch(model, "shadowkv", rank=6, budget=16, outliers=1, **SMALL)
     ids, mask, _ = left_padded_batch([83, 70, 61])
@@ -270,7 +271,7 @@ def test_fused_cpu_step_merge_matches_concat(c_kernel, monkeypatch):
     part merged by log-sum-exp, taken when the parts are large) give the same logits."""
     from kvkit.policies.shadowkv import ShadowKVStore
 
-    monkeypatch.setenv("KVKIT_LOWRANK_CPU", c_kernel)
+    monkeypatch.setenv("KVKIT_DECODE_CPU", c_kernel)
     model = tiny_model("llama")
     kvkit.patch(model, "shadowkv", rank=6, budget=16, outliers=1, **SMALL)
     ids, mask, _ = left_padded_batch([83, 70, 61])

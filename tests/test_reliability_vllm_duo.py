@@ -18,6 +18,7 @@ import kvkit
 from kvkit import fileio
 from kvkit.patch import is_patched
 from kvkit.policies import duo as D
+from kvkit.policies import duo_patterns as DP
 from kvkit.policies.duo import Duo, DuoStore, PatternFile, load_pattern
 from kvkit.testing import greedy, tiny_model
 from kvkit.vllm import config as C
@@ -184,13 +185,13 @@ def test_pattern_path_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_pat
 
 def test_pattern_file_size_is_bounded_before_reading(tmp_path, monkeypatch):
     big = tmp_path / "big.tsv"
-    size = D.MAX_PATTERN_BYTES + 1
+    size = DP.MAX_PATTERN_BYTES + 1
     with open(big, "wb") as f:  # sparse: one byte over the limit on paper, nothing on disk
         f.truncate(size)
-    with pytest.raises(ValueError, match=rf"is larger than the limit of {D.MAX_PATTERN_BYTES:,} bytes.*it has "
+    with pytest.raises(ValueError, match=rf"is larger than the limit of {DP.MAX_PATTERN_BYTES:,} bytes.*it has "
                                          rf"{size:,} bytes"):
         Duo(pattern=str(big))
-    monkeypatch.setattr(D, "MAX_PATTERN_BYTES", 40)
+    monkeypatch.setattr(DP, "MAX_PATTERN_BYTES", 40)
     path = tmp_path / "p.json"
     _write(path, MIXED)  # > 40 bytes
     with pytest.raises(ValueError, match="larger than the limit of 40 bytes"):

@@ -14,8 +14,9 @@ import torch
 
 import kvkit
 from kvkit.demo import needle_prompt
+from kvkit.model_info import inverse_rope
 from kvkit.models import load_default
-from kvkit.policies.shadowkv import ShadowKVStore, inverse_rope
+from kvkit.policies.shadowkv import ShadowKVStore
 
 torch.manual_seed(0)
 STATE = ("keys", "values", "pos", "rpos", "first_pos", "seen", "committed", "decoding", "compressed")

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from kvkit.policies.duo import binarize, model_identity, save_pattern
+from kvkit.policies.duo import binarize
+from kvkit.policies.duo_patterns import model_identity, save_pattern
 
 ATTN_NAME = "kvkit_duo_calibrate"
 

@@ -15,7 +15,7 @@ A calibration file is JSON, one per model::
     }
 
 A model's file is the one whose ``model`` fields all equal the model's (text) config (the way
-:func:`kvkit.policies.duo.shipped_pattern` finds a duo pattern): the architecture and its sizes, never the
+:func:`kvkit.policies.duo_patterns.shipped_pattern` finds a duo pattern): the architecture and its sizes, never the
 path it was loaded from, so a GGUF, a converted copy and a hub checkout of the same model share it.
 Searched, first match per policy wins: ``$KVKIT_CALIBRATION_DIR`` (``os.pathsep``-separated folders),
 then the user's folder ``~/.cache/kvkit/calibration`` (``kvkit calibrate`` writes there by default), then

@@ -19,34 +19,34 @@ the prefill and, during decoding, at the start of ``update`` once ``merge_interv
 arrived (on the committed tokens only, so ``crop`` of the newest tokens stays exact).
 
 Beyond the paper (kvkit, ``protect``, on by default: ``protect=0`` is the paper's matching): the tokens the prompt's
-last ``window`` queries attend to most are kept exact. On RULER the paper's matching merges a needle's digit keys first (they are each other's
-nearest neighbours), which loses the answer; with ``protect = f`` the ``ceil(f * chunk_size)`` slots of each chunk
-with the highest observation-window attention (SnapKV's score: summed over the window's queries, pooled along the
-tokens -- ``protect_kernel`` / ``protect_pooling`` / ``protect_window`` -- and averaged over each KV head's query
-group) are taken out of the matching and the rest merges down to ``ceil(ratio * chunk_size) - ceil(f *
-chunk_size)`` slots, so a chunk still keeps exactly ``ceil(ratio * chunk_size)`` slots (same memory). Scores come
-from the prefill; chunks of generated tokens (merged during decoding) have no score and protect their earliest
-tokens. It pays when the window is the question (the question in the prefill): the chunk size and the pooling are
-then per-model calibrated options (``kvkit calibrate chelsea``, used only when ``protect`` > 0); the fallbacks are
-64-token chunks and SnapKV's max-pooled kernel 7, centered. The default (``protect=None``) protects
-``PROTECT_SHARE`` = 0.8 of the slots a chunk keeps (``protect = 0.8 * ratio``; at most all but one of them): on the
-default model (RULER-4K, 65 samples) it kept more than the paper's matching in both protocols at ratio 0.5 (1.16 vs
-0.22 with the question in the prefill, 0.39 vs 0.21 question-agnostic) and at the paper's ratio 0.2 (0.50 / 0.24 vs
-0.22), so it is kvkit's default; ``protect=0`` (or ``calibrated=False``) is the paper.
+last ``window`` queries attend to most are kept exact. The paper's matching merges the most similar keys first, and
+the keys of a run of like tokens (the digits of a number) are each other's nearest neighbours; with ``protect = f``
+the ``ceil(f * chunk_size)`` slots of each chunk with the highest observation-window attention (SnapKV's score:
+summed over the window's queries, pooled along the tokens -- ``protect_kernel`` / ``protect_pooling`` /
+``protect_window`` -- and averaged over each KV head's query group) are taken out of the matching and the rest merges
+down to ``ceil(ratio * chunk_size) - ceil(f * chunk_size)`` slots, so a chunk still keeps exactly
+``ceil(ratio * chunk_size)`` slots (same memory). Scores come from the prefill; chunks of generated tokens (merged
+during decoding) have no score and protect their earliest tokens. The window score ranks what the prompt's last
+queries attend to (with the question at the end of the prompt: what the question needs); the chunk size and the
+pooling are per-model calibrated options (``kvkit calibrate chelsea``, used only when ``protect`` > 0); the fallbacks
+are 64-token chunks and SnapKV's max-pooled kernel 7, centered. The default (``protect=None``) protects
+``PROTECT_SHARE`` of the slots a chunk keeps (``protect = PROTECT_SHARE * ratio``; at most all but one of them;
+how it was chosen: results/policies/README.md); ``protect=0`` (or ``calibrated=False``) is the paper.
 
 Question-agnostic protection (kvkit, ``protect_score="reconstruct"``): without the question the observation window is
-the context's last sentence, which does not attend to a needle. Then the protection score is KVzip's
-(arXiv:2505.23416, :mod:`kvkit.stores.reconstruct`): after the exact prefill the context is fed again in chunks of
-``recon_chunk`` tokens on top of the cache (each rolled back exactly), and a slot scores the largest attention
-probability any repeat query of its KV head's group pays it: the tokens the model needs to reproduce the context.
-Merging waits for that pass (kvkit's forward hook on the patched model, ``Policy.after_forward``); the score is not
-pooled (it is per token already). Cost: about two prefills more per context (each chunk's queries read every held
-slot), like ``kvzip``. Ranked per chunk, the reconstruction score did not keep a needle's digits (a needle's chunk
-needs more exact slots than a chunk of filler); ``protect_scope="context"`` ranks the protected slots per KV head
-over all the chunks merged together (KVzip ranks a head's tokens over the whole context) and each chunk merges its
-other tokens into the same number of centroids (:func:`merge_free`), so a KV head holds the same slots. Default
-model, RULER-4K, question-agnostic, ratio 0.5 (65 samples): 0.735 retention with both options, 0.40 ranked per chunk
-(22 samples), 0.391 with the window score (results/policies/README.md).
+the context's last sentence, which need not attend to what a later question asks for. Then the protection score is
+KVzip's (arXiv:2505.23416, :mod:`kvkit.stores.reconstruct`): after the exact prefill the context is fed again in
+chunks of ``recon_chunk`` tokens on top of the cache (each rolled back exactly), and a slot scores the largest
+attention probability any repeat query of its KV head's group pays it: the tokens the model needs to reproduce the
+context. Merging waits for that pass (kvkit's forward hook on the patched model, ``Policy.after_forward``); the score
+is not pooled (it is per token already). Cost: one more pass over the context in which each chunk's queries read
+every held slot, like ``kvzip``. The tokens a context needs exact are not spread evenly over its chunks;
+``protect_scope="context"`` ranks the protected slots per KV head over all the chunks merged together (KVzip ranks a
+head's tokens over the whole context) and each chunk merges its other tokens into the same number of centroids
+(:func:`kvkit.stores.merge.merge_free`), so a KV head holds the same slots.
+
+The merge math (bipartite soft matching, the protected variants, the slot gathers) is in :mod:`kvkit.stores.merge`;
+this module holds the options, their checks and :class:`ChelseaStore`, which decides what to merge and when.
 
 Slot positions (for causal masking): a centroid's position is the position of its latest member.
 Only committed tokens older than the recent window are merged, so every centroid lies strictly in
@@ -67,14 +67,21 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 from kvkit.stores import tensor_bytes as _tensor_bytes
+from kvkit.stores.merge import (
+    chunk_grid,
+    compact_valid,
+    merge_chunks,
+    merge_keep_top,
+    merge_keep_top_context,
+    take_slots,
+)
 from kvkit.stores.reconstruct import ReconstructionScoring, forward_to_repeat, reconstruct
-from kvkit.stores.scored import POOL_WINDOWS
+from kvkit.stores.scored import POOL_WINDOWS, pool_group, window_attention
 
 PROTECT_SCORES = ("window", "reconstruct")
 PROTECT_SCOPES = ("chunk", "context")
@@ -101,11 +108,11 @@ class Chelsea(Policy):
         New tokens between two merges during decoding (kvkit; one chunk).
     size_bias : bool
         Add ``log(cluster size)`` to merged keys' scores (ToMe proportional attention; kvkit's
-        option, default from a measurement on the default model, see results/chelsea/README.md).
+        option; how the default was chosen: results/chelsea/README.md).
     protect : float or None
         Fraction of each chunk kept exact by observation-window attention (kvkit, beyond the paper;
-        0 = the paper's matching). Must stay below ``ratio``. None (default): ``PROTECT_SHARE * ratio`` (0.8 of the
-        slots a chunk keeps, at most all but one), or 0 with ``calibrated=False`` (the paper's whole setting).
+        0 = the paper's matching). Must stay below ``ratio``. None (default): ``PROTECT_SHARE * ratio`` (that share of
+        the slots a chunk keeps, at most all but one), or 0 with ``calibrated=False`` (the paper's whole setting).
     protect_kernel : int or None
         Pooling width of the protection score along the tokens (odd). None: calibrated, else 7 (SnapKV's kernel).
     protect_pooling : str or None
@@ -117,14 +124,14 @@ class Chelsea(Policy):
     protect_score : str
         What ranks the slots kept exact: "window" (default: the last ``window`` queries' attention, SnapKV's score;
         with the question in the prompt, the question's) or "reconstruct" (kvkit, question-agnostic: KVzip's context
-        reconstruction score, one pass of about two prefills after each multi-token forward; not pooled).
+        reconstruction score, one more pass over the tokens after each multi-token forward; not pooled).
     recon_chunk : int
         Tokens per reconstruction forward with ``protect_score="reconstruct"`` (KVzip's chunking, kvkit's 512).
     protect_scope : str
         Where the protected slots are ranked: "chunk" (default: the ``protect`` share of every chunk) or "context"
         (kvkit: per KV head over all the chunks merged together, ``protect`` x their tokens, at most all but
-        ``ratio - protect`` of one chunk: a needle's chunk keeps more exact, a chunk of filler fewer, as KVzip ranks a
-        head's tokens over the whole context). Every chunk still ends with ``ceil(ratio * chunk)`` slots on average
+        ``ratio - protect`` of one chunk: a chunk with more high-scored tokens keeps more exact, one with fewer keeps
+        fewer, as KVzip ranks a head's tokens over the whole context). Every chunk still ends with ``ceil(ratio * chunk)`` slots on average
         (a KV head holds the same total); each merges its unprotected tokens into ``ceil(ratio * chunk) -
         ceil(protect * chunk)`` centroids.
     calibrated : bool
@@ -139,7 +146,7 @@ class Chelsea(Policy):
     sink: int = 4  # StreamingLLM's 4 sink tokens, kept exact
     window: int = 32  # recent tokens kept exact
     merge_interval: int = 64  # one chunk of new tokens between merges
-    size_bias: bool = True  # measured: see results/chelsea/README.md
+    size_bias: bool = True  # kvkit's default (results/chelsea/README.md)
     protect: float | None = None  # kvkit: None = PROTECT_SHARE * ratio; 0 = the paper's matching over every slot
     protect_kernel: int | None = None  # None: calibrated, else SnapKV's paper kernel 7 (max-pooled)
     protect_pooling: str | None = None  # None: calibrated, else "max"
@@ -151,7 +158,7 @@ class Chelsea(Policy):
 
     CHUNK: ClassVar[int] = 64  # fallback chunk_size
     PROTECT_POOL: ClassVar[tuple] = (7, "max", "centered")  # fallback protect_kernel / pooling / window
-    #: protect=None: the share of a chunk's kept slots protected (measured at ratio 0.5 and 0.2, module docstring)
+    #: protect=None: the share of a chunk's kept slots protected (kvkit's default, results/policies/README.md)
     PROTECT_SHARE: ClassVar[float] = 0.8
     RECON_OVERLAP: ClassVar[int] = 8  # KVzip's prev_postfix_size: tokens of the previous chunk before each repeat
 
@@ -268,114 +275,6 @@ class Chelsea(Policy):
             layer.committed = layer.seen
 
 
-def _rows(x, idx):
-    """Rows ``idx [..., m]`` of ``x [..., n, D]``."""
-    return x.gather(-2, idx[..., None].expand(*idx.shape, x.shape[-1]))
-
-
-def _merge_into(x, src, dst, w_src, s_dst, new_size):
-    """Size-weighted means: A rows ``src`` of ``x`` (even slots) merged into B rows ``dst`` (odd slots)."""
-    xa, xb = x[..., 0::2, :], x[..., 1::2, :]
-    d_idx = dst[..., None].expand(*dst.shape, x.shape[-1])
-    acc = (xb * s_dst[..., None]).scatter_add(-2, d_idx, _rows(xa, src) * w_src[..., None])
-    return acc / new_size[..., None]
-
-
-def merge_chunks(k, v, pos, size, target: int):
-    """Bipartite soft matching inside every chunk down to ``target`` slots.
-
-    k, v ``[..., L, D]`` (float); pos ``[..., L]`` int; size ``[..., L]`` float (cluster sizes).
-    Returns the same four with ``L`` replaced by ``target`` (slots sorted by position).
-    """
-    cur = k.shape[-2]
-    while cur > target:
-        n_a = (cur + 1) // 2
-        r = min(cur - target, n_a)  # merges this round (at most one per A slot)
-        ka, kb = k[..., 0::2, :], k[..., 1::2, :]
-        sim = F.normalize(ka, dim=-1) @ F.normalize(kb, dim=-1).transpose(-1, -2)  # [..., nA, nB]
-        best, dst = sim.max(dim=-1)  # each A slot's most similar B slot
-        order = best.argsort(dim=-1, descending=True, stable=True)
-        src, rest = order[..., :r], order[..., r:]  # the r most similar pairs merge; the rest of A stays
-        dst = dst.gather(-1, src)
-        sa, sb = size[..., 0::2], size[..., 1::2]
-        w_src = sa.gather(-1, src)
-        new_size = sb.scatter_add(-1, dst, w_src)
-        kb_new = _merge_into(k, src, dst, w_src, sb, new_size)
-        vb_new = _merge_into(v, src, dst, w_src, sb, new_size)
-        pa, pb = pos[..., 0::2], pos[..., 1::2]
-        pb_new = pb.scatter_reduce(-1, dst, pa.gather(-1, src), reduce="amax")  # latest member's position
-        k = torch.cat([_rows(ka, rest), kb_new], dim=-2)
-        v = torch.cat([_rows(v[..., 0::2, :], rest), vb_new], dim=-2)
-        pos = torch.cat([pa.gather(-1, rest), pb_new], dim=-1)
-        size = torch.cat([sa.gather(-1, rest), new_size], dim=-1)
-        srt = pos.argsort(dim=-1, stable=True)  # keep time order so the next partition alternates in time
-        k, v, pos, size = _rows(k, srt), _rows(v, srt), pos.gather(-1, srt), size.gather(-1, srt)
-        cur -= r
-    return k, v, pos, size
-
-
-def merge_free(k, v, pos, size, frozen, target: int):
-    """Bipartite soft matching inside every chunk over its *free* slots only: the ``frozen`` slots (protected) stay
-    as they are and every chunk merges its free slots down to ``target`` (each chunk may hold a different number of
-    frozen slots; ``target`` <= its free slots). Same rounds as :func:`merge_chunks` on the free slots in time order
-    (with the same number frozen in every chunk the result is the same); merged-away slots are marked dead.
-
-    k, v ``[..., L, D]``; pos ``[..., L]`` int; size ``[..., L]`` float; frozen ``[..., L]`` bool. Returns k, v,
-    pos, size and ``live [..., L]`` bool (frozen + ``target`` free slots per chunk are live; order arbitrary)."""
-    L = k.shape[-2]
-    live = torch.ones_like(frozen)
-    big = torch.iinfo(torch.int64).max // 4
-    while True:
-        free = live & ~frozen
-        excess = free.sum(-1) - target  # [...]
-        if not bool((excess > 0).any()):
-            break
-        # free slots first in time order, then frozen, then dead: the partition alternates in time over the free
-        key = pos.long() + torch.where(free, 0, torch.where(live, big, 2 * big))
-        srt = key.argsort(dim=-1, stable=True)
-        k, v = _rows(k, srt), _rows(v, srt)
-        pos, size, frozen, live, free = (x.gather(-1, srt) for x in (pos, size, frozen, live, free))
-        ka, kb = k[..., 0::2, :], k[..., 1::2, :]
-        fa, fb = free[..., 0::2], free[..., 1::2]
-        sim = F.normalize(ka.float(), dim=-1) @ F.normalize(kb.float(), dim=-1).transpose(-1, -2)  # [..., nA, nB]
-        sim = sim.masked_fill(~(fa[..., :, None] & fb[..., None, :]), float("-inf"))
-        best, dst = sim.max(dim=-1)  # each A slot's most similar free B slot
-        rank = best.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-        r = torch.minimum(excess.clamp(min=0), fa.sum(-1))  # merges this round, per chunk
-        merged = (rank < r[..., None]) & fa  # [..., nA]: the r most similar pairs merge
-        sa, sb = size[..., 0::2], size[..., 1::2]
-        w = sa * merged  # every A slot, weighted by its size when it merges, 0 when it stays
-        new_size = sb.scatter_add(-1, dst, w)
-        every_a = torch.arange(ka.shape[-2], device=k.device).expand(dst.shape)
-        denom = new_size.clamp(min=1e-6)  # a dead B slot (size 0) receives nothing
-        kb = _merge_into(k, every_a, dst, w, sb, denom).to(k.dtype)
-        va, vb = v[..., 0::2, :], _merge_into(v, every_a, dst, w, sb, denom).to(v.dtype)
-        pa, pb = pos[..., 0::2], pos[..., 1::2]
-        pb = pb.scatter_reduce(-1, dst, torch.where(merged, pa, torch.full_like(pa, -1)), reduce="amax")
-        k, v = torch.cat([ka, kb], dim=-2), torch.cat([va, vb], dim=-2)
-        pos = torch.cat([pa, pb], dim=-1)
-        size = torch.cat([sa * ~merged, torch.where(fb | ~live[..., 1::2], new_size, sb)], dim=-1)
-        frozen = torch.cat([frozen[..., 0::2], frozen[..., 1::2]], dim=-1)
-        live = torch.cat([live[..., 0::2] & ~merged, live[..., 1::2]], dim=-1)
-    assert k.shape[-2] == L
-    return k, v, pos, size, live
-
-
-def _take(x, idx):
-    """Slots ``idx [B, m]`` (same for every head) of ``x [B, H, n]`` or ``[B, H, n, D]``."""
-    B, H = x.shape[:2]
-    if x.dim() == 3:
-        return x.gather(2, idx[:, None, :].expand(B, H, idx.shape[1]))
-    return x.gather(2, idx[:, None, :, None].expand(B, H, idx.shape[1], x.shape[-1]))
-
-
-def _compact_valid(valid):
-    """Column order ``[B, m]`` that moves invalid slots to the front (stable) and keeps the last m."""
-    order = valid.int().argsort(dim=-1, stable=True)
-    m = int(valid.sum(-1).max()) if valid.numel() else 0
-    return order[:, order.shape[1] - m :]
-
-
 class ChelseaStore(ReconstructionScoring, SlotStore):
     """Merged centroids (first ``n_merged`` slots) + exact slots (sinks, unmerged, window, new)."""
 
@@ -437,8 +336,6 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         if self.by_reconstruction:
             return  # merging waits for the reconstruction pass (Chelsea.after_forward)
         if self.p.protected_per_chunk:
-            from kvkit.stores.scored import pool_group, window_attention
-
             w = max(1, min(self.p.window, query.shape[2]))
             qpos = torch.arange(self.seen - w, self.seen, device=query.device)
             scaling = getattr(module, "scaling", None) or self.info.head_dim**-0.5
@@ -451,68 +348,54 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         return not self.scoring and self.p.ratio < 1 and self.seen - self.committed >= self.p.merge_interval
 
     def compress(self) -> None:
+        """Merge each row's complete chunks between the sinks and the recent window (those not merged yet) into
+        ``kept_per_chunk`` centroids each; the centroids join the merged region (the first ``n_merged`` slots)."""
         p = self.p
         if p.ratio >= 1:
             return
-        L, K, nm = p.chunk_size, p.kept_per_chunk, self.n_merged
-        k, v, pos, size = self.keys, self.values, self.pos, self.size
-        B, H, n, D = k.shape
-        dev = k.device
+        B, dev = self.keys.shape[0], self.keys.device
         first = self.first_pos.long()  # [B]
         if self.merged_upto is None:
             self.merged_upto = torch.full((B,), p.sink, dtype=torch.long, device=dev)
         mu = self.merged_upto
-        raw_pos = pos[:, 0, nm:].long()  # [B, nr]: exact slots, same positions on every head
-        nr = raw_pos.shape[1]
-        chunks = ((self.seen - first - p.window - mu) // L).clamp(min=0)  # [B] complete chunks to merge
+        chunks = ((self.seen - first - p.window - mu) // p.chunk_size).clamp(min=0)  # [B] complete chunks to merge
         C = int(chunks.max()) if chunks.numel() else 0
         if C == 0:
             return
-        rel = raw_pos - first[:, None]
-        real = raw_pos >= 0
-        in_range = real & (rel >= mu[:, None]) & (rel < (mu + chunks * L)[:, None])
-        # grid of the exact slots to merge: [B, C, L] (slots are position-sorted, padding first)
-        start = (real & (rel < mu[:, None])).sum(-1) + (~real).sum(-1)  # [B]
-        grid = start[:, None, None] + torch.arange(C, device=dev)[None, :, None] * L + torch.arange(L, device=dev)
-        grid = grid.clamp(max=nr - 1).view(B, C * L) + nm
-        gk = _take(k, grid).float().view(B, H, C, L, D)
-        gv = _take(v, grid).float().view(B, H, C, L, D)
-        gp = _take(pos, grid).view(B, H, C, L)
-        gs = _take(size, grid).float().view(B, H, C, L)
-        P = p.protected_per_chunk
-        ok = (torch.arange(C, device=dev)[None, :] < chunks[:, None])[:, None, :, None]  # [B, 1, C, 1]
+        # the exact slots (after the centroids) have the same positions on every head, position-sorted
+        grid, merging, real = chunk_grid(self.pos[:, 0, self.n_merged :].long(), first, mu, chunks, C, p.chunk_size)
+        merged = self._merge_grid(grid + self.n_merged, chunks)
+        self._install(*merged, keep=real & ~merging)
+        self.merged_upto = mu + chunks * p.chunk_size
+
+    def _merge_grid(self, grid, chunks):
+        """The slots ``grid [B, C * L]`` (C chunks of L) merged chunk by chunk, with the protection in effect:
+        k, v ``[B, H, C, K, D]`` fp32, pos ``[B, H, C, K]`` (-1 in a row's chunks past ``chunks [B]``), size
+        ``[B, H, C, K]`` float, ``K = kept_per_chunk``."""
+        p = self.p
+        B, H, _, D = self.keys.shape
+        L, K, P = p.chunk_size, p.kept_per_chunk, p.protected_per_chunk
+        C = grid.shape[1] // L
+        gk = take_slots(self.keys, grid).float().view(B, H, C, L, D)
+        gv = take_slots(self.values, grid).float().view(B, H, C, L, D)
+        gp = take_slots(self.pos, grid).view(B, H, C, L)
+        gs = take_slots(self.size, grid).float().view(B, H, C, L)
         if P and self.score is not None and p.protect_scope == "context":
-            # the P x chunks best slots of the merged chunks, per KV head (at most L - (K - P) in one chunk) stay
-            # exact; each chunk merges its other slots down to K - P
-            gsc = _take(self.score, grid).float().view(B, H, C, L)
-            elig = torch.zeros_like(gsc, dtype=torch.bool).scatter_(-1, gsc.topk(L - (K - P), dim=-1).indices, True)
-            elig &= ok
-            flat = gsc.masked_fill(~elig, float("-inf")).reshape(B, H, C * L)
-            rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).view(B, H, C, L)
-            prot = elig & (rank < (P * chunks).view(B, 1, 1, 1))
-            mk, mv, mp, ms, live = merge_free(gk, gv, gp, gs, prot, K - P)
-            live = (live & ok).reshape(B, H, C * L)  # each valid chunk: K live slots; the others none
-            key = torch.where(live, mp.reshape(B, H, C * L).long(), torch.iinfo(torch.int64).max)
-            srt = key.argsort(dim=-1, stable=True)[..., : C * K]  # live slots in time order, padding rows last
-            mk, mv = _rows(mk.reshape(B, H, C * L, D), srt), _rows(mv.reshape(B, H, C * L, D), srt)
-            mp, ms = mp.reshape(B, H, C * L).gather(-1, srt), ms.reshape(B, H, C * L).gather(-1, srt)
-            mp = torch.where(live.gather(-1, srt), mp, torch.full_like(mp, -1)).view(B, H, C, K)
-            mk, mv, ms = mk.view(B, H, C, K, D), mv.view(B, H, C, K, D), ms.view(B, H, C, K)
+            gsc = take_slots(self.score, grid).float().view(B, H, C, L)
+            mk, mv, mp, ms = merge_keep_top_context(gk, gv, gp, gs, gsc, chunks, P, K)
         elif P and self.score is not None:
-            # the P highest-scored slots of each chunk stay exact; the others merge down to K - P
-            gsc = _take(self.score, grid).view(B, H, C, L)
-            prot = torch.zeros_like(gsc, dtype=torch.bool).scatter_(-1, gsc.topk(P, dim=-1).indices, True)
-            order = prot.to(torch.int8).argsort(dim=-1, stable=True)  # unprotected first, in time order
-            sub = lambda x, idx: x.gather(-1, idx) if x.dim() == idx.dim() else _rows(x, idx)  # noqa: E731
-            mk, mv, mp, ms = merge_chunks(*(sub(x, order[..., : L - P]) for x in (gk, gv, gp, gs)), K - P)
-            keep = order[..., L - P :]
-            mk, mv = torch.cat([mk, _rows(gk, keep)], -2), torch.cat([mv, _rows(gv, keep)], -2)
-            mp, ms = torch.cat([mp, gp.gather(-1, keep)], -1), torch.cat([ms, gs.gather(-1, keep)], -1)
-            srt = mp.argsort(dim=-1, stable=True)
-            mk, mv, mp, ms = _rows(mk, srt), _rows(mv, srt), mp.gather(-1, srt), ms.gather(-1, srt)
+            gsc = take_slots(self.score, grid).view(B, H, C, L)
+            mk, mv, mp, ms = merge_keep_top(gk, gv, gp, gs, gsc, P, K)
         else:
             mk, mv, mp, ms = merge_chunks(gk, gv, gp, gs, K)
-        mp = torch.where(ok, mp, torch.full_like(mp, -1))
+        ok = (torch.arange(C, device=grid.device)[None, :] < chunks[:, None])[:, None, :, None]  # [B, 1, C, 1]
+        return mk, mv, torch.where(ok, mp, torch.full_like(mp, -1)), ms
+
+    def _install(self, mk, mv, mp, ms, keep) -> None:
+        """New centroids ``[B, H, C, K(, D)]`` (pos -1: none) appended to the merged region, and of the exact slots
+        only ``keep [B, n - n_merged]`` (sinks, partial chunk, window, new tokens) kept; padding compacted away."""
+        k, v, pos, size, nm = self.keys, self.values, self.pos, self.size, self.n_merged
+        B, H, C, K, D = mk.shape
         new_k = mk.to(k.dtype).reshape(B, H, C * K, D)
         new_v = mv.to(v.dtype).reshape(B, H, C * K, D)
         new_p = mp.to(pos.dtype).reshape(B, H, C * K)
@@ -522,21 +405,19 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         mv_all = torch.cat([v[:, :, :nm], new_v], 2)
         mp_all = torch.cat([pos[:, :, :nm], new_p], 2)
         ms_all = torch.cat([size[:, :, :nm], new_s], 2)
-        sel_m = _compact_valid(mp_all[:, 0] >= 0)
-        # exact region: what stays (sinks, partial chunk, window, new tokens); padding dropped
-        keep = real & ~in_range
-        sel_r = _compact_valid(keep) + nm
+        sel_m = compact_valid(mp_all[:, 0] >= 0)
+        # exact region: what stays; padding dropped
+        sel_r = compact_valid(keep) + nm
         keep_sel = keep.gather(1, sel_r - nm)
-        rp = _take(pos, sel_r)
+        rp = take_slots(pos, sel_r)
         rp = torch.where(keep_sel[:, None, :], rp, torch.full_like(rp, -1))
-        self.keys = torch.cat([_take(mk_all, sel_m), _take(k, sel_r)], 2)
-        self.values = torch.cat([_take(mv_all, sel_m), _take(v, sel_r)], 2)
-        self.pos = torch.cat([_take(mp_all, sel_m), rp], 2)
-        self.size = torch.cat([_take(ms_all, sel_m), _take(size, sel_r)], 2)
+        self.keys = torch.cat([take_slots(mk_all, sel_m), take_slots(k, sel_r)], 2)
+        self.values = torch.cat([take_slots(mv_all, sel_m), take_slots(v, sel_r)], 2)
+        self.pos = torch.cat([take_slots(mp_all, sel_m), rp], 2)
+        self.size = torch.cat([take_slots(ms_all, sel_m), take_slots(size, sel_r)], 2)
         if self.score is not None:  # centroids are never merged again: their score no longer matters
-            self.score = torch.cat([self.score.new_zeros(B, H, sel_m.shape[1]), _take(self.score, sel_r)], 2)
+            self.score = torch.cat([self.score.new_zeros(B, H, sel_m.shape[1]), take_slots(self.score, sel_r)], 2)
         self.n_merged = sel_m.shape[1]
-        self.merged_upto = mu + chunks * L
 
     # ---- attention ---------------------------------------------------------------------------
     def decode(self, query, qpos, scaling):

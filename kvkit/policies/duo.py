@@ -12,22 +12,16 @@ then holds two stores, per head for real (nothing is simulated by masking):
 
 Prefill is exact on all heads; later chunks and decode steps of the streaming heads read only the
 sinks and the recent window of each query. ``kvkit calibrate duo`` (``kvkit.calibrate.duo``) learns a
-pattern; kvkit ships one for its bundled default model (SmolLM2-135M-Instruct) and one for Gemma-3-270m,
-loaded automatically (matched by the model's config).
+pattern; kvkit ships patterns for a few models (:data:`~kvkit.policies.duo_patterns.SHIPPED_PATTERNS`: its bundled
+default model among them), loaded automatically (matched by the model's config).
 
 Hybrid models (Gemma 2/3, Mistral): layers the model runs with its own sliding window keep that window
 (``KVCache`` gives them a sliding store, never a duo store); the pattern has a row for them but only the
 full-attention layers' gates are calibrated and binarised (the sparsity quantile is over those layers).
 
-Pattern files
--------------
-* kvkit JSON: ``{"format": "kvkit-duo-pattern", "model": {"name", "model_type", "num_layers",
-  "num_kv_heads", ...}, "alpha": [[...per KV head...] per layer], "calibration": {...}}``
-* the reference implementation's TSV (``full_attention_heads.tsv``): one row per layer, one
-  tab-separated column per KV head. Values are clipped to [0, 1] like the reference does.
-
-A pattern file is read once, when the policy is built (a regular file of bounded size, checked before it is
-read; every JSON field type-checked), and the policy keeps its content and sha256 (``Duo.pattern_sha256``).
+Pattern files (kvkit JSON or the reference's TSV) are read, checked and written by
+:mod:`kvkit.policies.duo_patterns` (its names are importable from here too). A pattern file is read once, when the
+policy is built, and the policy keeps its content and sha256 (``Duo.pattern_sha256``).
 """
 
 from __future__ import annotations
@@ -36,282 +30,34 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvkit.fileio import FileReadError, read_file_bytes
 from kvkit.model_info import layer_types as _layer_types
 from kvkit.policies.base import Policy, check_positive_int
+from kvkit.policies.duo_patterns import (
+    MAX_PATTERN_BYTES,
+    PATTERN_FORMAT,
+    SHIPPED_PATTERNS,
+    PatternFile,
+    as_matrix,
+    load_pattern,
+    model_identity,
+    read_pattern,
+    read_tsv,
+    save_pattern,
+    shipped_pattern,
+)
 from kvkit.policies.streaming import StreamingStore
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, StoreMixin, crop_count
 from kvkit.stores.base import SeenLength, static_store
 
-PATTERN_FORMAT = "kvkit-duo-pattern"
 
-#: Shipped patterns: file name in ``kvkit/data`` -> the config fields that identify the model.
-SHIPPED_PATTERNS = {
-    "duo_smollm2-135m-instruct.json": dict(
-        model_type="llama",
-        num_hidden_layers=30,
-        num_key_value_heads=3,
-        num_attention_heads=9,
-        hidden_size=576,
-        vocab_size=49152,
-    ),
-    # Gemma-3-270m (base): 15 sliding-window layers keep the model's own 512-token window; only the gates
-    # of the 3 global layers (5, 11, 17) were calibrated (the sliding layers' stay at 1 and are never used)
-    "duo_gemma-3-270m.json": dict(
-        model_type="gemma3_text",
-        num_hidden_layers=18,
-        num_key_value_heads=1,
-        num_attention_heads=4,
-        hidden_size=640,
-        vocab_size=262144,
-    ),
-    # Qwen2.5-Coder-0.5B-Instruct: 200 steps on the CPU (results/duo/README.md). Qwen2.5-0.5B(-Instruct) has the
-    # same config shape and would match too; calibrate your own pattern for it (`kvkit calibrate duo`)
-    "duo_qwen2.5-coder-0.5b-instruct.json": dict(
-        model_type="qwen2",
-        num_hidden_layers=24,
-        num_key_value_heads=2,
-        num_attention_heads=14,
-        hidden_size=896,
-        vocab_size=151936,
-    ),
-}
-
-
-# ---- pattern files -----------------------------------------------------------------------------------
-def model_identity(config, name: str | None = None) -> dict:
-    """The fields of a (text) config a pattern is tied to."""
-    tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = tc.num_attention_heads
-    return {
-        "name": name or getattr(tc, "_name_or_path", "") or getattr(tc, "name_or_path", "") or tc.model_type,
-        "model_type": tc.model_type,
-        "num_layers": tc.num_hidden_layers,
-        "num_heads": heads,
-        "num_kv_heads": getattr(tc, "num_key_value_heads", None) or heads,
-        "hidden_size": tc.hidden_size,
-    }
-
-
-def _bad(path, what: str) -> ValueError:
-    return ValueError(f"duo: pattern file {str(path)!r} is not a valid DuoAttention pattern: {what}")
-
-
-#: The largest pattern file read (a 128-layer x 128-KV-head pattern is ~0.2 MB of JSON).
-MAX_PATTERN_BYTES = 16 << 20
-#: ``model`` fields of a kvkit JSON pattern that must be positive integers / strings (or absent / null).
-_MODEL_INT_FIELDS = ("num_layers", "num_kv_heads", "num_heads", "hidden_size")
-_MODEL_STR_FIELDS = ("name", "model_type")
-
-
-def _type_name(x) -> str:
-    return {str: "a string", bool: "a boolean", type(None): "null", list: "a list", dict: "an object"}.get(
-        type(x), type(x).__name__)
-
-
-def _as_matrix(rows, path) -> torch.Tensor:
-    """Nested sequence -> float64 ``[L, H]``, checking it is rectangular, numeric (no strings or booleans) and
-    finite."""
-    if isinstance(rows, torch.Tensor):
-        rows = rows.detach().cpu().double().tolist()
-    elif hasattr(rows, "tolist") and not isinstance(rows, (list, tuple)):
-        rows = rows.tolist()
-    if not isinstance(rows, (list, tuple)) or not rows:
-        raise _bad(path, "expected a non-empty list of layers, each a list of per-KV-head values")
-    if not all(isinstance(r, (list, tuple)) for r in rows):
-        raise _bad(path, "expected one list of per-KV-head values per layer (got a flat list?)")
-    widths = {len(r) for r in rows}
-    if len(widths) != 1 or 0 in widths:
-        raise _bad(path, f"rows have different or zero lengths {sorted(widths)} (one value per KV head per layer)")
-    values = []
-    for i, r in enumerate(rows):
-        row = []
-        for j, x in enumerate(r):
-            bad = isinstance(x, (str, bytes, bool)) or x is None
-            if not bad:
-                try:
-                    row.append(float(x))
-                except (TypeError, ValueError):
-                    bad = True
-            if bad:
-                raise _bad(path, f"non-numeric value {x!r} ({_type_name(x)}) at layer {i}, KV head {j}: "
-                                 "each gate must be a number")
-        values.append(row)
-    alpha = torch.tensor(values, dtype=torch.float64)
-    if not bool(torch.isfinite(alpha).all()):
-        raise _bad(path, "contains NaN or infinite values")
-    return alpha
-
-
-def _parse_tsv(text: str, path) -> torch.Tensor:
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append([float(x) for x in line.replace(",", "\t").split()])
-        except ValueError:
-            raise _bad(path, f"line {lineno} has a non-numeric value: {line.strip()[:60]!r}") from None
-    return _as_matrix(rows, path)
-
-
-def _read_bytes(path) -> bytes:
-    """The bytes of a pattern file: a regular file of at most :data:`MAX_PATTERN_BYTES`, checked before it is read
-    (``/dev/zero``, a FIFO, a directory or a symlink loop is refused by what it is, not as missing)."""
-    try:
-        return read_file_bytes(path, "duo: pattern file", MAX_PATTERN_BYTES)
-    except FileReadError as e:
-        if e.reason == "missing":
-            raise ValueError(f"duo: pattern file {str(path)!r} does not exist") from None
-        raise
-
-
-def _decode(raw: bytes, path) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _bad(path, f"not a text file (not UTF-8 at byte {e.start})") from None
-
-
-def read_tsv(path) -> torch.Tensor:
-    """The reference's ``full_attention_heads.tsv``: one row per layer, one column per KV head."""
-    return _parse_tsv(_decode(_read_bytes(path), path), path)
-
-
-def _check_model_meta(data: dict, path) -> dict:
-    """The ``model`` object of a kvkit JSON pattern, its fields type-checked (and ``format`` / ``version`` /
-    ``calibration``)."""
-    fmt = data.get("format")
-    if fmt is not None and fmt != PATTERN_FORMAT:
-        raise _bad(path, f"'format' is {fmt!r}, expected {PATTERN_FORMAT!r}")
-    version = data.get("version")
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-        raise _bad(path, f"'version' must be an integer, got {version!r} ({_type_name(version)})")
-    cal = data.get("calibration")
-    if cal is not None and not isinstance(cal, dict):
-        raise _bad(path, f"'calibration' must be an object, got {_type_name(cal)}")
-    meta = data.get("model")
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
-        raise _bad(path, f"'model' must be an object, got {_type_name(meta)}")
-    for key in _MODEL_INT_FIELDS:
-        v = meta.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise _bad(path, f"model.{key} must be a positive integer, got {v!r} ({_type_name(v)})")
-    for key in _MODEL_STR_FIELDS:
-        v = meta.get(key)
-        if v is not None and not isinstance(v, str):
-            raise _bad(path, f"model.{key} must be a string, got {v!r} ({_type_name(v)})")
-    return meta
-
-
-def _parse_pattern(raw: bytes, path) -> tuple[torch.Tensor, dict]:
-    """The bytes of a pattern file -> ``(alpha [L, H] float64 in [0, 1], meta)`` (kvkit JSON by a ``.json`` name,
-    else reference TSV)."""
-    text = _decode(raw, path)
-    meta: dict = {}
-    if Path(path).suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise _bad(path, f"not valid JSON ({e})") from None
-        except RecursionError:
-            raise _bad(path, "not valid JSON (nested too deeply)") from None
-        if isinstance(data, list):  # a bare matrix
-            alpha = _as_matrix(data, path)
-        elif isinstance(data, dict):
-            if "alpha" not in data:
-                raise _bad(path, f"no 'alpha' entry (keys: {', '.join(map(str, data)) or 'none'})")
-            meta = _check_model_meta(data, path)
-            alpha = _as_matrix(data["alpha"], path)
-            for key, got in (("num_layers", alpha.shape[0]), ("num_kv_heads", alpha.shape[1])):
-                if meta.get(key) is not None and meta[key] != got:
-                    raise _bad(path, f"model.{key} is {meta[key]} but 'alpha' has {got}")
-        else:
-            raise _bad(path, f"expected a JSON object with an 'alpha' matrix, got {_type_name(data)}")
-    else:
-        alpha = _parse_tsv(text, path)
-    return alpha.clamp(0.0, 1.0), meta
-
-
-class PatternFile(str):
-    """A pattern file's path (this string, as given) with what was read from it, once: ``alpha`` (a tuple of per-layer
-    tuples of gates in [0, 1]), ``meta`` (the file's ``model`` object) and ``sha256`` (of the file's bytes).
-
-    ``Duo(pattern="p.json")`` reads the file when the policy is built and holds one of these as its ``pattern``:
-    every KVCache of a patched model then uses the heads of the file as it was at ``kvkit.patch`` / ``get_policy``
-    time (rewriting the file later changes nothing), and ``dataclasses.replace`` / copies / pickles keep the content.
-    It compares, prints and serialises (JSON) as the path."""
-
-    alpha: tuple
-    meta: dict
-    sha256: str
-
-    def __new__(cls, path: str, alpha: tuple, meta: dict, sha256: str):
-        self = super().__new__(cls, path)
-        self.alpha, self.meta, self.sha256 = alpha, meta, sha256
-        return self
-
-    def __reduce__(self):
-        return (PatternFile, (str(self), self.alpha, self.meta, self.sha256))
-
-
-def read_pattern(path) -> PatternFile:
-    """Read and check a pattern file (kvkit JSON or reference TSV) once: a :class:`PatternFile` (the path as given,
-    with ``alpha``, ``meta`` and ``sha256`` of its bytes). The path must name a regular file of at most
-    :data:`MAX_PATTERN_BYTES`, checked before anything is read."""
-    given = os.fspath(path)
-    if not isinstance(given, str):
-        raise ValueError(f"duo: pattern must be a file path (str), got {type(given).__name__}")
-    real = os.path.expanduser(given)
-    raw = _read_bytes(real)
-    alpha, meta = _parse_pattern(raw, real)
-    return PatternFile(given, tuple(tuple(r) for r in alpha.tolist()), meta, hashlib.sha256(raw).hexdigest())
-
-
-def load_pattern(path) -> tuple[torch.Tensor, dict]:
-    """Read a pattern file (kvkit JSON or reference TSV): ``(alpha [L, H] float64 in [0, 1], meta)``."""
-    pf = path if isinstance(path, PatternFile) else read_pattern(path)
-    return torch.tensor(pf.alpha, dtype=torch.float64), dict(pf.meta)
-
-
-def save_pattern(path, alpha, model: dict, calibration: dict | None = None) -> Path:
-    """Write ``alpha [L, H]`` as kvkit JSON (or as reference TSV when ``path`` ends in ``.tsv``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    alpha = _as_matrix(alpha, path).clamp(0.0, 1.0)
-    if path.suffix.lower() == ".tsv":
-        path.write_text("".join("\t".join(f"{x:.6e}" for x in row) + "\n" for row in alpha.tolist()))
-        return path
-    data = {
-        "format": PATTERN_FORMAT,
-        "version": 1,
-        "model": model,
-        "alpha": [[round(x, 6) for x in row] for row in alpha.tolist()],
-        "calibration": calibration or {},
-    }
-    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    return path
-
-
-def shipped_pattern(config) -> Path | None:
-    """The pattern kvkit ships for this model (matched by its config), or None."""
-    tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for name, fields in SHIPPED_PATTERNS.items():
-        if all(getattr(tc, k, None) == v for k, v in fields.items()):
-            return Path(str(resources.files("kvkit") / "data" / name))
-    return None
-
-
+# ---- pattern -> heads ----------------------------------------------------------------------------------
 def binarize(alpha: torch.Tensor, sparsity: float, layers: list[int] | None = None) -> torch.Tensor:
     """Retrieval-head mask ``[L, H]`` bool: the ``round(sparsity * N)`` lowest-alpha heads (global over
     ``layers``, default all) become streaming heads, the rest (at or above that quantile) retrieval heads.
@@ -344,9 +90,9 @@ class Duo(Policy):
     ----------
     pattern : str, path, nested list/tensor [layers, kv_heads], or None
         Calibrated gate values alpha per KV head per layer (kvkit JSON or reference TSV file, or the
-        values themselves). None: the pattern shipped for this model (the bundled default model and
-        Gemma-3-270m); other models must be calibrated first (``kvkit calibrate duo``). A file is read and
-        checked when the policy is built (``kvkit.patch`` / ``get_policy``) and its content kept
+        values themselves). None: the pattern shipped for this model (``SHIPPED_PATTERNS``, the bundled
+        default model among them); other models must be calibrated first (``kvkit calibrate duo``). A file is
+        read and checked when the policy is built (``kvkit.patch`` / ``get_policy``) and its content kept
         (:class:`PatternFile`): later caches of a patched model never re-read it; :attr:`pattern_sha256`
         names the content.
     sparsity : float in [0, 1] or None
@@ -360,7 +106,7 @@ class Duo(Policy):
         Extra uncompressed tokens a streaming head may hold before a bulk eviction (kvkit, not the paper).
     """
 
-    pattern: object = None  # path / values; None = shipped pattern of the default model
+    pattern: object = None  # path / values; None = the pattern shipped for the model
     sparsity: float | None = None  # paper: 0.5 for GQA, 0.75 for MHA
     sink: int = 64  # paper deploy setting (training used 128)
     recent: int = 256  # paper deploy setting
@@ -388,7 +134,7 @@ class Duo(Policy):
             object.__setattr__(self, "pattern", read_pattern(p))
             return
         if isinstance(p, (list, tuple)) or hasattr(p, "tolist"):
-            alpha = _as_matrix(p, "<pattern values>").clamp(0.0, 1.0)
+            alpha = as_matrix(p, "<pattern values>").clamp(0.0, 1.0)
             object.__setattr__(self, "pattern", tuple(tuple(r) for r in alpha.tolist()))  # hashable, frozen
             return
         raise ValueError(
@@ -681,9 +427,14 @@ __all__ = [
     "DuoStore",
     "binarize",
     "kv_fraction_kept",
+    # re-exported from kvkit.policies.duo_patterns
+    "MAX_PATTERN_BYTES",
+    "PATTERN_FORMAT",
+    "SHIPPED_PATTERNS",
     "PatternFile",
     "load_pattern",
     "read_pattern",
+    "read_tsv",
     "model_identity",
     "save_pattern",
     "shipped_pattern",

@@ -24,8 +24,9 @@ with the exact outliers and the local + generated slots, one softmax over the un
 * CUDA: :func:`kvkit.kernels.lowrank_decode` (Triton, fused) for the chunks, :func:`kvkit.stores.attend_slots`
   for the exact slots, combined by their log-sum-exp (:func:`kvkit.kernels.merge_attn`);
 * CPU, one token (decode): :func:`kvkit.kernels.lowrank_token_decode` (the C kernel), one call per layer that rebuilds
-  each key in registers and never stores it, exact slots in the same softmax (torch fallback without a C
-  compiler: half-width RoPE tables, LSE merge of the parts once they are large);
+  each key in registers and never stores it, exact slots in the same softmax (where the C kernel does not
+  serve the inputs -- no C compiler, ``KVKIT_DECODE_CPU=0``, not fp32 -- the keys are rebuilt in torch with
+  half-width RoPE tables and the parts merged by LSE once they are large);
 * several query tokens in one forward (speculative verification, chunked prefill): the general path, each
   token picking its own chunks (``lowrank_decode``'s torch reference with a RoPE table shared by the cache's
   layers), so a T-token forward equals T single-token forwards.
@@ -51,23 +52,37 @@ Whether to compress is decided once per batch on the stored prompt length.
 
 Chunked prefill (``kvkit.prefill``): the prompt is compressed at the first single-token decode step
 (or at the end of the first forward when that forward alone exceeds ``min_prompt``; later chunks of
-such a prompt then stay exact). Not done (yet): reusing the value chunks fetched at the previous step.
+such a prompt then stay exact). Value chunks fetched at one step are not reused at the next.
+
+The compression and decode steps are plain functions in :mod:`kvkit.stores.lowrank`; this module holds the options,
+the state of a layer (:class:`ShadowKVStore`) and the glue between them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from kvkit.kernels import chunk_scores, lowrank_decode, lowrank_token_decode, merge_attn, topk_indices
-from kvkit.kernels.reference import chunks_to_tokens
-from kvkit.model_info import apply_rope, inverse_rope  # noqa: F401  (apply_rope: re-exported for tests)
+from kvkit.kernels import lowrank_decode, lowrank_token_decode, merge_attn
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots, hf_sdpa
 from kvkit.stores import tensor_bytes as _tensor_bytes
+from kvkit.stores.lowrank import (
+    RopeTables,
+    attend_parts,
+    chunk_layout,
+    factorize_keys,
+    gather_value_chunks,
+    landmarks_and_outliers,
+    outlier_slots,
+    rebuild_keys,
+    rope_layout,
+    select_chunks,
+    top_chunks,
+)
 
 PAPER_RANK, PAPER_WIDTH = 160, 1024  # ShadowKV: rank 160 for Llama-3-8B (8 KV heads x 128)
 PAPER_OUTLIERS, PAPER_BUDGET = 48, 2048  # ShadowKV: 48 outlier chunks at a 2048-token budget
@@ -156,42 +171,14 @@ class ShadowKV(Policy):
         resolve(self, config).rank_for(kv * head_dim)
 
     def new_shared(self, infos):
-        return ShadowKVShared()
+        """Once per KVCache: the RoPE tables its layers share (:class:`~kvkit.stores.lowrank.RopeTables`)."""
+        return RopeTables()
 
     def new_layer(self, info: LayerInfo):
         from kvkit.calibrate.store import resolve
 
         rank = resolve(self, info.config).rank_for(info.num_kv_heads * info.head_dim)
         return ShadowKVStore(info, self, rank)
-
-
-@dataclass
-class ShadowKVShared:
-    """What one cache's ShadowKV layers share: the RoPE table of the torch decode path (rows = positions,
-    ``(cos, sin)`` each ``[P, Dr]`` fp32 from the model's own rotary module; it depends on the model, not on
-    the batch, and is not KV, so ``nbytes`` does not count it)."""
-
-    tables: dict = field(default_factory=dict)  # device -> (cos, sin)
-
-    def rope_table(self, rope, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` for positions ``0 .. >= n-1`` on ``device`` (computed once, grown when needed)."""
-        t = self.tables.get(device)
-        if t is None or t[0].shape[0] < n:
-            cos, sin = rope(torch.arange(n, device=device)[None])
-            t = (cos[0].to(device, torch.float32).contiguous(), sin[0].to(device, torch.float32).contiguous())
-            self.tables[device] = t
-        return t
-
-    def rope_half(self, rope, n: int, device):
-        """The first ``Dr/2`` columns of :meth:`rope_table`'s ``(cos, sin)`` when the table has the rotate_half
-        layout (each row's two halves equal, as transformers' rotary modules build it), else None."""
-        cos, sin = self.rope_table(rope, n, device)
-        key = (device, "half", cos.shape[0])
-        if key not in self.tables:
-            h = cos.shape[-1] // 2
-            ok = torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])
-            self.tables[key] = (cos[:, :h].contiguous(), sin[:, :h].contiguous()) if ok else None
-        return self.tables[key]
 
 
 class ShadowKVStore(SlotStore):
@@ -308,106 +295,59 @@ class ShadowKVStore(SlotStore):
             raise ValueError("shadowkv needs the model's rotary embedding (info.rope) to invert RoPE; none was found")
         keys, values, dev = self.keys, self.values, self.keys.device
         B, H, S, D = keys.shape
-        c = self.chunk
         first = self.first_pos.to(dev).long()  # [B]
-        L = S - first  # real tokens per row
-        n_chunks = (L // c - self.local_chunks).clamp(min=0)  # [B]
-        C = int(n_chunks.max())
-        if C == 0:  # too short to have chunks: stay exact
+        n_chunks, tok, tok_valid = chunk_layout(first, S, self.chunk, self.local_chunks)
+        N = tok.shape[1]
+        if N == 0:  # too short to have chunks: stay exact
             return
-        N = C * c
-        # token index (storage) of chunk token j of row b: first_b + j; chunks start at the first real token
-        j = torch.arange(N, device=dev)
-        tok = (first[:, None] + j[None]).clamp(max=S - 1)  # [B, N]
-        tok_valid = j[None] < (n_chunks * c)[:, None]  # [B, N]
         gidx = tok[:, None, :, None].expand(B, H, N, D)
         kc = keys.gather(2, gidx)  # [B, H, N, D] post-RoPE
         vc = values.gather(2, gidx)
         rp = self.rpos.gather(1, tok)  # [B, N] RoPE positions
 
-        # pre-RoPE keys, exact inverse rotation; padding/invalid rows are zero (no effect on the SVD)
+        # pre-RoPE keys, exact inverse rotation, factored
         cos, sin = self.info.rope(rp)
         cos, sin = cos.to(dev, torch.float32)[:, None], sin.to(dev, torch.float32)[:, None]
-        k_pre = inverse_rope(kc.float(), cos, sin) * tok_valid[:, None, :, None]
-        X = k_pre.permute(0, 2, 1, 3).reshape(B, N, H * D)
-        U, Sv, Vh = torch.linalg.svd(X, full_matrices=False)  # fp32
-        r = min(self.rank, Sv.shape[-1])
-        self.U = U[..., :r].to(keys.dtype).contiguous()  # [B, N, r]
-        SV = (Sv[..., :r, None] * Vh[:, :r]).view(B, r, H, D).permute(0, 2, 1, 3)
-        self.SV = SV.to(keys.dtype).contiguous()  # [B, H, r, D]
-
-        # RoPE positions of the chunk tokens: one offset per row when contiguous (the usual case)
-        base = rp[:, :1]
-        if bool(((rp == base + j[None].to(rp.dtype)) | ~tok_valid).all()):
-            self.rope_base, self.rope_pos = base.contiguous(), None
-            self._rope_hi = int(base.max()) + N
-        else:
-            self.rope_base, self.rope_pos = None, rp.contiguous()
-            self._rope_hi = int(rp.max()) + 1
+        self.U, self.SV = factorize_keys(kc, cos, sin, tok_valid, self.rank)
+        self.rope_base, self.rope_pos, self._rope_hi = rope_layout(rp, tok_valid)
         if self.info.rope is not None:  # the table and its layout check now (a compression event), not at decode
             self.info.shared.rope_half(self.info.rope, self._rope_hi, dev)
 
         # landmarks and outliers (post-RoPE keys, per KV head)
-        k5 = kc.float().view(B, H, C, c, D)
-        mean = k5.mean(dim=3)  # [B, H, C, D]
-        chunk_valid = torch.arange(C, device=dev)[None] < n_chunks[:, None]  # [B, C]
-        cos_sim = torch.nn.functional.cosine_similarity(k5, mean[:, :, :, None], dim=-1).amin(-1)  # [B, H, C]
-        cos_sim = cos_sim.masked_fill(~chunk_valid[:, None], float("inf"))
-        n_out = min(self.n_out, C)
-        out_ids = (-cos_sim).topk(n_out, dim=-1).indices.sort(dim=-1).values  # [B, H, n_out]
-        is_out = torch.zeros(B, H, C, dtype=torch.bool, device=dev)
-        is_out.scatter_(-1, out_ids, True)
-        # non-outlier chunks first, in chunk order (stable sort)
-        self.lm_ids = torch.sort(is_out.to(torch.int8), dim=-1, stable=True).indices[..., : C - n_out].to(torch.int32)
-        self.landmarks = mean.gather(2, self.lm_ids.long()[..., None].expand(-1, -1, -1, D)).to(keys.dtype)
+        self.landmarks, self.lm_ids, out_ids, chunk_valid = landmarks_and_outliers(kc, n_chunks, self.chunk,
+                                                                                   self.n_out)
         self.n_chunks = n_chunks.to(torch.int32)
         self._lm_all_valid = bool((self.lm_ids < self.n_chunks.view(B, 1, 1)).all())
-        out_tok = (out_ids[..., None] * c + torch.arange(c, device=dev)).flatten(2)  # [B, H, n_out*c] in [0, N)
-        og = out_tok[..., None].expand(-1, -1, -1, D)
-        self.out_k = kc.gather(2, og).contiguous()
-        self.out_v = vc.gather(2, og).contiguous()
-        out_valid = chunk_valid.gather(1, out_ids.flatten(1)).view(B, H, n_out)
-        out_valid = out_valid[..., None].expand(-1, -1, -1, c).flatten(2)
-        out_spos = tok[:, None, :].expand(B, H, N).gather(2, out_tok)
-        self.out_pos = torch.where(out_valid, out_spos, -1).to(torch.int32)  # storage positions, -1 = none
+        self.out_k, self.out_v, self.out_pos = outlier_slots(kc, vc, out_ids, chunk_valid, tok, self.chunk)
 
         # values: offload store (pinned CPU memory on CUDA, a separate tensor on CPU)
-        if vc.is_cuda:
-            self.v_off = vc.to("cpu").pin_memory()
-        else:
-            self.v_off = vc.clone()
+        self.v_off = vc.to("cpu").pin_memory() if vc.is_cuda else vc.clone()
+        self._keep_local(first + n_chunks * self.chunk)
+        self.rpos = None
+        self.compressed = True
 
-        # exact local window: the last Tt stored tokens; slots that belong to a row's chunks are masked
-        local_start = first + n_chunks * c  # [B] first local token of each row
+    def _keep_local(self, local_start) -> None:
+        """Keep only the exact local window: the last stored tokens from the earliest ``local_start [B]`` (each row's
+        first token after its chunks); a row's slots before its own start are masked (position -1)."""
+        S, dev = self.keys.shape[2], self.keys.device
         Tt = int((S - local_start).max())
         pos = self.pos[..., S - Tt :]
         spos = torch.arange(S - Tt, S, device=dev)
         pos = torch.where(spos[None, None] >= local_start[:, None, None], pos, torch.full_like(pos, -1))
-        self.keys = keys[..., S - Tt :, :].contiguous()
-        self.values = values[..., S - Tt :, :].contiguous()
+        self.keys = self.keys[..., S - Tt :, :].contiguous()
+        self.values = self.values[..., S - Tt :, :].contiguous()
         self.pos = pos.contiguous()
-        self.rpos = None
-        self.compressed = True
 
     # ---- decode ------------------------------------------------------------------------------
-    def _select(self, query: torch.Tensor) -> torch.Tensor:
-        """Top chunks per (row, KV head, query token): chunk ids into U's rows ``[B, H, T, k]`` (-1 = none),
-        increasing."""
-        B, Hq, T, D = query.shape
-        H, Cl = self.lm_ids.shape[1], self.lm_ids.shape[-1]
-        k = min(self.budget // self.chunk, Cl)
-        lm_valid = None if self._lm_all_valid else self.lm_ids < self.n_chunks.view(B, 1, 1)  # [B, H, Cl]
-        s = chunk_scores(query, self.landmarks, softmax=True, chunk_mask=lm_valid, per_token=True)  # [B, H, T, Cl]
-        if lm_valid is not None:
-            s = s.masked_fill(~lm_valid[:, :, None], float("-inf"))  # softmax gave them 0: never select them
-        sel = topk_indices(s, k)  # landmark slots, -1 = none
-        ids = self.lm_ids[:, :, None].expand(B, H, T, Cl).gather(-1, sel.clamp(min=0))
-        return torch.where(sel >= 0, ids, -1)
+    def _rope_kw(self) -> dict:
+        """The chunk tokens' RoPE positions as the kernels take them: one offset per row, or one per token."""
+        if self.rope_base is not None:
+            return dict(position_offset=self.rope_base.view(self.rope_base.shape[0]))
+        return dict(positions=self.rope_pos)
 
     def _lowrank(self, query: torch.Tensor, ids: torch.Tensor, scaling: float):
         """``lowrank_decode`` over the chunks ``ids``: (out ``[B, Hq, T, D]``, lse ``[B, Hq, T]``)."""
-        B, dev = query.shape[0], query.device
-        kw = dict(position_offset=self.rope_base.view(B)) if self.rope_base is not None else dict(positions=self.rope_pos)
+        dev = query.device
         if self._rope_params is None or self._rope_params[0] != dev:
             params = getattr(self.info.rope, "params", None)
             params = params() if params is not None else None
@@ -418,47 +358,44 @@ class ShadowKVStore(SlotStore):
         table = lambda: self.info.shared.rope_table(self.info.rope, self._rope_hi, dev)  # noqa: E731
         v, gathered = self.v_off, False
         if v.device != dev:  # offloaded values: fetch the selected chunks' rows (in list order)
-            tok = chunks_to_tokens(ids.to(v.device), self.chunk, self.U.shape[1]).clamp(min=0)
-            Bh = torch.arange(B, device=v.device).view(B, 1, 1, 1)
-            Hh = torch.arange(v.shape[1], device=v.device).view(1, -1, 1, 1)
-            v = v[Bh, Hh, tok].flatten(2, 3).to(dev, non_blocking=True)
-            gathered = True
+            v, gathered = gather_value_chunks(v, ids, self.chunk, self.U.shape[1], dev), True
         return lowrank_decode(query, self.U, self.SV, v, ids, self.chunk, inv, attention_scaling=a,
-                              v_gathered=gathered, scale=scaling, return_lse=True, rope_table=table, **kw)
+                              v_gathered=gathered, scale=scaling, return_lse=True, rope_table=table,
+                              **self._rope_kw())
+
+    def _fused_constants(self, device) -> tuple:
+        """Per compression (or batch reorder) constants of :meth:`_decode_one_cpu`: ``(landmarks, fp32 landmarks,
+        lm_valid [B, H, Cl] or None, arange(chunk), U row base [B, 1, 1, chunk], value row base [B, H, 1, chunk],
+        RoPE position base [B, 1, 1, chunk] or None)``, kept while the landmarks tensor is the same."""
+        fc = self._fused
+        if fc is None or fc[0] is not self.landmarks:
+            B, H, N = self.lm_ids.shape[0], self.lm_ids.shape[1], self.U.shape[1]
+            lm_valid = None if self._lm_all_valid else self.lm_ids < self.n_chunks.view(B, 1, 1)  # [B, H, Cl]
+            ar = torch.arange(self.chunk, device=device)
+            vbase = (torch.arange(B * H, device=device) * N).view(B, H, 1, 1) + ar
+            off = self.rope_base.view(B, 1, 1, 1).long() + ar if self.rope_base is not None else None
+            fc = self._fused = (self.landmarks, self.landmarks.float(), lm_valid, ar,
+                                (torch.arange(B, device=device) * N).view(B, 1, 1, 1) + ar, vbase, off)
+        return fc
 
     def _decode_one_cpu(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
-        """One decode token on the CPU. Same selection as :meth:`_select` (chunk_scores' math: softmax over the
-        chunks per query head, max over the group's heads; unsorted, as the order of the read slots does not
-        matter to a softmax) and the same keys as :func:`lowrank_decode` (``U[rows] @ (S*V^T)[head]``, RoPE from
-        the shared table, fp32). The selected chunks are attended by the C kernel behind
-        :func:`kvkit.kernels.lowrank_token_decode` (keys rebuilt in registers, never stored) when it is available, else
-        rebuilt in torch with half-width RoPE tables; the exact outliers and local + generated slots through
-        :func:`attend_slots`. Small parts go into one attention over their concatenation, large ones are merged
-        by log-sum-exp (which copies nothing). Returns ``[B, 1, Hq, D]``."""
+        """One decode token on the CPU. Same selection as :func:`~kvkit.stores.lowrank.select_chunks` (unsorted, as
+        the order of the read slots does not matter to a softmax: :func:`~kvkit.stores.lowrank.top_chunks`) and the
+        same keys as :func:`lowrank_decode` (``U[rows] @ (S*V^T)[head]``, RoPE from the shared table, fp32). The
+        selected chunks are attended by the C kernel behind :func:`kvkit.kernels.lowrank_token_decode` (keys rebuilt
+        in registers, never stored) when it is available, together with the exact outliers and local + generated
+        slots; else the keys are rebuilt in torch with half-width RoPE tables
+        (:func:`~kvkit.stores.lowrank.rebuild_keys`) and the parts attended by
+        :func:`~kvkit.stores.lowrank.attend_parts`. Returns ``[B, 1, Hq, D]``."""
         B = query.shape[0]
-        H, N, r = self.SV.shape[1], self.U.shape[1], self.U.shape[2]
-        D = self.SV.shape[-1]
-        ks, vs, ps, done = [], [], [], []  # parts to attend (keys, values, slot positions); parts attended (out, lse)
+        H, D = self.SV.shape[1], self.SV.shape[-1]
+        # the exact outliers and local + generated slots join the same softmax (every slot a decode query sees is
+        # before it: only dead slots, pos < 0, are skipped)
+        exact = [(self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)]
+        parts = []  # (keys, values, slot positions) to attend
         if self.lm_ids.shape[-1] > 0:
-            fc = self._fused
-            if fc is None or fc[0] is not self.landmarks:  # per compression (or batch reorder): the constants
-                lm_valid = None if self._lm_all_valid else self.lm_ids < self.n_chunks.view(B, 1, 1)  # [B, H, Cl]
-                ar = torch.arange(self.chunk, device=query.device)
-                vbase = (torch.arange(B * H, device=query.device) * N).view(B, H, 1, 1) + ar
-                off = self.rope_base.view(B, 1, 1, 1).long() + ar if self.rope_base is not None else None
-                fc = self._fused = (self.landmarks, self.landmarks.float(), lm_valid, ar,
-                                    (torch.arange(B, device=query.device) * N).view(B, 1, 1, 1) + ar, vbase, off)
-            _, lm, lm_valid, ar, ubase, vbase, off = fc
-            G = query.shape[1] // H
-            # landmarks as the left operand: contiguous, so the batched matmul copies nothing
-            s = torch.matmul(lm, query.float().view(B, H, G, D).transpose(-1, -2)).transpose(-1, -2)
-            s = s * (D ** -0.5)  # [B, H, G, Cl]
-            if lm_valid is not None:
-                s = s.masked_fill(~lm_valid[:, :, None], float("-inf"))
-                s = torch.softmax(s, dim=-1).nan_to_num_(0.0).amax(dim=2).masked_fill_(~lm_valid, float("-inf"))
-            else:
-                s = torch.softmax(s, dim=-1).amax(dim=2)
-            top = s.topk(min(self.budget // self.chunk, s.shape[-1]), dim=-1)
+            _, lm, lm_valid, ar, ubase, vbase, off = self._fused_constants(query.device)
+            top = top_chunks(query, lm, lm_valid, self.budget // self.chunk)
             ids = self.lm_ids.gather(-1, top.indices).long()[..., None] * self.chunk  # [B, H, k, 1] first tokens
             K = ids.shape[2] * self.chunk
             ok = None  # chunks not selected (a row with fewer than k chunks): not read
@@ -469,59 +406,20 @@ class ShadowKVStore(SlotStore):
             tok = (ids + ar).view(B, H, K)
             if ok is not None:
                 tok = tok.masked_fill(~ok, -1)
-            kw = (dict(position_offset=self.rope_base.view(B)) if self.rope_base is not None
-                  else dict(positions=self.rope_pos))
-            # the exact outliers and local + generated slots join the same softmax (every slot a decode
-            # query sees is before it: only dead slots, pos < 0, are skipped)
-            exact = [(self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)]
-            r = lowrank_token_decode(query, self.U, self.SV, self.v_off, tok, half, scale=scaling, exact=exact, **kw)
+            r = lowrank_token_decode(query, self.U, self.SV, self.v_off, tok, half, scale=scaling, exact=exact,
+                                     **self._rope_kw())
             if r is not None:  # the kernels package's fused CPU kernel took the whole step
                 return r[0].transpose(1, 2).to(query.dtype)
-            else:
-                u = self.U.view(B * N, r).index_select(0, (ubase + ids).view(-1)).view(B, H, K, r)
-                dt = torch.float64 if self.U.dtype == torch.float64 else torch.float32
-                k_pre = torch.matmul(u.to(dt), self.SV.to(dt))  # [B, H, K, D]
-                if off is not None:
-                    pos = (off + ids).view(-1)
-                else:
-                    pos = self.rope_pos.long().view(-1).index_select(0, (ubase + ids).view(-1))
-                if half is not None:  # HF rotate_half layout: cos/sin repeat their first Dr/2 columns
-                    hc, hs = half
-                    h2 = hc.shape[-1]
-                    cos = hc.index_select(0, pos).view(B, H, K, h2).to(dt)
-                    sin = hs.index_select(0, pos).view(B, H, K, h2).to(dt)
-                    x1, x2 = k_pre[..., :h2], k_pre[..., h2 : 2 * h2]
-                    parts = [(x1 * cos).addcmul_(x2, sin, value=-1), (x2 * cos).addcmul_(x1, sin)]
-                    if 2 * h2 < D:
-                        parts.append(k_pre[..., 2 * h2 :])
-                    k_sel = torch.cat(parts, -1).to(query.dtype)
-                else:
-                    cos, sin = self.info.shared.rope_table(self.info.rope, self._rope_hi, query.device)
-                    cos = cos.index_select(0, pos).view(B, H, K, -1).to(dt)
-                    sin = sin.index_select(0, pos).view(B, H, K, -1).to(dt)
-                    k_sel = apply_rope(k_pre, cos, sin).to(query.dtype)
-                ks.append(k_sel)
-                vs.append(self.v_off.reshape(B * H * N, D).index_select(0, (vbase + ids).view(-1)).view(B, H, K, D))
-                ps.append(torch.where(ok, 0, -1).to(torch.int32) if ok is not None
-                          else torch.zeros((), dtype=torch.int32, device=query.device).expand(B, H, K))
-        for k, v, pos in ((self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)):
-            if k.shape[-2] > 0:
-                ks.append(k)
-                vs.append(v)
-                ps.append(pos.expand(B, H, -1))
-        if not done and len(ks) == 1:
-            return attend_slots(query, ks[0], vs[0], ps[0], qpos, scaling)
-        if len(ks) > 1 and sum(k.numel() for k in ks) <= self.concat_below:  # small: one attention over them all
-            ks, vs, ps = [torch.cat(ks, 2)], [torch.cat(vs, 2)], [torch.cat(ps, 2)]
-        if not done and len(ks) == 1:
-            return attend_slots(query, ks[0], vs[0], ps[0], qpos, scaling)
-        for k, v, pos in zip(ks, vs, ps):  # large: one attention per part, merged by LSE (copies nothing)
-            o, l_ = attend_slots(query, k, v, pos, qpos, scaling, return_lse=True)
-            done.append((o.transpose(1, 2), l_))  # [B, Hq, 1, D]
-        out, lse = done[0]
-        for o, l_ in done[1:]:
-            out, lse = merge_attn(out, lse, o, l_)
-        return out.transpose(1, 2)
+            rows = (ubase + ids).view(-1)
+            pos = (off + ids).view(-1) if off is not None else self.rope_pos.long().view(-1).index_select(0, rows)
+            table = lambda: self.info.shared.rope_table(self.info.rope, self._rope_hi, query.device)  # noqa: E731
+            k_sel = rebuild_keys(self.U, self.SV, rows, pos, half, table, (B, H, K), query.dtype)
+            v_sel = self.v_off.reshape(-1, D).index_select(0, (vbase + ids).view(-1)).view(B, H, K, D)
+            p_sel = (torch.where(ok, 0, -1).to(torch.int32) if ok is not None
+                     else torch.zeros((), dtype=torch.int32, device=query.device).expand(B, H, K))
+            parts.append((k_sel, v_sel, p_sel))
+        parts += [(k, v, pos.expand(B, H, -1)) for k, v, pos in exact if k.shape[-2] > 0]
+        return attend_parts(query, parts, qpos, scaling, self.concat_below)
 
     def decode(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
         """Sparse attention for ``query [B, Hq, T, D]`` at positions ``qpos [T]``; returns ``[B, T, Hq, D]``:
@@ -532,7 +430,9 @@ class ShadowKVStore(SlotStore):
             return self._decode_one_cpu(query, qpos, scaling).to(query.dtype)
         out = lse = None
         if self.lm_ids.shape[-1] > 0:
-            out, lse = self._lowrank(query, self._select(query), scaling)
+            k = min(self.budget // self.chunk, self.lm_ids.shape[-1])
+            ids = select_chunks(query, self.landmarks, self.lm_ids, self.n_chunks, k, self._lm_all_valid)
+            out, lse = self._lowrank(query, ids, scaling)
         # outliers (prompt tokens, always before the queries) and the local + generated slots (causal)
         for k, v, pos in ((self.out_k, self.out_v, self.out_pos), (self.keys, self.values, self.pos)):
             if k.shape[-2] == 0:

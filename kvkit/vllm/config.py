@@ -70,7 +70,7 @@ class PluginPolicy:
         A streaming head reads the blocks covering the first ``sink`` tokens (default 64 for duo) and the last
         ``recent`` tokens; a retrieval head reads every block.
     pattern : duo: a DuoAttention pattern file (kvkit JSON or the reference TSV); None: the one kvkit ships for
-        the model (``kvkit.policies.duo.shipped_pattern``), an error if none ships.
+        the model (``kvkit.policies.duo_patterns.shipped_pattern``), an error if none ships.
     sparsity : duo: fraction of KV heads made streaming heads (global quantile of the pattern's gates); None:
         0.5 for GQA models, 0.75 for MHA (the paper's and ``kvkit.patch(model, "duo")``'s default).
 
@@ -150,7 +150,7 @@ class PluginPolicy:
     @property
     def kvkit_policy(self):
         """The transformers policy these options build (``kvkit.registry.get_policy``), or None (quest, quant).
-        duo: it holds the pattern as read when this was parsed (``kvkit.policies.duo.PatternFile``)."""
+        duo: it holds the pattern as read when this was parsed (``kvkit.policies.duo_patterns.PatternFile``)."""
         return self.__dict__.get("_kvkit")
 
     @property
