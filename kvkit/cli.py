@@ -9,66 +9,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 
 from kvkit.fileio import read_text_file  # noqa: F401  (kvkit.cli.read_text_file: the reader the CLI uses)
+from kvkit.options import fmt_bytes, parse_options  # noqa: F401  (kvkit.cli.parse_options: used by tests)
 
 # the demo: full next to two policies that keep the needle with fewer bytes on the default model (duo: half the
 # KV; zipcache with its calibrated 4-bit setting: ~7x fewer bytes) and StreamingLLM, which drops the middle
 DEMO_POLICIES = ("duo", "zipcache", "streaming")
 DEMO_OPTIONS = {"streaming": {"budget": 256}}
 DEMO_CONTEXT_TOKENS, DEMO_DEPTH = 3000, 0.5
-
-
-def _split_pairs(item: str) -> list[str]:
-    """``a=1,b=[2,3],c=x`` -> ``["a=1", "b=[2,3]", "c=x"]``: commas inside brackets belong to the value."""
-    out, depth, cur = [], 0, []
-    for ch in item:
-        if ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth = max(0, depth - 1)
-        if ch == "," and depth == 0:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    out.append("".join(cur))
-    return out
-
-
-def parse_options(pairs: list[str] | None, json_opts: str | None = None) -> dict:
-    """``--policy-options '{"budget": 512}'`` plus ``--opt budget=512,sink=4`` (repeatable)."""
-    out = {}
-    if json_opts:
-        try:
-            loaded = json.loads(json_opts)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--policy-options is not valid JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(loaded, dict):
-            raise ValueError("--policy-options must be a JSON object")
-        out.update(loaded)
-    for item in pairs or []:
-        for pair in _split_pairs(item):
-            if not pair.strip():
-                continue
-            if "=" not in pair:
-                raise ValueError(f"--opt {pair!r} must look like key=value")
-            k, v = pair.split("=", 1)
-            try:
-                out[k.strip()] = json.loads(v)
-            except json.JSONDecodeError:
-                out[k.strip()] = v
-    return out
-
-
-def fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
 
 
 def cmd_policies(args) -> int:

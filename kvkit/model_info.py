@@ -5,11 +5,38 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvkit.kernels.reference import apply_rope, rotate_half  # noqa: F401  (re-exported)
-from kvkit.stores.base import LayerInfo
+
+
+@dataclass
+class LayerInfo:
+    """What a store needs to know about its layer."""
+
+    layer_idx: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    layer_type: str = "full_attention"
+    sliding_window: int | None = None
+    config: Any = None  # the decoder's text config
+    rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+    #: the policy's cross-layer state of one KVCache (``Policy.new_shared``; e.g. TidalDecode's selection)
+    shared: Any = field(default=None, repr=False)
+    #: build the static (compileable) variant of the store: fixed-capacity buffers written at an index tensor,
+    #: lengths on the device (``KVCache(..., static=True)``); policies without one refuse it
+    static: bool = False
+    #: the least capacity, in tokens, of a static store's uncompressed buffers (None: sized at the prefill)
+    max_length: int | None = None
+
+    @property
+    def groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
 
 
 def text_config(config):

@@ -1,4 +1,4 @@
-"""Per-model calibration files (kvkit.calibrate.store) and the calibrators (kvkit.calibrate.<policy>, registry)."""
+"""Per-model calibration files (kvkit.calibration) and the calibrators (kvkit.calibrate.<policy>, registry)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.calibrate import store
+from kvkit import calibration as store
 from kvkit.testing import greedy, tiny_model
 
 
@@ -772,12 +772,12 @@ def test_calibration_store_imports_no_calibrator_and_calibrate_no_evals_at_impor
                 out.update([node.module] + [f"{node.module}.{a.name}" for a in node.names])
         return out
 
-    tree = ast.parse((root / "store.py").read_text())
+    tree = ast.parse((root.parent / "calibration.py").read_text())
     assert not [m for m in imported(ast.walk(tree)) if m.startswith(("kvkit.evals", "kvkit.calibrate"))]
     for f in root.glob("*.py"):
         top = imported(ast.parse(f.read_text()).body)
         assert not [m for m in top if m.startswith("kvkit.evals")], f
-    code = "import kvkit.calibrate.store, kvkit.calibrate.registry as r; r.calibrators()"
+    code = "import kvkit.calibration, kvkit.calibrate.registry as r; r.calibrators()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 

@@ -131,3 +131,83 @@ def test_kvkit_switches_are_read_in_one_place():
     assert readers == []
     assert named <= set(env.SWITCHES), sorted(named - set(env.SWITCHES))
     assert "| `KVKIT_KERNELS` |" in env.table()
+
+
+#: kvkit's layers, lowest first: a module may import (at module top or inside a function) only modules of its own
+#: layer or below. ``kvkit`` itself (the package's ``__init__``: the public names, ``kvkit.patch`` to
+#: ``kvkit.prefill``) sits with the prefill, so the layers above may write ``import kvkit; kvkit.patch(...)``.
+LAYERS = [
+    ("kvkit.env", "kvkit.fileio", "kvkit.compat", "kvkit.hostsync", "kvkit.state", "kvkit.options"),
+    ("kvkit.kernels",),
+    ("kvkit.model_info",),
+    ("kvkit.stores",),
+    ("kvkit.registry", "kvkit.calibration"),
+    ("kvkit.policies",),
+    ("kvkit.attention", "kvkit.cache"),
+    ("kvkit.patch",),
+    ("kvkit.prefill", "kvkit.models", "kvkit.speculative", "kvkit.testing", "kvkit.demo", "kvkit.doctor"),
+    ("kvkit.evals", "kvkit.calibrate", "kvkit.vllm"),
+    ("kvkit.cli", "kvkit.__main__"),
+]
+#: the only imports allowed to point up, each with its reason: the registry loads the built-in policies on its first
+#: lookup (they register themselves by importing it) and type-checks a policy instance against their base class
+UPWARD_ALLOWED = {("kvkit.registry", "kvkit.policies")}
+
+
+def _layer(mod: str) -> int | None:
+    if mod == "kvkit":
+        return 8
+    hits = [i for i, grp in enumerate(LAYERS) for g in grp if mod == g or mod.startswith(g + ".")]
+    return max(hits) if hits else None
+
+
+def _runtime_imports(path: pathlib.Path, mod: str):
+    """``(imported module, line)`` for every kvkit import of ``path`` that runs (module top or inside a function;
+    ``if TYPE_CHECKING:`` blocks excluded); ``from kvkit import x`` counts as ``kvkit.x``."""
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = ".".join(pkg[: len(pkg) - node.level + 1] + [node.module]) if node.level else node.module
+            names = [f"{base}.{a.name}" for a in node.names] if base == "kvkit" else [base]
+        else:
+            continue
+        for name in names:
+            if name.startswith("kvkit.") or name == "kvkit":
+                yield name, node.lineno
+
+
+def test_every_import_points_down_the_layers():
+    """Every kvkit module sits in a layer of LAYERS, and every kvkit import it runs -- at module top or inside a
+    function -- points to its own layer or below (UPWARD_ALLOWED aside)."""
+    bad, unplaced = [], []
+    for f in sorted(ROOT.rglob("*.py")):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        mod = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        me = _layer(mod)
+        if me is None:
+            unplaced.append(mod)
+            continue
+        for name, line in _runtime_imports(f, mod):
+            there = _layer(name)
+            if there is None:
+                unplaced.append(name)
+            elif there > me and not any(mod.startswith(a) and name.startswith(b) for a, b in UPWARD_ALLOWED):
+                bad.append(f"{f.relative_to(ROOT.parent)}:{line} imports {name} (layer {there} > {me})")
+    assert not unplaced, f"modules in no layer of LAYERS: {sorted(set(unplaced))}"
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_check_sees_imports_inside_functions(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvkit.cli\n"
+                 "def g():\n    from kvkit.patch import patch\n")
+    assert list(_runtime_imports(f, "kvkit.stores.x")) == [("kvkit.patch", 5)]

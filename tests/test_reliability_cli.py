@@ -14,7 +14,7 @@ import torch
 
 import kvkit
 from kvkit import cli
-from kvkit.calibrate import store
+from kvkit import calibration as store
 from kvkit.demo import run_policy
 from kvkit.kernels import cbuild
 from kvkit.testing import ModelLoaded, random_ids, tiny_model

@@ -3,7 +3,7 @@
 :func:`calibrate_cake` returns ``(options, evidence)``: ``tau1`` / ``tau2`` (the pair answering the most calibration
 needles, the context compressed before the question) and, unless the second stage is skipped, the indicator's
 ``pool_kernel`` (and ``pool_window`` when not centered) from a question-aware :func:`~kvkit.calibrate.search.pooling_sweep`
-at those taus; written by :func:`kvkit.calibrate.store.write_section`.
+at those taus; written by :func:`kvkit.calibration.write_section`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`calibrate_chelsea` returns ``(options, evidence)``: the ``chunk_size`` / ``protect_kernel`` /
 ``protect_pooling`` / ``protect_window`` with which Chelsea at a ratio and ``protect = 0.8 x ratio`` answers the most
 calibration needles, the question in the prefill, by :func:`~kvkit.calibrate.search.pooling_sweep`; written by
-:func:`kvkit.calibrate.store.write_section`.
+:func:`kvkit.calibration.write_section`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``kvkit calibrate duo``: learn a DuoAttention head pattern for a model and write it as JSON (or TSV).
 ``kvkit calibrate <policy>`` for every registered calibrator (:mod:`kvkit.calibrate.registry`: shadowkv, tidal, cake,
 snapkv, chelsea, zipcache, ...): a per-model knob, written as one section of the model's calibration file
-(:mod:`kvkit.calibrate.store`), which the policy then finds from the model's config. This module names no
+(:mod:`kvkit.calibration`), which the policy then finds from the model's config. This module names no
 calibrated policy: each calibrator brings its own command and run."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Calibrator registry: ``@calibrator("name", command=...)`` on a calibration's command-line entry, lookup by name.
 
-A calibrator writes one section of a model's calibration file (:mod:`kvkit.calibrate.store`) for the policy of the
+A calibrator writes one section of a model's calibration file (:mod:`kvkit.calibration`) for the policy of the
 same name, which must declare the options it sets (the policy class's ``calibrated_options``). It lives in
 ``kvkit/calibrate/<policy>.py`` and declares two things:
 

@@ -2,7 +2,7 @@
 
 :func:`calibrate_shadowkv` returns ``(options, evidence)``: ``{"rank": r}``, the smallest rank (a multiple of
 ``multiple``) whose rebuilt keys stay within a relative error bound in every layer, and the error per rank it was
-chosen from; written by :func:`kvkit.calibrate.store.write_section` with the command that made them.
+chosen from; written by :func:`kvkit.calibration.write_section` with the command that made them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ needle sweep.
 :func:`calibrate_snapkv` returns ``(options, evidence)``: the ``kernel`` / ``pooling`` (and ``pool_window`` when not
 centered) with which SnapKV at a budget fraction of the context answers the most calibration needles, the question
 in the prefill, by :func:`~kvkit.calibrate.search.pooling_sweep`; written by
-:func:`kvkit.calibrate.store.write_section`.
+:func:`kvkit.calibration.write_section`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`calibrate_tidal` returns ``(options, evidence)``: ``select_layers`` (the layout answering the most calibration
 needles, each layout at the budget that puts its decode reads at a fraction of full attention's) and, with shares,
 ``layer_shares`` (:func:`calibrate_tidal_shares`: the reuse layers' budgets that equalise the attention mass their
-reads capture, their mean unchanged); written by :func:`kvkit.calibrate.store.write_section`. The read arithmetic
+reads capture, their mean unchanged); written by :func:`kvkit.calibration.write_section`. The read arithmetic
 (:func:`tidal_read_fraction`, :func:`tidal_budget_for`) is what a tidal decode step reads
 (:func:`kvkit.policies.tidal.decode_read_bytes`).
 """
@@ -367,7 +367,7 @@ def _keep_layout_evidence(ev: dict, out, layout: tuple) -> None:
     section is about to be replaced): its command and evidence as ``layout_command`` / ``layout_evidence``."""
     from pathlib import Path
 
-    from kvkit.calibrate import store
+    from kvkit import calibration as store
 
     old = store.read(out)["policies"].get("tidal") if Path(out).exists() else None
     if old is not None and tuple(old["options"].get("select_layers") or ()) == layout:

@@ -2,7 +2,7 @@
 
 :func:`calibrate_zipcache` returns ``(options, evidence)``: the high_ratio / high_bits / low_bits / key_bits of the
 candidate with the fewest code bits (:func:`zipcache_bits`) that answers every needle the full cache answers, and
-what each candidate tried answered; written by :func:`kvkit.calibrate.store.write_section`.
+what each candidate tried answered; written by :func:`kvkit.calibration.write_section`.
 """
 
 from __future__ import annotations

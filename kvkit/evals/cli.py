@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvkit import env
-from kvkit.cli import parse_options as parse_opts
+from kvkit.options import parse_options as parse_opts
 
 PROMPT_FIELDS = ("id", "task", "prompt", "outputs", "tokens_to_generate", "metric")
 
@@ -462,10 +462,10 @@ def cmd_compare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from kvkit.cli import fmt_bytes
     from kvkit.evals import bench
     from kvkit.evals.common import atomic_write_json, atomic_write_jsonl, resolve_policy_options, run_label
     from kvkit.evals.report import write_summary
+    from kvkit.options import fmt_bytes
 
     args.seed = _generate_seed(args)
     if args.shape:  # the shaped-model decode benchmark (random weights; kvkit/evals/gpu_bench.py)

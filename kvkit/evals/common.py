@@ -541,12 +541,12 @@ def resolve_policy_options(policy: str, options: dict | None = None, budget: int
 
 
 def calibration_used(model, policy: str, options: dict) -> dict | None:
-    """The options a per-model calibration (:mod:`kvkit.calibrate.store`) sets for ``policy`` with ``options`` on
+    """The options a per-model calibration (:mod:`kvkit.calibration`) sets for ``policy`` with ``options`` on
     this model, with the file they come from; None when none applies. Recorded in a run's config, so a run resumed
     after a recalibration is refused instead of mixing rows of two settings."""
     import dataclasses
 
-    from kvkit.calibrate.store import CALIBRATED_OPTIONS, lookup, resolve
+    from kvkit.calibration import CALIBRATED_OPTIONS, lookup, resolve
     from kvkit.registry import policy_class
 
     if policy not in CALIBRATED_OPTIONS:

@@ -154,8 +154,8 @@ def shape_config(name: str):
 def parse_rows(specs: list[str] | None) -> list[tuple[str, dict]]:
     """``["full", "streaming:budget=512,sink=4", ...]`` -> ``[(name, user options)]``, ``full`` first (added when
     missing), duplicates dropped. Unknown rows / options raise ValueError naming the known ones."""
-    from kvkit.cli import parse_options
     from kvkit.evals.common import resolve_policy_options
+    from kvkit.options import parse_options
 
     items = [s for spec in (specs or DEFAULT_ROWS) for s in ([spec] if ":" in spec else spec.split(",")) if s.strip()]
     out: list[tuple[str, dict]] = []
@@ -1010,7 +1010,7 @@ class Bench:
 
 
 def _mib(n) -> str | None:
-    from kvkit.cli import fmt_bytes
+    from kvkit.options import fmt_bytes
 
     return None if n is None else fmt_bytes(n)
 

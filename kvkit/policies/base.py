@@ -35,7 +35,7 @@ class Policy:
     #: why self-speculative decoding over this policy's target would not reproduce its own one-token decoding
     #: (``kvkit.speculative`` refuses it with this reason); None: lossless
     speculative_refusal: ClassVar[str | None] = None
-    #: the options a per-model calibration (:mod:`kvkit.calibrate.store`) may set, applied only when the user left all
+    #: the options a per-model calibration (:mod:`kvkit.calibration`) may set, applied only when the user left all
     #: of them at their defaults (written by the policy's calibrator, ``kvkit/calibrate/<name>.py``); empty: none
     calibrated_options: ClassVar[tuple[str, ...]] = ()
 
@@ -62,7 +62,7 @@ class Policy:
         """Raise ValueError when the policy cannot run on this model config."""
 
     def uses_calibration(self) -> bool:
-        """Whether a per-model calibration (:mod:`kvkit.calibrate.store`) may fill this policy's calibrated options
+        """Whether a per-model calibration (:mod:`kvkit.calibration`) may fill this policy's calibrated options
         (with ``calibrated`` True and none of them given); e.g. Chelsea's only with ``protect`` > 0."""
         return True
 

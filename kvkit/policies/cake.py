@@ -44,6 +44,7 @@ from typing import ClassVar
 
 import torch
 
+from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
@@ -119,7 +120,7 @@ class Cake(Policy):
         None: ``window``.
     calibrated : bool
         True (default): with tau1/tau2/pool_kernel left at None, the model's calibrated taus and kernel
-        (``kvkit calibrate cake``; found from the config by :mod:`kvkit.calibrate.store`) before the paper's
+        (``kvkit calibrate cake``; found from the config by :mod:`kvkit.calibration`) before the paper's
         table and kernel 5. False: the paper's table / (1.0, 1.0) and kernel 5.
     """
 
@@ -176,7 +177,6 @@ class Cake(Policy):
         return CakeCascade()
 
     def new_layer(self, info: LayerInfo):
-        from kvkit.calibrate.store import resolve
 
         p = resolve(self, info.config)
         cls = static_store(CakeStore) if info.static else CakeStore

@@ -68,6 +68,7 @@ from typing import ClassVar
 
 import torch
 
+from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
@@ -136,7 +137,7 @@ class Chelsea(Policy):
         ceil(protect * chunk)`` centroids.
     calibrated : bool
         True (default): with ``protect`` > 0, ``chunk_size`` and the ``protect_*`` options left at None take the
-        model's calibration (``kvkit calibrate chelsea``, :mod:`kvkit.calibrate.store`: chosen on needles with the
+        model's calibration (``kvkit calibrate chelsea``, :mod:`kvkit.calibration`: chosen on needles with the
         question in the prefill), else the fallbacks above. False: the fallbacks, and ``protect`` left at None is 0
         (the paper's matching), so ``calibrated=False`` alone is the paper's setting.
     """
@@ -223,7 +224,6 @@ class Chelsea(Policy):
         """This policy for the model of ``config``: calibrated options filled in (when ``calibrated``, ``protect`` > 0
         -- the calibration is of the protection -- and none of them was given), then the fallbacks; every field
         concrete."""
-        from kvkit.calibrate.store import resolve
 
         p = resolve(self, config)
         k, pool, win = self.PROTECT_POOL

@@ -65,6 +65,7 @@ from typing import ClassVar
 
 import torch
 
+from kvkit.calibration import resolve
 from kvkit.kernels import lowrank_decode, lowrank_token_decode, merge_attn
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
@@ -112,7 +113,7 @@ class ShadowKV(Policy):
         Only prompts longer than this are compressed (paper: 4096); shorter ones run as ``full``.
     calibrated : bool
         True (default): ``rank=None`` takes the model's calibrated rank if one is found from its config
-        (:mod:`kvkit.calibrate.store`). False: the paper's rank ``round(160 / 1024 * Hkv*D)``.
+        (:mod:`kvkit.calibration`). False: the paper's rank ``round(160 / 1024 * Hkv*D)``.
     """
 
     budget: int = PAPER_BUDGET  # ShadowKV sparse budget, 2048 tokens
@@ -166,7 +167,6 @@ class ShadowKV(Policy):
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        from kvkit.calibrate.store import resolve
 
         resolve(self, config).rank_for(kv * head_dim)
 
@@ -175,7 +175,6 @@ class ShadowKV(Policy):
         return RopeTables()
 
     def new_layer(self, info: LayerInfo):
-        from kvkit.calibrate.store import resolve
 
         rank = resolve(self, info.config).rank_for(info.num_kv_heads * info.head_dim)
         return ShadowKVStore(info, self, rank)

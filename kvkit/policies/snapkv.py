@@ -14,7 +14,7 @@ wider one. kvkit adds a ``trailing`` pooling window (``pool_window``): a token p
 ``kernel - 1`` tokens *before* it, so the whole value after the key the window attends to inherits the key's
 score, where the reference's centered window spends half its reach on tokens before the key (a UUID's last
 tokens were dropped with centered kernel 61 on SmolLM2). With ``kernel``, ``pooling`` and ``pool_window`` left at
-None the model's calibrated values apply (:mod:`kvkit.calibrate.store`), else the paper's (5, avg, centered);
+None the model's calibrated values apply (:mod:`kvkit.calibration`), else the paper's (5, avg, centered);
 ``calibrated=False`` always gives the paper's.
 Decoding (kvkit's extension, the paper compresses the prompt only): new tokens are appended and, every ``tail``
 tokens above the budget, the same scoring with the last ``window`` decode queries evicts again, so memory stays
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
@@ -99,7 +100,6 @@ class SnapKV(Policy):
     def settings(self, config) -> tuple[int, str, str]:
         """``(kernel, pooling, pool_window)`` for a model: the options given, else its calibration, else the
         paper's (5, avg, centered)."""
-        from kvkit.calibrate.store import resolve
 
         p = resolve(self, config)
         return (p.kernel if p.kernel is not None else 5), (p.pooling or "avg"), (p.pool_window or "centered")

@@ -64,6 +64,7 @@ from typing import ClassVar
 
 import torch
 
+from kvkit.calibration import resolve
 from kvkit.kernels import gather_attend
 from kvkit.policies.base import Policy, check_choice, check_positive_int
 from kvkit.registry import register
@@ -117,7 +118,7 @@ class Tidal(Policy):
     calibrated : bool
         True (default): when neither ``reselect_layer`` nor ``select_layers`` is given, use the model's
         calibrated selection layers (``kvkit calibrate tidal``; shipped for the bundled models, found from
-        the config by :mod:`kvkit.calibrate.store`). False: the paper's layout (layer 2 + round(0.4 L)).
+        the config by :mod:`kvkit.calibration`). False: the paper's layout (layer 2 + round(0.4 L)).
     """
 
     budget: int = 2048  # TidalDecode default token budget (128 for needle tests, 4096 for LongBench)
@@ -218,7 +219,6 @@ class Tidal(Policy):
         return max(own + ks[layer + 1: nxt])
 
     def validate(self, config) -> None:
-        from kvkit.calibrate.store import resolve
 
         self = resolve(self, config)
         n = config.num_hidden_layers
@@ -234,7 +234,6 @@ class Tidal(Policy):
         return TidalSelection()
 
     def new_layer(self, info: LayerInfo):
-        from kvkit.calibrate.store import resolve
 
         cls = static_store(TidalStore) if info.static else TidalStore
         return cls(info, resolve(self, info.config))

@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_fraction, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, QuantizedSegmentStore
@@ -76,7 +77,7 @@ class ZipCache(Policy):
         True (default): when ``high_ratio``, ``high_bits``, ``low_bits`` and ``key_bits`` are all left at
         their defaults, the model's calibrated widths are used if one is found from its config
         (``kvkit calibrate zipcache``: the fewest bytes that keep calibration needles; shipped for the
-        bundled models, :mod:`kvkit.calibrate.store`). False: the paper's 60% 4-bit / 40% 2-bit split.
+        bundled models, :mod:`kvkit.calibration`). False: the paper's 60% 4-bit / 40% 2-bit split.
     """
 
     high_ratio: float = 0.6  # ZipCache: 60% salient tokens at 4 bits, 40% at 2 bits
@@ -130,12 +131,10 @@ class ZipCache(Policy):
         d = getattr(config, "head_dim", None) or config.hidden_size // heads
         if d % 4:
             raise ValueError(f"zipcache: head_dim {d} must be a multiple of 4 to pack 2-bit values into bytes")
-        from kvkit.calibrate.store import resolve
 
         resolve(self, config)  # a malformed calibration file for this model is refused at patch time
 
     def new_layer(self, info: LayerInfo):
-        from kvkit.calibrate.store import resolve
 
         return ZipCacheStore(info, resolve(self, info.config))
 

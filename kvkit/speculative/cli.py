@@ -17,9 +17,9 @@ import time
 
 import kvkit
 import kvkit.models
-from kvkit.cli import parse_options
 from kvkit.compat import cache_kw
 from kvkit.demo import essay_text, needle_prompt
+from kvkit.options import parse_options
 from kvkit.speculative.generate import SpeculativeStats, generate
 from kvkit.speculative.rows import batch_cache
 

@@ -1,44 +1,16 @@
-"""The store layer under the policies: ``LayerInfo`` (what a store knows about its layer), ``StoreMixin``
+"""The store layer under the policies: ``LayerInfo`` (what a store knows about its layer; defined in
+:mod:`kvkit.model_info`, which builds it from the config), ``StoreMixin``
 (what every kvkit layer adds to transformers' ``CacheLayerMixin``) and ``SlotStore`` (tokens held as slots
 with their absolute positions). Stores import kernels, never policies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvkit.compat import CacheLayerCompat
+from kvkit.model_info import LayerInfo  # noqa: F401  (re-exported: stores build on it)
 from kvkit.stores.attend import attend_slots, hf_sdpa
-
-
-@dataclass
-class LayerInfo:
-    """What a store needs to know about its layer."""
-
-    layer_idx: int
-    num_layers: int
-    num_heads: int  # query heads
-    num_kv_heads: int
-    head_dim: int
-    layer_type: str = "full_attention"
-    sliding_window: int | None = None
-    config: Any = None  # the decoder's text config
-    rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
-    #: the policy's cross-layer state of one KVCache (``Policy.new_shared``; e.g. TidalDecode's selection)
-    shared: Any = field(default=None, repr=False)
-    #: build the static (compileable) variant of the store: fixed-capacity buffers written at an index tensor,
-    #: lengths on the device (``KVCache(..., static=True)``); policies without one refuse it
-    static: bool = False
-    #: the least capacity, in tokens, of a static store's uncompressed buffers (None: sized at the prefill)
-    max_length: int | None = None
-
-    @property
-    def groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
 
 def tensor_bytes(*tensors) -> int:

@@ -27,8 +27,9 @@ options take the calibrated values; ``calibrated=False`` gives the paper's setti
 with a ValueError that names the file and what is wrong (also a file of another model in a searched folder: it
 cannot be matched).
 
-This module is what the policies read at run time: it imports neither the calibrators
-(``kvkit/calibrate/<policy>.py``, which write the sections) nor :mod:`kvkit.evals`.
+This module sits below the policies (they import :func:`resolve` at module top): it imports only :mod:`kvkit.env`,
+:mod:`kvkit.fileio` and :mod:`kvkit.registry` (the policy classes a file's sections are checked against). The
+calibrators (``kvkit/calibrate/<policy>.py``) write the sections.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from importlib import resources
 from pathlib import Path
 
 from kvkit import env
+from kvkit.fileio import read_text_file
+from kvkit.registry import available_policies, policy_class
 
 FORMAT = "kvkit-calibration"
 VERSION = 1
@@ -52,10 +55,8 @@ def calibrated_options() -> dict[str, tuple[str, ...]]:
     """The options each policy's calibration may set (policy name -> its class's ``calibrated_options``, in registry
     order; policies without any left out). The calibration applies only when the user left all of them at their
     defaults (so it never mixes with a setting the user chose)."""
-    from kvkit.registry import available_policies, policy_class
-
-    return {name: policy_class(name).calibrated_options for name in available_policies()
-            if policy_class(name).calibrated_options}
+    classes = {name: policy_class(name) for name in available_policies()}
+    return {name: cls.calibrated_options for name, cls in classes.items() if cls.calibrated_options}
 
 
 def __getattr__(name: str):
@@ -136,8 +137,6 @@ def _bad(path, what: str) -> CalibrationError:
 
 def check_section(policy: str, section, path) -> dict:
     """A policy's section -> its options (checked: known policy, options it may set, values it accepts)."""
-    from kvkit.registry import policy_class
-
     table = calibrated_options()
     if policy not in table:
         raise _bad(path, f"policy {policy!r} has no calibrated options (known: {', '.join(table)})")
@@ -203,8 +202,6 @@ def read(path) -> dict:
 def _parse(path):
     """The JSON of a calibration file: a regular UTF-8 file of at most :data:`MAX_FILE_BYTES` (checked before it is
     read), parsed with every number finite (``1e999`` / ``NaN`` / ``Infinity`` are refused by their path)."""
-    from kvkit.fileio import read_text_file
-
     try:
         text = read_text_file(path, "kvkit calibration file", MAX_FILE_BYTES)
     except ValueError as e:
