@@ -15,7 +15,7 @@ from kvkit.state import patch_state
 from kvkit.stores.full import SlidingStore
 
 #: the policies whose stores have a static variant (``KVCache(..., static=True)``)
-STATIC_POLICIES = ("full", "streaming", "snapkv", "duo", "cake", "tidal")
+STATIC_POLICIES = ("full", "streaming", "snapkv", "duo", "cake", "tidal", "kvzip")
 
 
 def static_policies() -> tuple[str, ...]:

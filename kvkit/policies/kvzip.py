@@ -41,7 +41,7 @@ import torch
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
-from kvkit.stores.base import SlotStore, tensor_bytes
+from kvkit.stores.base import SlotStore, static_store, tensor_bytes
 from kvkit.stores.reconstruct import (
     ReconstructionScoring,
     block_part,
@@ -138,11 +138,14 @@ class KVzip(Policy):
         return Pending()
 
     def new_layer(self, info: LayerInfo):
-        return KVzipStore(info, self)
+        cls = static_store(KVzipStore) if info.static else KVzipStore
+        return cls(info, self)
 
     # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
     @torch.no_grad()
     def after_forward(self, base_model, cache, input_ids, attention_mask) -> None:
+        if torch.compiler.is_compiling():
+            return  # a compiled step (static cache) decodes one token: nothing to repeat
         st: Pending = cache.shared
         layers = [layer for layer in cache.layers if isinstance(layer, KVzipStore)]
         if cache.scoring_pass or not layers or any(layer.verifying for layer in layers):
@@ -294,10 +297,12 @@ class KVzipStore(ReconstructionScoring, ScoredStore):
             self.rscore = torch.where((self.rscore < 0) & (acc >= 0), acc, self.rscore)
 
     # ---- the per-slot score follows the slots -----------------------------------------------------------------
-    def append(self, k, v) -> None:
-        super().append(k, v)
-        B, H, T = k.shape[0], self.keys.shape[1], k.shape[2]
-        new = torch.full((B, H, T), -1.0, device=k.device)
+    def appended(self, T: int) -> None:
+        """``T`` tokens were appended (eagerly, or by a compiled step of the static variant, after it): they are
+        not scored yet (-1). Eager host code only: a compiled step never touches ``rscore``."""
+        super().appended(T)
+        B, H = self.keys.shape[0], self.keys.shape[1]
+        new = torch.full((B, H, T), -1.0, device=self.keys.device)
         self.rscore = new if self.rscore is None else self._grow("rscore", self.rscore, new)
 
     def keep_slots(self, idx: torch.Tensor) -> None:
