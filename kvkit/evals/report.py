@@ -168,7 +168,7 @@ def _pick_baselines(runs: list, baselines: list | None) -> dict:
     """``{settings: index into runs}``: the run retention is relative to, for each setting (:data:`SAMPLE_SETTINGS`)
     among ``runs`` (``[(folder, config)]``). A ``--baseline`` folder is the baseline of its settings; a setting
     without one takes its one ``full`` run; several full runs of one setting and no ``--baseline`` are refused
-    (the last one given used to win: retention 1.00 or 0.50 by argument order)."""
+    (picking one of them would make the retention depend on the argument order)."""
     folders = [_folder(d) for d, _ in runs]
     picked: dict = {}
     for b in baselines or []:

@@ -3,10 +3,10 @@
 
 :func:`kvkit.kernels.decode` calls this operator when ``torch.compile`` traces it (a static store's compiled decode
 step), so the compiled graph launches the fused split-K Triton kernel (``fused_decode``) instead of inductor's
-SDPA over the whole buffer. Measured reason (H100, Llama-3.2-1B shape, 16 x 16K, bf16;
-results/bench/gpu/h100-b16-16k-2026-11-26): the eager fused kernel read the 8 GiB KV of a step in 2.85 ms (16
-launches, ~3 TB/s), while a compiled ``full static+compile`` step, whose attention was SDPA with a boolean mask
-(the memory-efficient kernel: one program per (row, KV head), no split over the keys), took 15.7 ms.
+SDPA over the whole buffer. Why: inductor's attention over a static buffer is SDPA with a boolean mask, i.e.
+the memory-efficient kernel: one program per (row, KV head) walking every key, no split over the keys, so a
+decode step runs few, long programs; the split-K kernel spreads the keys over many programs and reads the KV
+at the memory bandwidth (the two compared on an H100: results/bench/gpu/h100-b16-16k-2026-11-26/README.md).
 
 The operator takes a :class:`~kvkit.kernels.view.DecodeView` without parts as its tensors:
 

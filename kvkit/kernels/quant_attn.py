@@ -200,8 +200,8 @@ def _quant_attn_kernel(
 
 TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # best of bench --sweep on an H100 (results/kernels)
 #: the most query rows (G heads x Tq tokens) one program holds: more rows go to more programs (grid axis 2). One
-#: tile of 4096 rows (a 1024-token prefill chunk at G = 4) needed 569,344 bytes of shared memory on an H100
-#: (limit 232,448; results/bench/gpu/h100-b16-16k-2026-11-26/log.txt)
+#: tile of all the rows of a long prefill chunk (4096 rows: 1024 tokens at G = 4) does not fit a GPU's shared
+#: memory (the H100 failure: results/bench/gpu/h100-b16-16k-2026-11-26/log.txt)
 MAX_BLOCK_M = 64
 
 

@@ -245,7 +245,7 @@ def chunk_scores(q, lm, *, reduce="max", softmax=False, scale=None, chunk_mask=N
     q4 = q.unsqueeze(2) if q.dim() == 3 else q
     B, Hq, Tq, D = q4.shape
     Hkv = lm.shape[1]
-    # one batched matmul (an einsum here costs ~14 dispatched ops per call: a decode step calls this per layer)
+    # one batched matmul (an einsum here dispatches many more small ops, and a decode step calls this per layer)
     s = torch.matmul(q4.float().reshape(B, Hkv, (Hq // Hkv) * Tq, D), lm.float().transpose(-1, -2))
     s = s.view(B, Hkv, Hq // Hkv, Tq, -1) * (D ** -0.5 if scale is None else scale)
     if chunk_mask is not None:

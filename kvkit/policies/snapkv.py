@@ -12,10 +12,10 @@ of the answer (the first digit of a number), and pooling is what keeps the token
 covers a number Llama-3 writes in 3 tokens; tokenizers that write one token per digit (SmolLM2, Qwen2.5) need a
 wider one. kvkit adds a ``trailing`` pooling window (``pool_window``): a token pools its own score with the
 ``kernel - 1`` tokens *before* it, so the whole value after the key the window attends to inherits the key's
-score, where the reference's centered window spends half its reach on tokens before the key (a UUID's last
-tokens were dropped with centered kernel 61 on SmolLM2). With ``kernel``, ``pooling`` and ``pool_window`` left at
-None the model's calibrated values apply (:mod:`kvkit.calibration`), else the paper's (5, avg, centered);
-``calibrated=False`` always gives the paper's.
+score, where the reference's centered window spends half its reach on tokens before the key (a long value's
+last tokens can be lost; the two windows compared: results/policies/README.md). With ``kernel``, ``pooling``
+and ``pool_window`` left at None the model's calibrated values apply (:mod:`kvkit.calibration`), else the
+paper's (5, avg, centered); ``calibrated=False`` always gives the paper's.
 Decoding (kvkit's extension, the paper compresses the prompt only): new tokens are appended and, every ``tail``
 tokens above the budget, the same scoring with the last ``window`` decode queries evicts again, so memory stays
 at most ``budget + tail`` slots per KV head. All of it is a :class:`~kvkit.stores.scored.ScoredStore`.

@@ -16,10 +16,10 @@ the paper uses 13 of 32 for Llama-3-8B, tuned per model). ``select_layers`` repl
 increasing list of selection layers (e.g. ``(2, 12, 15, 18, 21)``); the layers before its first entry
 read everything.
 
-Per-layer budgets (kvkit, beyond the paper: ``layer_shares``): the paper gives every reuse layer the same ``budget``.
-On SmolLM2-135M the reuse layers differ in how much of their attention the top-k catches (at 0.29 of a 4K context,
-0.87 of the mass in layer 29 and 21 against 0.98 in layers 16 and 25), and the UUID needles are lost in layers
-19-21 (reading them exactly answers all three samples that fail; re-selecting at one of them does not). With
+Per-layer budgets (kvkit, beyond the paper: ``layer_shares``): the paper gives every reuse layer the same
+``budget``, but reuse layers differ in how much of their attention the same top-k catches, and a needle lost
+in the layers that catch the least is not recovered by re-selecting there (the per-layer figures of the
+default model: results/policies/README.md, "TidalDecode layer shares"). With
 ``layer_shares`` the selection layer ranks once, at the largest budget of the layers reading its selection, and
 each reuse layer takes its own top-k of that ranking; the budgets' mean over the reuse layers stays ``budget``, so
 the reads do too. ``kvkit calibrate tidal`` picks the shares that equalise the captured attention mass
@@ -105,9 +105,9 @@ class Tidal(Policy):
         "full" (default, the paper): a selection layer attends over every token (it reads every K and V row).
         "selected" (kvkit, beyond the paper): a selection layer reads every key to rank the tokens, then attends
         over its own selection plus the current token, reading only those value rows (about half a full read at a
-        small budget), so the same read budget affords a larger ``budget``. Measured on the default model (RULER-4K,
-        65 samples, reads 0.50 of full's): 0.78 retention at budget 1537 vs 0.87 with full selection layers at budget
-        1132: the selection layers' exact attention is worth more than the larger budget; not the default.
+        small budget), so the same read budget affords a larger ``budget``. Not the default: the selection
+        layers' exact attention is worth more than the larger budget (results/policies/README.md compares the
+        two).
     layer_shares : sequence of float or None
         kvkit, beyond the paper: one positive weight per model layer; the reuse layers' budgets become
         ``budget * share / mean share of the reuse layers`` (rounded), so their mean -- and the decode reads -- stay
@@ -125,7 +125,7 @@ class Tidal(Policy):
     reselect_layer: int | None = None  # TidalDecode: layer 13 of 32 for Llama-3-8B; None = round(0.4 * L)
     selection: str = "q_head"  # TidalDecode selects per query head; "kv_head" is the GQA variant
     kv_reduce: str = "max"  # kvkit: group reduction for selection="kv_head"
-    select_layers: tuple | None = None  # kvkit: explicit selection layers (per-model tuning, issue 19)
+    select_layers: tuple | None = None  # kvkit: explicit selection layers (per-model tuning)
     select_attention: str = "full"  # TidalDecode: selection layers attend fully; "selected": kvkit
     layer_shares: tuple | None = None  # kvkit: per-layer budget weights of the reuse layers (None: uniform, the paper)
     calibrated: bool = True  # kvkit: the model's calibrated select_layers when none given; False = paper layout
@@ -275,8 +275,8 @@ class TidalSelection:
     def _cut(self, k: int):
         """The top ``k`` plus the query tokens' own slots. The whole selection (``k`` = all of it, what every layer
         reads with uniform budgets) is put in slot order; with ``layer_shares`` every cut keeps the score order:
-        sorting the cuts cost more than the gathers they would speed up (they read whole rows in any order; at 4 x 8K
-        tokens the sorts were 21 ms of a 230 ms step)."""
+        sorting the cuts costs more than the gathers they would speed up (they read whole rows in any order;
+        the timings: results/policies/README.md, "TidalDecode layer shares")."""
         r = self.ranked[..., :k]
         cur, cur_ok = self.cur
         whole = k == self.ranked.shape[-1] and self.slot_order

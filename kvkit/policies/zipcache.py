@@ -57,8 +57,9 @@ class ZipCache(Policy):
         split; None (default, the paper): keys follow the split too.
     key_group : int or None
         Tokens per key statistic: keys are quantised per channel with one min/scale per ``key_group`` tokens of a
-        part (KIVI-style groups; the 4-bit key error of the default model falls by ~40% at 64, at 2 x D x s bytes
-        per group and KV head). Default 32 (kvkit); None (the paper): one statistic per channel over the whole part.
+        part (KIVI-style groups: smaller groups lower the key quantisation error, at 2 x D x s bytes per group
+        and KV head; the two layouts compared on fresh needles: results/needles/README.md). Default 32
+        (kvkit); None (the paper): one statistic per channel over the whole part.
     stats : str
         dtype of the quantisation scales and zero points: ``"float16"`` (default, kvkit: half the statistics'
         bytes of an fp32 model; a block beyond fp16's range keeps fp32), ``"float32"``, or ``"auto"`` (the paper's

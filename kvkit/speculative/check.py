@@ -23,8 +23,8 @@ from kvkit.patch import is_patched
 from kvkit.speculative.generate import SpeculativeStats, generate
 
 #: (draft policy, draft options, gamma), cycled over the prompts. Even prompts are needle questions,
-#: where a streaming window misses the needle (acceptance ~0.1), so retrieval drafts them; odd prompts
-#: are essay continuations, drafted by streaming windows. Every setting still rejects some drafts.
+#: where a streaming window misses the needle (its drafts are mostly rejected), so retrieval drafts them;
+#: odd prompts are essay continuations, drafted by streaming windows. Every setting still rejects some drafts.
 SETTINGS = (
     ("retrieval", {"budget": 256}, 4),
     ("streaming", {"budget": 256, "sink": 16}, 4),

@@ -57,7 +57,7 @@ class Assistant:
             raise ValueError(f"the assistant's cache policy must be 'streaming' or 'full', got {policy!r}")
         self.budget = opts.pop("budget", 256) if policy == "streaming" else None
         self.sink = opts.pop("sink", 16) if policy == "streaming" else 0
-        opts.pop("tail", None)  # (older option of the batch-1 assistant cache; the slack plays its part)
+        opts.pop("tail", None)  # accepted and ignored: the slack plays its part
         if opts:
             raise ValueError(f"unknown assistant_cache option(s) {sorted(opts)} for {policy!r}; known: budget, sink")
         if self.budget is not None:

@@ -451,7 +451,7 @@ class StaticSlots:
 
     A single-token step reads no column of transformers' mask (``get_mask_sizes(1) == (1, 0)``: a fixed shape
     for generate's mask prepared outside the compiled step) and treats its token as real, not padding (decoded
-    tokens are); multi-token forwards read the padding of their tokens from the mask as before.
+    tokens are); multi-token forwards read the padding of their tokens from the mask, as in an eager store.
     """
 
     static = True
