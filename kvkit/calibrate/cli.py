@@ -59,7 +59,8 @@ def cmd_calibrate_knob(args) -> int:
 
     import torch
 
-    from kvkit.calibrate import registry, store
+    from kvkit import calibration as store
+    from kvkit.calibrate import registry
     from kvkit.models import load, resolve_name
 
     cal = registry.get(args.knob)
