@@ -11,15 +11,19 @@ from contextlib import contextmanager
 from transformers.cache_utils import Cache
 
 from kvkit.model_info import layer_infos, make_rope_fn, text_config
+from kvkit.registry import available_policies, policy_class
 from kvkit.state import patch_state
 from kvkit.stores.full import SlidingStore
 
-#: the policies whose stores have a static variant (``KVCache(..., static=True)``)
-STATIC_POLICIES = ("full", "streaming", "snapkv", "duo", "cake", "tidal", "kvzip")
-
 
 def static_policies() -> tuple[str, ...]:
-    return STATIC_POLICIES
+    """The registered policies whose stores have a static variant (``KVCache(..., static=True)``; the policy
+    class's ``static_capable``), in registry order."""
+    return tuple(n for n in available_policies() if policy_class(n).static_capable)
+
+
+#: the built-in policies with a static variant (:func:`static_policies` also sees policies registered later)
+STATIC_POLICIES = static_policies()
 
 
 def check_static(static, max_length) -> bool:

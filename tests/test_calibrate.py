@@ -578,7 +578,8 @@ def test_calibration_cli_passes_the_needle_values(monkeypatch, tmp_path):
     """``--values`` reaches every needle calibration (default mixed) and is recorded in the command."""
     import importlib
 
-    from kvkit.calibrate import cli, store
+    from kvkit import calibration as store
+    from kvkit.calibrate import cli
 
     got = {}
 

@@ -337,6 +337,9 @@ SRC_A = "int kvkit_warm_a(int a) { return a + 1; }\n"
 SRC_B = "int kvkit_warm_b(int a) { return a + 2; }\n"
 
 
+BUILD_S = 3.0  # seconds one slow kernel build takes in test_defect20 (longer than either timed phase of the run)
+
+
 @pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler")
 def test_defect20_kernel_builds_are_not_timed(tmp_path, monkeypatch):
     import subprocess as real
@@ -350,7 +353,7 @@ def test_defect20_kernel_builds_are_not_timed(tmp_path, monkeypatch):
         @staticmethod
         def run(cmd, **kw):
             if "-o" in cmd:
-                time.sleep(1.5)
+                time.sleep(BUILD_S)
             return real.run(cmd, **kw)
 
     monkeypatch.setattr(cbuild, "subprocess", SlowCompiler)
@@ -366,6 +369,8 @@ def test_defect20_kernel_builds_are_not_timed(tmp_path, monkeypatch):
 
     t0 = time.perf_counter()
     r = _timed_run(tiny_model("llama"), build_on_first_use)
-    assert time.perf_counter() - t0 > 3.0 and all(built.values())  # the two builds did run, slowly
-    assert r.prefill_s < 1.0, f"prefill {r.prefill_s:.2f} s: a kernel build was timed as prefill"
-    assert r.decode_tok_s > 12, f"{r.decode_tok_s:.1f} tok/s: a kernel build was timed as decode"
+    assert time.perf_counter() - t0 > 2 * BUILD_S and all(built.values())  # the two builds did run, slowly
+    # a build timed as part of a phase would make that phase last at least BUILD_S by itself
+    assert r.prefill_s < BUILD_S, f"prefill {r.prefill_s:.2f} s: a kernel build was timed as prefill"
+    decode_s = r.new_tokens / r.decode_tok_s
+    assert decode_s < BUILD_S, f"decode {decode_s:.2f} s for {r.new_tokens} tokens: a kernel build was timed as decode"

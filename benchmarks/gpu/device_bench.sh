@@ -7,7 +7,7 @@
 #      T_TESTS seconds;
 #   2. "compiled": the rows that can beat the full cache on a GPU (CUDA graphs take the host out of the step):
 #        kvkit bench --shape llama-3.2-1b --device cuda --batch 16 --lengths 16384 \
-#          --policies full hf-static streaming snapkv duo cake tidal
+#          --policies full hf-static streaming snapkv duo cake tidal kvzip
 #      = full, full static+compile, hf-static (StaticCache + torch.compile reduce-overhead), streaming, streaming
 #      static+compile, snapkv, snapkv static+compile, ... as far as T_COMPILED allows (a compile: 7.5-19 s on an H100);
 #   3. "eager": the policies without a static store, eager, at the same workload:
@@ -63,8 +63,8 @@ T_EAGER=${T_EAGER:-100}
 T_PROFILE=${T_PROFILE:-0}
 T_SMALL=${T_SMALL:-0}
 KERNEL_TESTS=${KERNEL_TESTS:-1}
-COMPILED_ROWS=${COMPILED_ROWS:-full hf-static streaming snapkv duo cake tidal}
-EAGER_ROWS=${EAGER_ROWS:-full zipcache chelsea shadowkv kvzip}
+COMPILED_ROWS=${COMPILED_ROWS:-full hf-static streaming snapkv duo cake tidal kvzip}
+EAGER_ROWS=${EAGER_ROWS:-full zipcache chelsea shadowkv}
 EXTRA=${EXTRA:-}
 
 main() {

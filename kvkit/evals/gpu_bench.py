@@ -13,7 +13,7 @@ token per row, ``input_ids [B, 1]``, the previous step's greedy token fed back) 
 * every compressed kvkit policy with settings that make sense at this length (:func:`default_options`; e.g.
   streaming keeps ``L/4``, snapkv 4096 tokens, shadowkv a 2048-token budget), each prefilled, then timed;
 * ``<policy> static+compile`` (``--compiled``, the default; :class:`_KvkitCompiled`), right after each kvkit policy
-  with a static store (:data:`kvkit.cache.STATIC_POLICIES`: full, streaming, snapkv, duo, cake, tidal), same
+  with a static store (:func:`kvkit.cache.static_policies`: the policies whose class is ``static_capable``), same
   options: ``kvkit.patch(model, policy, static=True, max_length=L + the steps run + margin)``, the prefill eager
   and chunked as the eager rows', then every step through ``model.get_compiled_call(CompileConfig(fullgraph=True,
   dynamic=False, mode="reduce-overhead"))`` on CUDA (CUDA graphs; inductor's default mode on the CPU): kvkit's

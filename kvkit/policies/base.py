@@ -35,6 +35,9 @@ class Policy:
     #: why self-speculative decoding over this policy's target would not reproduce its own one-token decoding
     #: (``kvkit.speculative`` refuses it with this reason); None: lossless
     speculative_refusal: ClassVar[str | None] = None
+    #: its stores have a static variant (``KVCache(..., static=True)``: fixed-capacity buffers, a decode step that
+    #: ``torch.compile(fullgraph=True)`` captures whole); ``new_layer`` builds it when ``info.static``
+    static_capable: ClassVar[bool] = False
     #: the options a per-model calibration (:mod:`kvkit.calibration`) may set, applied only when the user left all
     #: of them at their defaults (written by the policy's calibrator, ``kvkit/calibrate/<name>.py``); empty: none
     calibrated_options: ClassVar[tuple[str, ...]] = ()

@@ -134,6 +134,7 @@ class Cake(Policy):
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
     calibrated: bool = True  # kvkit: the model's calibrated taus when none given; False = the paper's table
 
+    static_capable: ClassVar[bool] = True
     description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("tau1", "tau2", "pool_kernel", "pool_window")

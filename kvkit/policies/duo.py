@@ -112,6 +112,7 @@ class Duo(Policy):
     recent: int = 256  # paper deploy setting
     tail: int = 32  # kvkit: bulk eviction every `tail` tokens keeps crop() exact
 
+    static_capable: ClassVar[bool] = True
     description = "DuoAttention: full KV for retrieval heads, sink+recent for streaming heads (2410.10819)"
     saves = "memory+reads"
     test_options: ClassVar[dict] = dict(pattern=[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]], sparsity=0.5, sink=2, recent=8, tail=4)

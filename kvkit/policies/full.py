@@ -19,6 +19,7 @@ class Full(Policy):
     In a static cache (``kvkit.patch(model, "full", static=True)``) the layers are
     :class:`~kvkit.stores.full.StaticFullStore`: preallocated, written at an index tensor, compileable."""
 
+    static_capable: ClassVar[bool] = True
     description = "no compression; identical outputs to the unpatched model (baseline)"
     saves = "nothing"
     test_options: ClassVar[dict] = {}

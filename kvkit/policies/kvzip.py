@@ -109,6 +109,7 @@ class KVzip(Policy):
     adaptive: bool = True  # the reference ranks all layers together: per-layer budgets (mean = budget)
     normalize: str = "held"  # "held": softmax over every held slot; "chunk": the reference's local softmax
 
+    static_capable: ClassVar[bool] = True
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
     saves = "memory+reads"
     test_options: ClassVar[dict] = dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4)

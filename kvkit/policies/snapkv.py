@@ -71,6 +71,7 @@ class SnapKV(Policy):
     tail: int = 32  # kvkit: bulk decode eviction
     calibrated: bool = True  # kvkit: the model's calibrated kernel / pooling; False = the paper's (5, avg)
 
+    static_capable: ClassVar[bool] = True
     description = "SnapKV: observation-window attention, pooled, per-head top-k of the prompt (2404.14469)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("kernel", "pooling", "pool_window")

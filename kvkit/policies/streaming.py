@@ -49,6 +49,7 @@ class Streaming(Policy):
     sink: int = 4  # StreamingLLM: 4 initial tokens
     tail: int = 32
 
+    static_capable: ClassVar[bool] = True
     description = "StreamingLLM: sink tokens + recent window, middle evicted (2309.17453)"
     saves = "memory+reads"
     test_options: ClassVar[dict] = dict(budget=16, sink=2, tail=4)

@@ -130,6 +130,7 @@ class Tidal(Policy):
     layer_shares: tuple | None = None  # kvkit: per-layer budget weights of the reuse layers (None: uniform, the paper)
     calibrated: bool = True  # kvkit: the model's calibrated select_layers when none given; False = paper layout
 
+    static_capable: ClassVar[bool] = True
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
     saves = "reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("select_layers", "reselect_layer", "layer_shares")
