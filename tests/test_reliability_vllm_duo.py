@@ -101,8 +101,8 @@ def test_vllm_unknown_option_names_the_key_and_the_policys_options():
         C.parse_policy("duo:budget=4,window=3")
     with pytest.raises(ValueError, match="full's options: none"):
         C.parse_policy("full:budget=3")
-    for name, opts in C.POLICY_OPTIONS.items():  # every listed option is one the plugin policy has
-        assert set(opts) <= {f.name for f in dataclasses.fields(C.PluginPolicy)}, name
+    for name, opts in C.POLICY_OPTIONS.items():  # every listed option is one the plugin policy's plan has
+        assert set(opts) <= {f.name for f in dataclasses.fields(C.plan_class(name))}, name
     p = C.parse_policy("tidal:budget=512,reselect_layer=4,score=quest")
     assert C.parse_policy(p.spec()) == p  # spec() lists only the policy's own options
 

@@ -104,7 +104,7 @@ def main():
     impls = [m.impl for m in _attention_layers(llm)]
     kinds = {"kernel (mixed heads)": 0, "vllm op, streaming tables": 0, "vllm op, full tables": 0}
     for impl in impls:
-        r = impl._duo_retrieval
+        r = getattr(impl.kvkit_state, "retrieval", None)  # the duo plan's layer state (plans.duo.DuoLayer)
         if r is None:
             continue
         m = r[impl._layer_idx if impl._layer_idx is not None else 0]
@@ -151,8 +151,8 @@ def _profile(eng, impls, n: int, backend) -> dict:
     def timed_forward(self, layer, *args, **kw):
         t = time.perf_counter()
         out = orig(self, layer, *args, **kw)
-        r = self._duo_retrieval
-        m = r[self._layer(layer)] if r is not None else None
+        r = getattr(self.kvkit_state, "retrieval", None)
+        m = r[self.kvkit_layer(layer)] if r is not None else None
         kind = "full" if m is None or bool(m.all()) else ("streaming" if not bool(m.any()) else "mixed")
         key = (_MODE[0], kind)
         totals[key] = totals.get(key, 0.0) + time.perf_counter() - t

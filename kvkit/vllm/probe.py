@@ -22,7 +22,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length + 13 * i)] for i in range(n)]
 
 
-def main(argv=None) -> dict:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="'default' (SmolLM2-135M), 'tiny:<dir>' or an HF folder")
     ap.add_argument("--policy", default=None, help="kvkit switch, e.g. streaming:budget=256,sink=4 (omit: off)")
@@ -38,17 +38,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--needle", default=None, help="CONTEXT[,DEPTH]: the demo needle question on the default model")
     ap.add_argument("--needle-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    if a.vanilla:
-        os.environ["VLLM_PLUGINS"] = "__none__"
-    if a.tp > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(a.tp)))
-    from vllm import SamplingParams
 
-    from kvkit.vllm import testing as T
-    from kvkit.vllm.stats import STATS
-
+def _engine(a, T):
+    """The engine of this configuration (in-process unless ``--tp`` > 1) and what the results report of it."""
     if a.model == "default":
         model = T.default_model_dir()
     elif a.model.startswith("tiny:"):
@@ -66,8 +60,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     llm = T.make_llm(model, policy=a.policy, max_model_len=a.max_model_len, kv_gib=a.kv_gib, **kw)
     res: dict = {"config": vars(a), "startup_s": round(time.perf_counter() - t0, 1)}
-    inproc = a.tp == 1
-    if inproc:
+    if a.tp == 1:
         res["capacity_tokens"] = T.capacity_tokens(llm)
         res["block_size"] = T.block_size(llm)
         res["num_blocks"] = T.num_total_blocks(llm)
@@ -75,64 +68,101 @@ def main(argv=None) -> dict:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
         res["cpu_attn_backend"] = AttentionBackendEnum.CPU_ATTN.get_path()
+    return llm, res
 
-    if a.gen:
-        n, length, tokens = (int(x) for x in a.gen.split(","))
-        vocab = 500 if a.model.startswith("tiny:") else 49000
-        prompts = _prompts(n, length, vocab, a.seed)
-        sp = SamplingParams(max_tokens=tokens, temperature=0, logprobs=1, ignore_eos=True)
-        STATS.reset()
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        gen = {"seconds": round(time.perf_counter() - t, 2), "tokens": [], "logprobs": []}
-        for o in outs:
-            c = o.outputs[0]
-            gen["tokens"].append(list(c.token_ids))
-            gen["logprobs"].append([float(lp[tid].logprob) for tid, lp in zip(c.token_ids, c.logprobs)])
-        gen["prompt_lens"] = [len(p) for p in prompts]
-        if inproc:
-            ds = STATS.decode_steps()
-            gen["decode_steps"] = len(ds)
-            gen["blocks_read"] = [s.blocks_read for s in ds]
-            gen["blocks_full"] = [s.full_blocks * s.layer_calls for s in ds]
-            gen["layer_calls"] = [s.layer_calls for s in ds]
-        res["gen"] = gen
 
-    if a.trace:
-        length, tokens = (int(x) for x in a.trace.split(","))
-        eng = llm.llm_engine
-        prompt = _prompts(1, length, 500 if a.model.startswith("tiny:") else 49000, a.seed + 1)[0]
-        eng.add_request("trace", {"prompt_token_ids": prompt},
-                        SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-        free, held = [], []
-        STATS.reset()
-        while eng.has_unfinished_requests():
-            eng.step()
-            free.append(T.num_free_blocks(llm))
-            h, _ = T.request_blocks(llm, "trace")
-            held.append(h)
+def _gen(a, llm) -> dict:
+    """``--gen N,LEN,TOKENS``: greedy tokens and log-probs of N random prompts (and the decode steps' reads)."""
+    from vllm import SamplingParams
+
+    from kvkit.vllm.stats import STATS
+
+    n, length, tokens = (int(x) for x in a.gen.split(","))
+    vocab = 500 if a.model.startswith("tiny:") else 49000
+    prompts = _prompts(n, length, vocab, a.seed)
+    sp = SamplingParams(max_tokens=tokens, temperature=0, logprobs=1, ignore_eos=True)
+    STATS.reset()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    gen = {"seconds": round(time.perf_counter() - t, 2), "tokens": [], "logprobs": []}
+    for o in outs:
+        c = o.outputs[0]
+        gen["tokens"].append(list(c.token_ids))
+        gen["logprobs"].append([float(lp[tid].logprob) for tid, lp in zip(c.token_ids, c.logprobs)])
+    gen["prompt_lens"] = [len(p) for p in prompts]
+    if a.tp == 1:
         ds = STATS.decode_steps()
-        res["trace"] = {"prompt_len": length, "tokens": tokens, "free_blocks": free, "held_blocks": held,
-                        "blocks_read_per_layer": [s.blocks_read // max(1, s.layer_calls) for s in ds],
-                        "full_blocks": [s.full_blocks for s in ds]}
+        gen["decode_steps"] = len(ds)
+        gen["blocks_read"] = [s.blocks_read for s in ds]
+        gen["blocks_full"] = [s.full_blocks * s.layer_calls for s in ds]
+        gen["layer_calls"] = [s.layer_calls for s in ds]
+    return gen
 
+
+def _trace(a, llm, T) -> dict:
+    """``--trace LEN,TOKENS``: one request stepped to the end, free / held blocks after every step."""
+    from vllm import SamplingParams
+
+    from kvkit.vllm.stats import STATS
+
+    length, tokens = (int(x) for x in a.trace.split(","))
+    eng = llm.llm_engine
+    prompt = _prompts(1, length, 500 if a.model.startswith("tiny:") else 49000, a.seed + 1)[0]
+    eng.add_request("trace", {"prompt_token_ids": prompt},
+                    SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    free, held = [], []
+    STATS.reset()
+    while eng.has_unfinished_requests():
+        eng.step()
+        free.append(T.num_free_blocks(llm))
+        h, _ = T.request_blocks(llm, "trace")
+        held.append(h)
+    ds = STATS.decode_steps()
+    return {"prompt_len": length, "tokens": tokens, "free_blocks": free, "held_blocks": held,
+            "blocks_read_per_layer": [s.blocks_read // max(1, s.layer_calls) for s in ds],
+            "full_blocks": [s.full_blocks for s in ds]}
+
+
+def _needle(a, llm) -> dict:
+    """``--needle CONTEXT[,DEPTH]``: the demo needle question, its greedy answer and the read fractions."""
+    from vllm import SamplingParams
+
+    from kvkit.demo import needle_prompt
+    from kvkit.vllm.stats import STATS
+
+    parts = a.needle.split(",")
+    context, depth = int(parts[0]), float(parts[1]) if len(parts) > 1 else 0.5
+    tok = llm.get_tokenizer()
+    ids, expected = needle_prompt(tok, context_tokens=context, depth=depth, seed=a.seed + 3)
+    ids = ids[0].tolist()
+    STATS.reset()
+    sp = SamplingParams(max_tokens=a.needle_tokens, temperature=0, logprobs=1, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    c = out[0].outputs[0]
+    ds = STATS.decode_steps() if a.tp == 1 else []
+    return {"prompt_len": len(ids), "expected": expected, "answer": c.text, "found": expected in c.text,
+            "tokens": list(c.token_ids),
+            "logprobs": [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)],
+            "read_fraction": [round(s.read_fraction, 3) for s in ds]}
+
+
+def main(argv=None) -> dict:
+    a = _args(argv)
+    if a.vanilla:
+        os.environ["VLLM_PLUGINS"] = "__none__"
+    if a.tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(a.tp)))
+    import vllm  # noqa: F401  (imported before _engine changes the environment, as it always was)
+
+    from kvkit.vllm import testing as T
+
+    llm, res = _engine(a, T)
+    if a.gen:
+        res["gen"] = _gen(a, llm)
+    if a.trace:
+        res["trace"] = _trace(a, llm, T)
     if a.needle:
-        from kvkit.demo import needle_prompt
-
-        parts = a.needle.split(",")
-        context, depth = int(parts[0]), float(parts[1]) if len(parts) > 1 else 0.5
-        tok = llm.get_tokenizer()
-        ids, expected = needle_prompt(tok, context_tokens=context, depth=depth, seed=a.seed + 3)
-        ids = ids[0].tolist()
-        STATS.reset()
-        sp = SamplingParams(max_tokens=a.needle_tokens, temperature=0, logprobs=1, ignore_eos=True)
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-        c = out[0].outputs[0]
-        ds = STATS.decode_steps() if inproc else []
-        res["needle"] = {"prompt_len": len(ids), "expected": expected, "answer": c.text, "found": expected in c.text,
-                         "tokens": list(c.token_ids),
-                         "logprobs": [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)],
-                         "read_fraction": [round(s.read_fraction, 3) for s in ds]}
+        res["needle"] = _needle(a, llm)
     with open(a.out, "w") as f:
         json.dump(res, f)
     T.shutdown(llm)

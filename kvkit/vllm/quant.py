@@ -14,8 +14,10 @@
   and vLLM's C++ ``cpu_attention_with_kv_cache`` attends over it with a remapped block table: a first prompt chunk
   attends exactly as vanilla vLLM; later chunks see a dequantised context.
 
-The plan (which rows decode, the scratch mapping, the scheduler metadata of the prefill rows) is built once per
-step by the metadata builder and shared by all layers.
+The step's plan (:class:`QuantStep`: which rows decode, the scratch mapping, the scheduler metadata of the prefill
+rows) is built once per step by the metadata builder and shared by all layers. The ``quant`` plan
+(:class:`kvkit.vllm.plans.quant.QuantPlan`) calls :func:`quant_spec`, :func:`build_plan`, :func:`write` and
+:func:`forward` from the backend's seams.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
 from kvkit.kernels import paged_quant_cpu as PQ
-from kvkit.vllm.config import PluginPolicy
+from kvkit.vllm.plans.quant import QuantPlan
 from kvkit.vllm.stats import STATS, StepRecord
 
 
-def quant_spec(spec, policy: PluginPolicy):
+def quant_spec(spec, policy: QuantPlan):
     """The packed page spec (idempotent: vLLM may customise a spec twice)."""
     if spec.state_content_bytes is not None:
         return spec
@@ -45,7 +47,9 @@ def quant_spec(spec, policy: PluginPolicy):
 
 
 @dataclass
-class QuantPlan:
+class QuantStep:
+    """What the rows of one step read and where (the plan of :func:`build_plan`); shared by every layer."""
+
     bits: int
     block_size: int
     record: StepRecord
@@ -61,7 +65,7 @@ class QuantPlan:
     pre_md: CPUAttentionMetadata | None = None  # the prefill rows over the scratch cache
 
 
-def build_plan(builder, md: CPUAttentionMetadata, num_reqs: int) -> QuantPlan:
+def build_plan(builder, md: CPUAttentionMetadata, num_reqs: int) -> QuantStep:
     p, bs = builder.policy, builder.block_size
     qsl = md.query_start_loc[: num_reqs + 1].long()
     seq = md.seq_lens[:num_reqs].long()
@@ -69,7 +73,7 @@ def build_plan(builder, md: CPUAttentionMetadata, num_reqs: int) -> QuantPlan:
     nb = (seq + bs - 1) // bs
     decode = qlen == 1
     full_read = int(nb[decode].sum())
-    plan = QuantPlan(p.bits, bs, STATS.new_step(int(decode.sum()), full_read), full_read)
+    plan = QuantStep(p.bits, bs, STATS.new_step(int(decode.sum()), full_read), full_read)
     dr = decode.nonzero().squeeze(1)
     if dr.numel():
         plan.dec_tok = qsl[dr]
@@ -113,7 +117,7 @@ def write(impl, layer, key, value, kv_cache, slot_mapping) -> None:
     PQ.write(kv_cache, key, value, slot_mapping, kv_cache.shape[2], impl.kvkit_policy.bits)
 
 
-def forward(impl, layer, query, key, value, kv_cache, plan: QuantPlan, output) -> torch.Tensor:
+def forward(impl, layer, query, key, value, kv_cache, plan: QuantStep, output) -> torch.Tensor:
     bs, bits, D = plan.block_size, plan.bits, impl.head_size
     if kv_cache.shape[2] != bs:
         raise RuntimeError(f"kvkit.vllm: kernel block size {kv_cache.shape[2]} != manager block size {bs}")
