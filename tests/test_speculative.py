@@ -261,6 +261,9 @@ def test_bad_inputs():
     small = tiny_model("llama", seed=5, num_hidden_layers=1)
     with pytest.raises(ValueError, match="unknown assistant_cache option"):
         generate(m, ids, assistant=small, assistant_cache={"policy": "streaming", "window": 8}, max_new_tokens=4)
+    with pytest.raises(ValueError, match="it takes no tail"):  # a tail used to be accepted and silently dropped
+        generate(m, ids, assistant=small, assistant_cache={"policy": "streaming", "budget": 16, "tail": 4},
+                 max_new_tokens=4)
     with pytest.raises(ValueError, match="cache policy"):
         generate(m, ids, assistant=small, assistant_cache={"policy": "cake"}, max_new_tokens=4)
     with pytest.raises(ValueError, match="sink"):

@@ -57,9 +57,11 @@ class Assistant:
             raise ValueError(f"the assistant's cache policy must be 'streaming' or 'full', got {policy!r}")
         self.budget = opts.pop("budget", 256) if policy == "streaming" else None
         self.sink = opts.pop("sink", 16) if policy == "streaming" else 0
-        opts.pop("tail", None)  # accepted and ignored: the slack plays its part
         if opts:
-            raise ValueError(f"unknown assistant_cache option(s) {sorted(opts)} for {policy!r}; known: budget, sink")
+            hint = (" (the assistant compacts its cache itself, every budget / 4 new slots: it takes no tail)"
+                    if "tail" in opts else "")
+            raise ValueError(f"unknown assistant_cache option(s) {sorted(opts)} for {policy!r}; known: budget, "
+                             f"sink{hint}")
         if self.budget is not None:
             check_positive_int("assistant_cache", "budget", self.budget)
             if isinstance(self.sink, bool) or not isinstance(self.sink, int) or not 0 <= self.sink < self.budget:
