@@ -46,26 +46,26 @@ def read_prompt_file(path, limit: int | None = None) -> str:
     return text
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
-    return v
+def _checked(convert, ok, what: str, name: str):
+    """An argparse type: ``convert(text)`` that must pass ``ok``; the error says it must be ``what``."""
+
+    def parse(text: str):
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not ok(v):  # NaN fails a range check too
+            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+        return v
+
+    parse.__name__ = parse.__qualname__ = name
+    return parse
 
 
-def fraction(text: str) -> float:
-    """argparse type: a number in [0, 1]."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
-    if not 0 <= v <= 1:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
-    return v
+#: argparse type: an integer >= 1
+positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1", "positive_int")
+#: argparse type: a number in [0, 1]
+fraction = _checked(float, lambda v: 0 <= v <= 1, "a number in [0, 1]", "fraction")
 
 
 #: ``kvkit run`` options of the built-in demo (its needle prompt) and of a --prompt-file run: one mode's options are

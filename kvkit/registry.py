@@ -11,17 +11,25 @@ if TYPE_CHECKING:  # pragma: no cover
 _REGISTRY: dict[str, type[Policy]] = {}
 
 
-def register(name: str):
-    """Class decorator: register a policy dataclass under ``name`` (registration order is listing order)."""
+def registrar(table: dict[str, type], what: str):
+    """A ``@register("name")`` class decorator filling ``table`` (registration order is listing order): it sets
+    ``cls.name`` and refuses a name another class holds; ``what`` names the kind of class in that error."""
 
-    def deco(cls):
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"policy name {name!r} is already registered by {_REGISTRY[name].__name__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
+    def register(name: str):
+        def deco(cls):
+            if name in table and table[name] is not cls:
+                raise ValueError(f"{what} name {name!r} is already registered by {table[name].__name__}")
+            cls.name = name
+            table[name] = cls
+            return cls
 
-    return deco
+        return deco
+
+    return register
+
+
+#: ``@register("name")`` on a policy dataclass
+register = registrar(_REGISTRY, "policy")
 
 
 def _ensure_loaded() -> None:

@@ -164,7 +164,7 @@ def test_parse_rows():
     assert plan[:6] == ["full", "full static+compile", "hf-dynamic", "hf-static", "streaming",
                         "streaming static+compile"]
     assert {p for p in plan if p.endswith("static+compile")} == {
-        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake")}
+        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake", "kvzip")}
     assert [n for n, _, c in gpu_bench.plan_rows(gpu_bench.parse_rows(None), compiled=False)] == \
         [n for n, _ in gpu_bench.parse_rows(None)]
     with pytest.raises(ValueError, match="takes no options"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from kvkit.calibrate import needles
-from kvkit.calibrate.registry import calibrator, sweep_command
+from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
 from kvkit.calibrate.search import picked, pooling_sweep, window_option
 
 CAKE_TAUS = [(1.0, 1.0), (0.5, 0.5), (2.0, 2.0), (1.0, 2.0), (2.0, 1.0), (1.6, 0.4), (0.5, 2.0), (2.0, 0.5), (4.0, 4.0)]
@@ -116,6 +116,5 @@ def _command(sub):
 
 @calibrator("cake", command=_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
-    return calibrate_cake(model, tokenizer, length=args.length, samples=args.samples,
-                          budget_fraction=args.budget_fraction, seed=args.seed,
-                          kernels=CAKE_KERNELS if args.kernels is None else args.kernels, values=args.values, log=log)
+    kernels = CAKE_KERNELS if args.kernels is None else args.kernels
+    return calibrate_cake(model, tokenizer, **sweep_args(args), kernels=kernels, log=log)

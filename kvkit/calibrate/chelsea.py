@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from kvkit.calibrate.registry import calibrator, sweep_command
+from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
 from kvkit.calibrate.search import picked, pool_label, pooling_sweep
 
 #: (chunk_size, protect_kernel, protect_pooling, protect_window) candidates: kvkit's fallback first (64-token chunks,
@@ -68,5 +68,4 @@ def _command(sub):
 
 @calibrator("chelsea", command=_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
-    return calibrate_chelsea(model, tokenizer, length=args.length, samples=args.samples,
-                             budget_fraction=args.budget_fraction, seed=args.seed, values=args.values, log=log)
+    return calibrate_chelsea(model, tokenizer, **sweep_args(args), log=log)

@@ -108,3 +108,9 @@ def sweep_command(sub, name: str, help: str, description: str):
     p.add_argument("--budget-fraction", type=float, default=0.5, help=f"{name} budget as a fraction of --length")
     needle_values(p)
     return p
+
+
+def sweep_args(args) -> dict:
+    """The keyword arguments a needle-sweep calibration takes from :func:`sweep_command`'s options."""
+    return dict(length=args.length, samples=args.samples, budget_fraction=args.budget_fraction, seed=args.seed,
+                values=args.values)

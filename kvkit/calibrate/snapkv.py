@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from kvkit.calibrate.registry import calibrator, sweep_command
+from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
 from kvkit.calibrate.search import picked, pool_label, pooling_sweep, window_option
 
 #: (kernel, pooling[, pool_window]) candidates: the paper's first, then wider average pooling, then max
@@ -61,5 +61,4 @@ def _command(sub):
 
 @calibrator("snapkv", command=_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
-    return calibrate_snapkv(model, tokenizer, length=args.length, samples=args.samples,
-                            budget_fraction=args.budget_fraction, seed=args.seed, values=args.values, log=log)
+    return calibrate_snapkv(model, tokenizer, **sweep_args(args), log=log)

@@ -93,6 +93,12 @@ from pathlib import Path
 from kvkit import env
 from kvkit.hostsync import HostSyncCounter
 
+
+def _llama3_rope(factor: float) -> dict:
+    return dict(rope_type="llama3", rope_theta=500000.0, factor=factor, high_freq_factor=4.0, low_freq_factor=1.0,
+                original_max_position_embeddings=8192)
+
+
 #: model shapes (transformers ``LlamaConfig`` fields); random weights of these are built on the device
 SHAPES: dict[str, dict] = {
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -101,15 +107,11 @@ SHAPES: dict[str, dict] = {
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
                          rms_norm_eps=1e-5, tie_word_embeddings=True,
-                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
-                                              high_freq_factor=4.0, low_freq_factor=1.0,
-                                              original_max_position_embeddings=8192)),
+                         rope_parameters=_llama3_rope(32.0)),
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
                          rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                                              high_freq_factor=4.0, low_freq_factor=1.0,
-                                              original_max_position_embeddings=8192)),
+                         rope_parameters=_llama3_rope(8.0)),
 }
 
 #: the transformers rows (unpatched model)

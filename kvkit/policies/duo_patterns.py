@@ -34,37 +34,21 @@ from kvkit.fileio import FileReadError, read_file_bytes
 
 PATTERN_FORMAT = "kvkit-duo-pattern"
 
+#: The config fields that identify a model, in the order of :data:`SHIPPED_PATTERNS`' rows.
+_IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "num_key_value_heads", "num_attention_heads", "hidden_size",
+                    "vocab_size")
+
 #: Shipped patterns: file name in ``kvkit/data`` -> the config fields that identify the model.
-SHIPPED_PATTERNS = {
-    "duo_smollm2-135m-instruct.json": dict(
-        model_type="llama",
-        num_hidden_layers=30,
-        num_key_value_heads=3,
-        num_attention_heads=9,
-        hidden_size=576,
-        vocab_size=49152,
-    ),
+SHIPPED_PATTERNS = {name: dict(zip(_IDENTITY_FIELDS, row)) for name, row in {
+    # SmolLM2-135M-Instruct, the default model
+    "duo_smollm2-135m-instruct.json": ("llama", 30, 3, 9, 576, 49152),
     # Gemma-3-270m (base): 15 sliding-window layers keep the model's own 512-token window; only the gates
     # of the 3 global layers (5, 11, 17) were calibrated (the sliding layers' stay at 1 and are never used)
-    "duo_gemma-3-270m.json": dict(
-        model_type="gemma3_text",
-        num_hidden_layers=18,
-        num_key_value_heads=1,
-        num_attention_heads=4,
-        hidden_size=640,
-        vocab_size=262144,
-    ),
+    "duo_gemma-3-270m.json": ("gemma3_text", 18, 1, 4, 640, 262144),
     # Qwen2.5-Coder-0.5B-Instruct (results/duo/README.md). Qwen2.5-0.5B(-Instruct) has the same config shape and
     # would match too; calibrate your own pattern for it (`kvkit calibrate duo`)
-    "duo_qwen2.5-coder-0.5b-instruct.json": dict(
-        model_type="qwen2",
-        num_hidden_layers=24,
-        num_key_value_heads=2,
-        num_attention_heads=14,
-        hidden_size=896,
-        vocab_size=151936,
-    ),
-}
+    "duo_qwen2.5-coder-0.5b-instruct.json": ("qwen2", 24, 2, 14, 896, 151936),
+}.items()}
 
 
 def model_identity(config, name: str | None = None) -> dict:

@@ -14,22 +14,14 @@ import functools
 import importlib
 import pkgutil
 
+from kvkit.registry import registrar
 from kvkit.vllm.plans.base import LayerContext, Plan  # noqa: F401
 
 _PLANS: dict[str, type[Plan]] = {}
 
 
-def register(name: str):
-    """Class decorator: register a plan dataclass under the policy ``name``."""
-
-    def deco(cls):
-        if name in _PLANS and _PLANS[name] is not cls:
-            raise ValueError(f"kvkit.vllm: plan name {name!r} is already registered by {_PLANS[name].__name__}")
-        cls.name = name
-        _PLANS[name] = cls
-        return cls
-
-    return deco
+#: ``@register("name")``: register a plan dataclass under the policy ``name``
+register = registrar(_PLANS, "kvkit.vllm: plan")
 
 
 @functools.cache
