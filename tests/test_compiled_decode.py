@@ -335,3 +335,28 @@ def test_static_options_are_checked_and_generate_sizes_the_cache():
     finally:
         kvkit.unpatch(model)
     assert "get_compiled_call" not in vars(model) and "generate" not in vars(model)
+
+
+def test_chelsea_static_holds_its_bound_and_compiles_with_reconstruction_scores():
+    """Chelsea's static store: the cluster sizes live in a static buffer too (free slots = a cluster of one), the
+    capacity with a ``max_length`` is its merge bound (fewer slots than tokens), and with the reconstruction
+    protection score (an extra forward after the prefill) the compiled steps still decode the eager tokens."""
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=1)
+    opts = dict(policy_test_options("chelsea"), protect=0.25, protect_score="reconstruct")
+    kvkit.patch(model, "chelsea", **opts)
+    dyn_toks, _, _ = greedy(model, ids, STEPS)
+    kvkit.patch(model, "chelsea", static=True, max_length=256, **opts)
+    try:
+        ref_toks, ref_logits, cache = _decode(model, ids, STEPS, model)
+        assert torch.equal(ref_toks, dyn_toks)
+        layer = cache.layers[0]
+        assert layer.slots_bound() == 256 // 8 * 4 + 2 + 4 + 8 + 8  # chunks x kept + sink + window + chunk + interval
+        assert layer.cap() == layer.slots_bound() < 256
+        assert layer.n_merged > 0 and int(layer.size.max()) > 1  # clusters were merged (sizes above one)
+        free = layer._buf["size"][:, :, layer.held():]
+        assert free.numel() and bool((free == 1).all())
+        cache = _compiled_matches(model, ids, model.get_compiled_call(_config()), ref_toks, ref_logits)
+        assert cache.layers[0].n_merged > 0
+    finally:
+        kvkit.unpatch(model)

@@ -49,8 +49,9 @@ from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_po
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
-from kvkit.stores.base import new_ring, ring_last, ring_write, static_store
+from kvkit.stores.base import new_ring, ring_last, ring_write
 from kvkit.stores.scored import POOL_WINDOWS, pool_group, window_attention
+from kvkit.stores.static import static_store
 
 #: CAKE's tau1/tau2 at cache size 1024 (paper / reference config): name fragment -> (tau1, tau2)
 TAU_TABLE = {

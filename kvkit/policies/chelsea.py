@@ -83,6 +83,7 @@ from kvkit.stores.merge import (
 )
 from kvkit.stores.reconstruct import ReconstructionScoring, forward_to_repeat, reconstruct
 from kvkit.stores.scored import POOL_WINDOWS, pool_group, window_attention
+from kvkit.stores.static import static_store
 
 PROTECT_SCORES = ("window", "reconstruct")
 PROTECT_SCOPES = ("chunk", "context")
@@ -163,6 +164,7 @@ class Chelsea(Policy):
     PROTECT_SHARE: ClassVar[float] = 0.8
     RECON_OVERLAP: ClassVar[int] = 8  # KVzip's prev_postfix_size: tokens of the previous chunk before each repeat
 
+    static_capable: ClassVar[bool] = True
     description = "Chelsea: chunked soft-matching merge of similar keys/values into sized centroids (2506.11418)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = (
@@ -249,7 +251,8 @@ class Chelsea(Policy):
         return not self.reconstructs()  # the reconstruction runs after the prefill: a replayed one skips it
 
     def new_layer(self, info: LayerInfo):
-        return ChelseaStore(info, self.settings(info.config))
+        cls = static_store(ChelseaStore) if info.static else ChelseaStore
+        return cls(info, self.settings(info.config))
 
     # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
     @torch.no_grad()
@@ -257,6 +260,8 @@ class Chelsea(Policy):
         """``protect_score="reconstruct"``: after each multi-token forward (not a verification, not a reconstruction
         forward itself) its tokens are repeated (:func:`kvkit.stores.reconstruct.reconstruct`), every layer takes
         the scores as its protection score and merges."""
+        if torch.compiler.is_compiling():
+            return  # a compiled step (static cache) decodes one token: nothing to repeat
         layers = [layer for layer in cache.layers if isinstance(layer, ChelseaStore)]
         if (cache.scoring_pass or not layers or not layers[0].by_reconstruction
                 or any(layer.verifying for layer in layers)):
@@ -276,9 +281,12 @@ class Chelsea(Policy):
 
 
 class ChelseaStore(ReconstructionScoring, SlotStore):
-    """Merged centroids (first ``n_merged`` slots) + exact slots (sinks, unmerged, window, new)."""
+    """Merged centroids (first ``n_merged`` slots) + exact slots (sinks, unmerged, window, new); each slot carries its
+    cluster ``size`` ``[B, H, n]`` int32. Static (``static_store(ChelseaStore)``): keys, values, pos and size live in
+    fixed-capacity buffers; merges (eager, between compiled steps) rewrite their prefix in place."""
 
     _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto", "score")
+    static_slot_tensors = {"size": 1}  # a static variant's free slots: a new token is a cluster of one
 
     def __init__(self, info: LayerInfo, policy: Chelsea):
         super().__init__(info)
@@ -303,10 +311,21 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
             self.pos = self.pos.expand(-1, H, -1).contiguous()  # centroids differ per head
         one = torch.ones(B, H, T, dtype=torch.int32, device=k.device)
         self.size = one if self.size is None else torch.cat([self.size, one], -1)
-        if self.score is not None:  # generated tokens have no observation score
-            self.score = torch.cat([self.score, self.score.new_zeros(B, H, T)], -1)
-        elif self.by_reconstruction:  # scored by the reconstruction pass after the forward
-            self.score = torch.zeros(B, H, self.keys.shape[2], device=k.device)
+        self._grow_score()
+
+    def appended(self, T: int) -> None:
+        super().appended(T)
+        if self.static:  # the static variant appends without ``append`` past its first tokens (and after compiled
+            self._grow_score()  # steps): its ``size`` buffer already holds 1 on the new slots
+
+    def _grow_score(self) -> None:
+        """The protection score covers every held slot: new tokens have no observation score (0); with
+        ``protect_score="reconstruct"`` the reconstruction pass after the forward scores them."""
+        B, H, n = self.keys.shape[:3]
+        if self.score is not None and self.score.shape[2] < n:
+            self.score = torch.cat([self.score, self.score.new_zeros(B, H, n - self.score.shape[2])], -1)
+        elif self.score is None and self.by_reconstruction:
+            self.score = torch.zeros(B, H, n, device=self.keys.device)
 
     def _drop_last(self, n: int) -> None:
         super()._drop_last(n)
@@ -346,6 +365,15 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
 
     def should_compress(self) -> bool:
         return not self.scoring and self.p.ratio < 1 and self.seen - self.committed >= self.p.merge_interval
+
+    def slots_bound(self) -> int | None:
+        """With a ``max_length`` (a static cache's capacity in tokens): the most slots held, the centroids of every
+        chunk it can hold (``ceil(max_length / chunk_size) x kept_per_chunk``) + the sinks + the recent window + a
+        partial chunk + the tokens of one merge interval; None (no bound: the buffers grow) without one."""
+        p, L = self.p, self.info.max_length
+        if not L or p.ratio >= 1:
+            return None
+        return -(-L // p.chunk_size) * p.kept_per_chunk + p.sink + p.window + p.chunk_size + p.merge_interval
 
     def compress(self) -> None:
         """Merge each row's complete chunks between the sinks and the recent window (those not merged yet) into

@@ -54,7 +54,8 @@ from kvkit.policies.duo_patterns import (
 from kvkit.policies.streaming import StreamingStore
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, StoreMixin, crop_count
-from kvkit.stores.base import SeenLength, static_store
+from kvkit.stores.base import SeenLength
+from kvkit.stores.static import static_store
 
 
 # ---- pattern -> heads ----------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ class DuoStore(SeenLength, StoreMixin, CacheLayerMixin):
 
     ``update`` splits the new keys/values ``[B, H, T, D]`` by KV head; ``attend`` routes each group of
     query heads to its KV head's store and scatters the outputs back into the model's head order.
-    In a static cache both parts are static (:func:`~kvkit.stores.base.static_store`): the retrieval part's
+    In a static cache both parts are static (:func:`~kvkit.stores.static.static_store`): the retrieval part's
     capacity is the cache's (``max_length`` / ``ensure_capacity``), the streaming part's ``sink + recent + tail``;
     the step's splits and gathers have fixed shapes, so it compiles whole.
     """

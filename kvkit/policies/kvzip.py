@@ -41,7 +41,7 @@ import torch
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
-from kvkit.stores.base import SlotStore, static_store, tensor_bytes
+from kvkit.stores.base import SlotStore, tensor_bytes
 from kvkit.stores.reconstruct import (
     ReconstructionScoring,
     block_part,
@@ -50,6 +50,7 @@ from kvkit.stores.reconstruct import (
     score_blocks,
 )
 from kvkit.stores.scored import ScoredStore, window_attention
+from kvkit.stores.static import static_store
 
 
 @dataclass

@@ -30,8 +30,8 @@ from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
-from kvkit.stores.base import static_store
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
+from kvkit.stores.static import static_store
 
 
 @register("snapkv")

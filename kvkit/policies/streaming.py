@@ -26,8 +26,8 @@ import torch
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
-from kvkit.stores.base import static_store
 from kvkit.stores.scored import ScoredStore
+from kvkit.stores.static import static_store
 
 
 @register("streaming")

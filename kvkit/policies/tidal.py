@@ -69,7 +69,7 @@ from kvkit.kernels import gather_attend
 from kvkit.policies.base import Policy, check_choice, check_positive_int
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
-from kvkit.stores.base import static_store
+from kvkit.stores.static import static_store
 
 FULL_LAYERS = 2  # TidalDecode: layers 0 and 1 use full attention
 SELECT_LAYER = 2  # TidalDecode: the first token-selection layer
