@@ -87,7 +87,7 @@ def test_plans_reuse_the_transformers_option_names():
             assert shared <= set(kvkit.registry.policy_options(name)), name
 
 
-def test_a_new_plan_is_one_registered_class(monkeypatch):
+def test_a_new_plan_is_one_registered_class(request):
     """What a plan file holds: a Plan dataclass registered by name; the switch parses it, checks its options, writes
     it back, and names its options in errors."""
     from dataclasses import dataclass
@@ -95,7 +95,8 @@ def test_a_new_plan_is_one_registered_class(monkeypatch):
     from kvkit.vllm import plans
     from kvkit.vllm.plans.base import Plan, require_int
 
-    monkeypatch.setattr(plans, "_PLANS", dict(plans.plans()))
+    plans.plans()  # the built-in plans first; the toy one leaves the registry with the test
+    request.addfinalizer(lambda: plans._PLANS.pop("toy", None))
 
     @plans.register("toy")
     @dataclass(frozen=True)
