@@ -24,8 +24,13 @@ def _split_pairs(item: str) -> list[str]:
     return out
 
 
+#: values of ``key=value`` pairs read as Python literals (JSON's own ``true``/``false``/``null`` parse as JSON)
+_PY_LITERALS = {"True": True, "False": False, "None": None}
+
+
 def parse_options(pairs: list[str] | None, json_opts: str | None = None) -> dict:
-    """``--policy-options '{"budget": 512}'`` plus ``--opt budget=512,sink=4`` (repeatable)."""
+    """``--policy-options '{"budget": 512}'`` plus ``--opt budget=512,sink=4`` (repeatable). A value is read as
+    JSON (``512``, ``0.5``, ``true``, ``[1,2]``), ``True``/``False``/``None`` as Python's, anything else as text."""
     out = {}
     if json_opts:
         try:
@@ -42,6 +47,9 @@ def parse_options(pairs: list[str] | None, json_opts: str | None = None) -> dict
             if "=" not in pair:
                 raise ValueError(f"--opt {pair!r} must look like key=value")
             k, v = pair.split("=", 1)
+            if v.strip() in _PY_LITERALS:  # Python's spelling of true / false / null
+                out[k.strip()] = _PY_LITERALS[v.strip()]
+                continue
             try:
                 out[k.strip()] = json.loads(v)
             except json.JSONDecodeError:

@@ -85,4 +85,7 @@ def get_policy(name, **options) -> Policy:
             f"unknown option(s) {', '.join(map(repr, unknown))} for policy {name!r}; "
             f"valid options: {', '.join(f'{k}={v!r}' for k, v in valid.items()) or '(none)'}"
         )
+    for f in dataclasses.fields(cls):  # a switch given as text ("False") would be truthy: refused, not read
+        if f.name in options and f.type in ("bool", bool) and not isinstance(options[f.name], bool):
+            raise ValueError(f"{name}: {f.name} must be true or false, got {options[f.name]!r}")
     return cls(**options)

@@ -75,3 +75,16 @@ def test_unsupported_transformers_release_is_refused_with_what_to_install():
     for v in ("5.25.0", "5.15.1", "4.57.6", "6.0.0"):
         with pytest.raises(RuntimeError, match=r"pip install 'transformers>=5.16,<5.25'"):
             check_transformers(v)
+
+
+@pytest.mark.parametrize("policy", [p for p in kvkit.available_policies() if "calibrated" in kvkit.policy_options(p)])
+def test_a_switch_given_as_text_is_refused_and_python_spellings_parse(policy):
+    """``--run x=tidal:calibrated=False`` once handed the text "False" to the policy (truthy: the calibration stayed
+    on, silently): now ``True``/``False``/``None`` parse as Python's values and a text switch is refused."""
+    from kvkit.options import parse_options
+
+    assert parse_options(["calibrated=False,budget=64,name=x"]) == {"calibrated": False, "budget": 64, "name": "x"}
+    assert parse_options(["calibrated=false,x=None"]) == {"calibrated": False, "x": None}
+    assert kvkit.get_policy(policy, calibrated=False).calibrated is False
+    with pytest.raises(ValueError, match="calibrated must be true or false"):
+        kvkit.get_policy(policy, calibrated="False")
