@@ -38,11 +38,11 @@ def tiny_dir(tmp_path_factory):
 def no_model_load(monkeypatch):
     """Loading a model (``kvkit run``'s and the eval commands' loaders) raises :class:`kvkit.testing.ModelLoaded`:
     for tests that bad input is refused before any model loads."""
-    from kvkit.evals import cli as eval_cli
+    from kvkit.evals.commands import runs as eval_runs
     from kvkit.testing import ModelLoaded
 
     def refuse(*a, **k):
         raise ModelLoaded("the model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(eval_cli, "_load", refuse)
+    monkeypatch.setattr(eval_runs, "load", refuse)
     monkeypatch.setattr("kvkit.models.load", refuse)

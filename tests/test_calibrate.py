@@ -286,7 +286,7 @@ def test_calibrated_chelsea_protection_found_from_config(caldir):
         (16, 5, "trailing")}
     greedy(model, _ids(60), 3)
     kvkit.unpatch(model)
-    from kvkit.evals.common import calibration_used
+    from kvkit.evals.settings import calibration_used
 
     assert calibration_used(model, "chelsea", {"ratio": 0.5, "protect": 0}) is None
     assert calibration_used(model, "chelsea", {"ratio": 0.5})["options"]["chunk_size"] == 16
@@ -491,7 +491,7 @@ def test_answer_logprob_is_the_teacher_forced_likelihood():
     """With the full cache, the margin equals the answer tokens' log-probability from one plain forward over
     context + question + answer; a policy that evicts the context changes it."""
     from kvkit.calibrate.needles import NeedleSample, answer_logprob
-    from kvkit.evals.common import encode
+    from kvkit.evals.generation import encode
     from kvkit.evals.shared_prefill import record_prefill
 
     model = tiny_model("llama", num_hidden_layers=4)
@@ -608,7 +608,8 @@ def test_calibration_cli_passes_the_needle_values(monkeypatch, tmp_path):
 def test_run_config_records_the_calibration_and_resume_refuses_another(caldir, tmp_path):
     """A run folder records the calibrated options its policy used; resuming it after a recalibration is refused
     (rows of two settings would mix), a folder made before the field existed still resumes."""
-    from kvkit.evals.common import RunDir, calibration_used
+    from kvkit.evals.rundir import RunDir
+    from kvkit.evals.settings import calibration_used
 
     model = tiny_model("llama", num_hidden_layers=4)
     _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="max")})

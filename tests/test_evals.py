@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvkit.cli import main
-from kvkit.evals import common, longbench
+from kvkit.evals import files, longbench, rundir, runner
 from kvkit.evals.report import compare, compare_matched
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
@@ -41,7 +41,7 @@ def test_ruler_end_to_end_writes_all_files(tiny_dir, tmp_path):
     assert run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_1,vt",
                "--samples", 2, "--out", out) == 0
     assert _files(out) == {"config.json", "samples.jsonl", "summary.json", "summary.md", "summary.csv"}
-    rows = common.read_jsonl(out / "samples.jsonl")
+    rows = files.read_jsonl(out / "samples.jsonl")
     # run index-major: a run stopped early covers every task with the same number of samples
     assert [r["id"] for r in rows] == ["niah_single_1/0", "vt/0", "niah_single_1/1", "vt/1"]
     for r in rows:
@@ -59,7 +59,7 @@ def test_dump_prompts_then_run_from_file(tiny_dir, tmp_path):
     f = tmp_path / "prompts.jsonl"
     assert run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_2",
                "--samples", 1, "--dump-prompts", f) == 0
-    rows = common.read_jsonl(f)
+    rows = files.read_jsonl(f)
     assert len(rows) == 1 and rows[0]["task"] == "niah_single_2" and rows[0]["target_length"] == 1024
     f2 = tmp_path / "again.jsonl"
     run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_2", "--samples", 1,
@@ -74,7 +74,7 @@ def test_dump_prompts_then_run_from_file(tiny_dir, tmp_path):
 
 def test_crash_leaves_whole_files_and_resume_finishes(tiny_dir, tmp_path, monkeypatch):
     out = tmp_path / "crash"
-    real = common.generate
+    real = runner.generate
     calls = []
     crash = [True]
 
@@ -84,25 +84,25 @@ def test_crash_leaves_whole_files_and_resume_finishes(tiny_dir, tmp_path, monkey
             raise RuntimeError("simulated crash")
         return real(*a, **k)
 
-    monkeypatch.setattr(common, "generate", flaky)
+    monkeypatch.setattr(runner, "generate", flaky)
     args = ("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "niah_single_1", "--samples", 3,
             "--out", out, "--max-new-tokens", 4)
     with pytest.raises(RuntimeError, match="simulated"):
         run(*args)
     assert _files(out) == {"config.json", "samples.jsonl"}  # no temp files, no summary
-    assert len(common.read_jsonl(out / "samples.jsonl")) == 1
+    assert len(files.read_jsonl(out / "samples.jsonl")) == 1
     assert run(*args) == 2  # refuses to overwrite without --resume
     calls.clear()
     crash[0] = False
     assert run(*args, "--resume") == 0
     assert len(calls) == 2  # only the two missing samples ran
-    assert [r["id"] for r in common.read_jsonl(out / "samples.jsonl")] == [f"niah_single_1/{i}" for i in range(3)]
+    assert [r["id"] for r in files.read_jsonl(out / "samples.jsonl")] == [f"niah_single_1/{i}" for i in range(3)]
     assert "summary.json" in _files(out)
 
 
 def test_resume_with_other_config_is_refused(tiny_dir, tmp_path, capsys):
     out = tmp_path / "r"
-    common.atomic_write_json(out / "config.json", {"benchmark": "ruler", "policy": "streaming"})
+    files.atomic_write_json(out / "config.json", {"benchmark": "ruler", "policy": "streaming"})
     assert run("eval", "ruler", "--model", tiny_dir, "--length", 1024, "--tasks", "vt", "--samples", 1,
                "--out", out, "--resume") == 2
     assert "different configuration" in capsys.readouterr().err
@@ -188,7 +188,7 @@ def test_niah_grid_and_heatmap(tiny_dir, tmp_path):
 
 def test_compare_joins_summaries_with_retention(tmp_path):
     def fake(name, policy, options, scores):
-        common.atomic_write_json(tmp_path / name / "summary.json", dict(
+        files.atomic_write_json(tmp_path / name / "summary.json", dict(
             benchmark="ruler", model="m", length=4096, policy=policy, options=options, scores=scores,
             average=sum(scores.values()) / len(scores)))
         return tmp_path / name
@@ -228,13 +228,13 @@ def test_sweep_shares_prefill_and_matches_single_runs(tiny_dir, tmp_path, capsys
         out = tmp_path / f"single-{name}"
         assert run("eval", "ruler", "--model", tiny_dir, "--prompts", f, "--policy", pol, *opts, "--out", out,
                    "--max-new-tokens", 6) == 0
-        singles[name] = common.read_jsonl(out / "samples.jsonl")
+        singles[name] = files.read_jsonl(out / "samples.jsonl")
     root = tmp_path / "sweep"
     argv = ["eval", "sweep", "--model", tiny_dir, "--prompts", f, "--out-root", root, "--max-new-tokens", 6,
             "--run", "cake=cake:budget=256", "--run", "zip=zipcache", "--run", "tidal=tidal:budget=128,selection=kv_head"]
     assert run(*argv) == 0
     for name, rows in singles.items():
-        swept = common.read_jsonl(root / name / "samples.jsonl")
+        swept = files.read_jsonl(root / name / "samples.jsonl")
         assert [r["id"] for r in swept] == [r["id"] for r in rows] == ["niah_single_1/0", "qa_1/0"]
         for a, b in zip(swept, rows):
             assert a["prediction"] == b["prediction"] and a["kv_bytes"] == b["kv_bytes"] and a["score"] == b["score"]
@@ -246,7 +246,7 @@ def test_sweep_shares_prefill_and_matches_single_runs(tiny_dir, tmp_path, capsys
         assert (root / name / "summary.md").exists()
     # a single run's folder can be resumed by a sweep (same configuration) and nothing is redone
     assert run(*argv, "--resume") == 0
-    assert len(common.read_jsonl(root / "cake" / "samples.jsonl")) == 2
+    assert len(files.read_jsonl(root / "cake" / "samples.jsonl")) == 2
     assert run("eval", "sweep", "--model", tiny_dir, "--prompts", f, "--out-root", root, "--run", "cake") != 0
     assert "NAME=POLICY" in capsys.readouterr().err
     assert run("eval", "sweep", "--model", tiny_dir, "--prompts", f, "--out-root", root, "--run", "x=cake:budgett=3") != 0
@@ -256,9 +256,9 @@ def test_sweep_shares_prefill_and_matches_single_runs(tiny_dir, tmp_path, capsys
 def test_compare_matched_scores_runs_on_the_full_runs_samples(tmp_path):
     def fake(name, policy, rows):
         d = tmp_path / name
-        common.atomic_write_json(d / "config.json", dict(benchmark="ruler", model="m", length=4096, policy=policy,
+        files.atomic_write_json(d / "config.json", dict(benchmark="ruler", model="m", length=4096, policy=policy,
                                                          options={} if policy == "full" else {"budget": 8}))
-        common.atomic_write_jsonl(d / "samples.jsonl", [dict(id=f"{t}/{i}", task=t, score=sc, kv_bytes=kv)
+        files.atomic_write_jsonl(d / "samples.jsonl", [dict(id=f"{t}/{i}", task=t, score=sc, kv_bytes=kv)
                                                        for t, i, sc, kv in rows])
         return d
 
@@ -294,29 +294,29 @@ def test_bench_several_policies_one_full_baseline(tiny_dir, tmp_path, capsys):
 def test_two_writers_on_one_run_folder_keep_each_others_rows(tmp_path):
     # two sweep processes split by --tasks share the run folders: each add() merges what the other wrote
     cfg = {"benchmark": "ruler", "policy": "full"}
-    a = common.RunDir(tmp_path / "run", cfg, resume=True)
-    b = common.RunDir(tmp_path / "run", cfg, resume=True)
+    a = rundir.RunDir(tmp_path / "run", cfg, resume=True)
+    b = rundir.RunDir(tmp_path / "run", cfg, resume=True)
     a.add({"id": "t1/0", "score": 1.0})
     b.add({"id": "t2/0", "score": 0.0})
     a.add({"id": "t1/1", "score": 0.5})
     b.add({"id": "t2/1", "score": 1.0})
-    on_disk = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    on_disk = files.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert sorted(r["id"] for r in on_disk) == ["t1/0", "t1/1", "t2/0", "t2/1"]
     assert {r["id"] for r in b.rows} == {"t1/0", "t1/1", "t2/0", "t2/1"}
     # a row re-added under an id already on disk replaces it instead of duplicating it
     a.add({"id": "t2/0", "score": 1.0})
-    on_disk = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    on_disk = files.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert len(on_disk) == 4 and [r["score"] for r in on_disk if r["id"] == "t2/0"] == [1.0]
 
 
 def test_option_pairs_keep_lists_whole():
     """``--opt`` / ``--run`` options: commas inside brackets belong to the value (tidal's select_layers)."""
     from kvkit.cli import parse_options
-    from kvkit.evals.cli import _parse_run
+    from kvkit.evals.commands.runs import parse_run
 
     assert parse_options(["budget=835,select_layers=[2,6,9],selection=kv_head"]) == {
         "budget": 835, "select_layers": [2, 6, 9], "selection": "kv_head"}
-    name, pol, opts = _parse_run("t=tidal:budget=835,select_layers=[2,6,9]")
+    name, pol, opts = parse_run("t=tidal:budget=835,select_layers=[2,6,9]")
     assert (name, pol, opts["select_layers"], opts["budget"]) == ("t", "tidal", [2, 6, 9], 835)
     with pytest.raises(ValueError, match="key=value"):
         parse_options(["budget=8,[2,3]"])

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from kvkit.evals import niah, ruler
-from kvkit.evals.common import count_tokens
+from kvkit.evals import niah, ruler, ruler_tasks
+from kvkit.evals.generation import count_tokens
 
 TARGET = 2048
 
@@ -21,7 +21,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def samples(tok):
-    return {name: ruler.generate_sample(tok, name, 3, TARGET, seed=7) for name in ruler.TASKS}
+    return {name: ruler.generate_sample(tok, name, 3, TARGET, seed=7) for name in ruler_tasks.TASKS}
 
 
 def _context(prompt: str, start: str, end: str) -> str:
@@ -29,18 +29,18 @@ def _context(prompt: str, start: str, end: str) -> str:
     return prompt[i:prompt.index(end, i)]
 
 
-@pytest.mark.parametrize("name", list(ruler.TASKS))
+@pytest.mark.parametrize("name", list(ruler_tasks.TASKS))
 def test_length_within_2_percent(tok, samples, name):
     s = samples[name]
     measured = count_tokens(tok, s["prompt"]) + s["tokens_to_generate"]
     assert measured == s["length"]
     assert 0.98 * TARGET <= measured <= TARGET, (name, measured)
     assert s["prompt"].startswith("<|im_start|>")  # the chat template was applied
-    assert s["prompt"].rstrip().endswith(ruler.TEMPLATES[ruler.TASKS[name].kind][1].strip().split(" ")[-1]) \
+    assert s["prompt"].rstrip().endswith(ruler_tasks.TEMPLATES[ruler_tasks.TASKS[name].kind][1].strip().split(" ")[-1]) \
         or name.startswith("niah")  # answer prefix after the template
 
 
-@pytest.mark.parametrize("name", [n for n, t in ruler.TASKS.items() if t.kind == "niah"])
+@pytest.mark.parametrize("name", [n for n, t in ruler_tasks.TASKS.items() if t.kind == "niah"])
 def test_niah_needles_at_stated_depth(samples, name):
     s = samples[name]
     ctx = _context(s["prompt"], "afterwards.\n", "\nWhat is" if "What is" in s["prompt"] else "\nWhat are")
@@ -112,7 +112,7 @@ def test_deterministic_and_seed_dependent(tok):
 def test_unknown_task_and_too_short():
     with pytest.raises(ValueError, match="unknown RULER task.*'nope'.*known tasks: niah_single_1"):
         ruler.parse_tasks("niah_single_1,nope")
-    assert ruler.parse_tasks("all") == list(ruler.TASKS) and len(ruler.TASKS) == 13
+    assert ruler.parse_tasks("all") == list(ruler_tasks.TASKS) and len(ruler_tasks.TASKS) == 13
 
 
 def test_length_too_small_is_clear(tok):
@@ -120,7 +120,7 @@ def test_length_too_small_is_clear(tok):
         ruler.generate_sample(tok, "qa_2", 0, 200)
 
 
-@pytest.mark.parametrize("name", list(ruler.TASKS))
+@pytest.mark.parametrize("name", list(ruler_tasks.TASKS))
 def test_context_split_puts_the_question_after_compression(samples, name):
     s = samples[name]
     head, tail = s["prompt"][:s["context_end"]], s["prompt"][s["context_end"]:]

@@ -1,4 +1,4 @@
-"""``kvkit bench --shape NAME`` (kvkit/evals/gpu_bench.py) on the CPU with the tiny shape: the whole benchmark
+"""``kvkit bench --shape NAME`` (kvkit/evals/gpu/) on the CPU with the tiny shape: the whole benchmark
 through the CLI, its files, its rows (the compiled ``<policy> static+compile`` rows included), the byte-bound
 arithmetic, the time limit and the errors for unknown shapes / rows.
 
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from kvkit.cli import main
-from kvkit.evals import gpu_bench
+from kvkit.evals import gpu
 
 B, L, WARMUP, STEPS = 2, 48, 2, 4
 ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal", "chelsea"]
@@ -147,30 +147,30 @@ def test_byte_counts_and_bound(out):
 
 def test_bound_arithmetic_by_hand():
     # 2 GB of weights + 1 GB of KV at 3 TB/s: 1 ms
-    assert gpu_bench.byte_bound_ms(2_000_000_000, 1_000_000_000, 3e12) == pytest.approx(1.0)
+    assert gpu.byte_bound_ms(2_000_000_000, 1_000_000_000, 3e12) == pytest.approx(1.0)
     # full 10 ms, row 4 ms, row's bound 2 ms: 6 of the 8 ms to the bound
-    assert gpu_bench.fraction_to_bound(10.0, 4.0, 2.0) == pytest.approx(0.75)
-    assert gpu_bench.fraction_to_bound(10.0, 12.0, 2.0) == pytest.approx(-0.25)  # slower than full: not clamped
-    assert gpu_bench.fraction_to_bound(10.0, 1.0, 2.0) == pytest.approx(1.125)  # under its bound: not clamped
-    assert gpu_bench.fraction_to_bound(2.0, 1.0, 2.0) is None and gpu_bench.fraction_to_bound(None, 1.0, 2.0) is None
+    assert gpu.fraction_to_bound(10.0, 4.0, 2.0) == pytest.approx(0.75)
+    assert gpu.fraction_to_bound(10.0, 12.0, 2.0) == pytest.approx(-0.25)  # slower than full: not clamped
+    assert gpu.fraction_to_bound(10.0, 1.0, 2.0) == pytest.approx(1.125)  # under its bound: not clamped
+    assert gpu.fraction_to_bound(2.0, 1.0, 2.0) is None and gpu.fraction_to_bound(None, 1.0, 2.0) is None
 
 
 def test_parse_rows():
-    rows = gpu_bench.parse_rows(["streaming:budget=8,sink=2", "hf-dynamic,full", "streaming:budget=8,sink=2"])
+    rows = gpu.parse_rows(["streaming:budget=8,sink=2", "hf-dynamic,full", "streaming:budget=8,sink=2"])
     assert rows == [("full", {}), ("streaming", {"budget": 8, "sink": 2}), ("hf-dynamic", {})]
-    assert [n for n, _ in gpu_bench.parse_rows(None)][:3] == ["full", "hf-dynamic", "hf-static"]
-    plan = [gpu_bench.compiled_name(n) if c else n for n, _, c in gpu_bench.plan_rows(gpu_bench.parse_rows(None))]
+    assert [n for n, _ in gpu.parse_rows(None)][:3] == ["full", "hf-dynamic", "hf-static"]
+    plan = [gpu.compiled_name(n) if c else n for n, _, c in gpu.plan_rows(gpu.parse_rows(None))]
     # the most wanted rows first; compiled rows only for the policies with static stores
     assert plan[:6] == ["full", "full static+compile", "hf-dynamic", "hf-static", "streaming",
                         "streaming static+compile"]
     assert {p for p in plan if p.endswith("static+compile")} == {
         f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake", "kvzip")}
-    assert [n for n, _, c in gpu_bench.plan_rows(gpu_bench.parse_rows(None), compiled=False)] == \
-        [n for n, _ in gpu_bench.parse_rows(None)]
+    assert [n for n, _, c in gpu.plan_rows(gpu.parse_rows(None), compiled=False)] == \
+        [n for n, _ in gpu.parse_rows(None)]
     with pytest.raises(ValueError, match="takes no options"):
-        gpu_bench.parse_rows(["hf-static:x=1"])
+        gpu.parse_rows(["hf-static:x=1"])
     with pytest.raises(ValueError, match="unknown option"):
-        gpu_bench.parse_rows(["streaming:nope=1"])
+        gpu.parse_rows(["streaming:nope=1"])
 
 
 def test_unknown_shape_and_row(tmp_path, capsys):
@@ -211,13 +211,13 @@ def test_time_estimate_counts_the_compile():
     import torch
 
     spec = [("full", {})]
-    cpu = gpu_bench.Bench("tiny", "cpu", torch.float32, spec, 1, 16)
-    assert cpu.compile_estimate == gpu_bench.COMPILE_ESTIMATE_S["cpu"] == 20.0
-    assert gpu_bench.Bench("tiny", "cpu", torch.float32, spec, 1, 16, compile_backend="aot_eager").compile_estimate == 5
-    assert gpu_bench.COMPILE_ESTIMATE_S["cuda"] == 30.0
+    cpu = gpu.Bench("tiny", "cpu", torch.float32, spec, 1, 16)
+    assert cpu.compile_estimate == gpu.COMPILE_ESTIMATE_S["cpu"] == 20.0
+    assert gpu.Bench("tiny", "cpu", torch.float32, spec, 1, 16, compile_backend="aot_eager").compile_estimate == 5
+    assert gpu.COMPILE_ESTIMATE_S["cuda"] == 30.0
     assert cpu._estimate(True, [2.0, 4.0], []) == pytest.approx(23.0)
     assert cpu._estimate(True, [2.0], [10.0, 30.0]) == pytest.approx(20.0)
     assert cpu._estimate(False, [2.0, 4.0], [10.0]) == pytest.approx(3.0)
     assert cpu._estimate(False, [], [10.0]) == 0.0 and cpu._estimate(True, [], []) == 20.0
     assert [c for _, _, c in cpu.plan] == [False, True]
-    assert [c for _, _, c in gpu_bench.Bench("tiny", "cpu", torch.float32, spec, 1, 16, compiled=False).plan] == [False]
+    assert [c for _, _, c in gpu.Bench("tiny", "cpu", torch.float32, spec, 1, 16, compiled=False).plan] == [False]

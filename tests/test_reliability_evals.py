@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvkit.cli import main
-from kvkit.evals import common, longbench
+from kvkit.evals import files, longbench, report, rundir
 from kvkit.evals.report import compare_matched
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_longbench_duplicate_id_records_all_scored_end_to_end(tiny_dir, tmp_path
     out = tmp_path / "lb"
     assert run("eval", "longbench", "--model", tiny_dir, "--data-dir", data, "--tasks", "hotpotqa",
                "--length", 1024, "--out", out, "--max-new-tokens", 1) == 0
-    assert len(common.read_jsonl(out / "samples.jsonl")) == 3
+    assert len(files.read_jsonl(out / "samples.jsonl")) == 3
     assert json.loads((out / "summary.json").read_text())["samples_scored"] == 3
 
 
@@ -108,25 +108,25 @@ def _rows(ids, score=1.0, task="vt", kv=100):
 def test_resume_with_repeated_row_id_does_not_double_count(tmp_path):
     d = tmp_path / "run"
     cfg = {"benchmark": "ruler", "policy": "full", "options": {}, "length": 1024}
-    common.RunDir(d, cfg)
+    rundir.RunDir(d, cfg)
     rows = _rows(["vt/0", "vt/1"]) + [dict(_rows(["vt/0"])[0], score=0.0)]  # vt/0 twice; the last one wins
-    common.atomic_write_jsonl(d / "samples.jsonl", rows)
+    files.atomic_write_jsonl(d / "samples.jsonl", rows)
     with pytest.warns(UserWarning, match=r"vt/0"):
-        run_dir = common.RunDir(d, cfg, resume=True)
+        run_dir = rundir.RunDir(d, cfg, resume=True)
     assert [r["id"] for r in run_dir.rows] == ["vt/0", "vt/1"]
     assert {r["id"]: r["score"] for r in run_dir.rows} == {"vt/0": 0.0, "vt/1": 1.0}
-    assert common.task_scores(run_dir.rows, ["vt"])["scores"] == {"vt": 50.0}
+    assert report.task_scores(run_dir.rows, ["vt"])["scores"] == {"vt": 50.0}
     with pytest.warns(UserWarning, match=r"vt/0"):
         run_dir.add(_rows(["vt/2"])[0])
-    assert [r["id"] for r in common.read_jsonl(d / "samples.jsonl")] == ["vt/0", "vt/1", "vt/2"]
+    assert [r["id"] for r in files.read_jsonl(d / "samples.jsonl")] == ["vt/0", "vt/1", "vt/2"]
 
 
 def test_compare_matched_with_repeated_row_id_does_not_double_count(tmp_path):
     for name, policy, rows in [("full", "full", _rows(["vt/0", "vt/1"], kv=200)),
                                ("s", "streaming", _rows(["vt/0", "vt/0", "vt/1"]))]:
-        common.atomic_write_json(tmp_path / name / "config.json",
+        files.atomic_write_json(tmp_path / name / "config.json",
                                  {"benchmark": "ruler", "model": "m", "length": 1024, "policy": policy, "options": {}})
-        common.atomic_write_jsonl(tmp_path / name / "samples.jsonl", rows)
+        files.atomic_write_jsonl(tmp_path / name / "samples.jsonl", rows)
     with pytest.warns(UserWarning, match=r"vt/0"):
         md = compare_matched([tmp_path / "full", tmp_path / "s"])
     streaming = next(line for line in md.splitlines() if "| streaming |" in line)

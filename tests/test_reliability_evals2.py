@@ -19,8 +19,8 @@ from argparse import Namespace
 import pytest
 
 from kvkit.cli import main
-from kvkit.evals import cli as eval_cli
-from kvkit.evals import common, ruler
+from kvkit.evals import files, generation, ruler, rundir, runner, settings
+from kvkit.evals.commands import runs as eval_runs
 from kvkit.evals.report import compare, compare_matched
 
 
@@ -54,7 +54,7 @@ def _niah(tiny_dir, out, *extra):
 
 def _summary(tmp_path, name, policy, average, **settings):
     d = tmp_path / name
-    common.atomic_write_json(d / "summary.json", dict(dict(
+    files.atomic_write_json(d / "summary.json", dict(dict(
         benchmark="ruler", model="m", length=4096, seed=42, dtype="float32", policy=policy,
         options={} if policy == "full" else {"budget": 512}, scores={"vt": average}, average=average), **settings))
     return d
@@ -116,10 +116,10 @@ def test_compare_retention_only_against_a_baseline_of_the_same_settings(tmp_path
 def _run(tmp_path, name, policy, rows, **cfg):
     """A run folder: config.json (ruler, seed 42, float32 unless given) and samples.jsonl of (id, score[, extra])."""
     d = tmp_path / name
-    common.atomic_write_json(d / "config.json", dict(dict(benchmark="ruler", model="m", length=4096, seed=42,
+    files.atomic_write_json(d / "config.json", dict(dict(benchmark="ruler", model="m", length=4096, seed=42,
                                                           dtype="float32", policy=policy,
                                                           options={} if policy == "full" else {"budget": 8}), **cfg))
-    common.atomic_write_jsonl(d / "samples.jsonl", [dict(id=r[0], task=r[0].split("/")[0], score=r[1], kv_bytes=100,
+    files.atomic_write_jsonl(d / "samples.jsonl", [dict(id=r[0], task=r[0].split("/")[0], score=r[1], kv_bytes=100,
                                                          **(r[2] if len(r) > 2 else {})) for r in rows])
     return d
 
@@ -153,7 +153,7 @@ def test_rows_record_their_sample_identity_and_compare_matched_refuses_another_s
     assert _niah(tiny_dir, a, "--seed", 1) == 0
     assert _niah(tiny_dir, b, "--seed", 1, "--policy", "streaming", "--budget", 64) == 0
     assert _niah(tiny_dir, c, "--seed", 2, "--policy", "streaming", "--budget", 64) == 0
-    ra, rc = (common.read_jsonl(d / "samples.jsonl")[0] for d in (a, c))
+    ra, rc = (files.read_jsonl(d / "samples.jsonl")[0] for d in (a, c))
     assert ra["id"] == rc["id"] and ra["seed"] == 1 and rc["seed"] == 2 and ra["sample_sha"] != rc["sample_sha"]
     assert "| streaming | budget=64 | 1 |" in compare_matched([a, b])
     with pytest.raises(ValueError, match="seed 2 \\(baseline 1\\)"):
@@ -186,33 +186,33 @@ def test_resume_checks_the_content_of_a_pattern_file(tiny_dir, tmp_path, capsys)
     argv = ("--policy", "duo", "--opt", f"pattern={pattern}", "--opt", "sink=4,recent=32")
     assert _niah(tiny_dir, out, *argv) == 0
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["option_files"] == {"pattern": common.file_sha256(pattern)}
+    assert cfg["option_files"] == {"pattern": settings.file_sha256(pattern)}
     assert _niah(tiny_dir, out, *argv, "--resume") == 0
     pattern.write_text("0.1\t0.9\n0.2\t0.8\n0.3\t0.7\n")  # other retrieval heads, same path
     assert _niah(tiny_dir, out, *argv, "--resume") == 2
     err = capsys.readouterr().err
-    assert "option_files: the folder has {'pattern': " in err and common.file_sha256(pattern) in err
+    assert "option_files: the folder has {'pattern': " in err and settings.file_sha256(pattern) in err
 
 
 def test_option_files_and_config_recorded_in_the_config(tmp_path):
     f = tmp_path / "p.tsv"
     f.write_text("1\t0\n")
     args = Namespace(model="m", seed=42, device="cpu", dtype="float32", max_new_tokens=None, full_prompt_prefill=False)
-    cfg = eval_cli._config(args, "ruler", "duo", {"pattern": str(f), "sink": 4})
-    assert cfg["option_files"] == {"pattern": common.file_sha256(f)} and cfg["dtype"] == "float32"
-    assert common.option_files({"selection": "kv_head", "budget": 8}) == {}
+    cfg = eval_runs.run_config(args, "ruler", "duo", {"pattern": str(f), "sink": 4})
+    assert cfg["option_files"] == {"pattern": settings.file_sha256(f)} and cfg["dtype"] == "float32"
+    assert settings.option_files({"selection": "kv_head", "budget": 8}) == {}
 
 
 def test_resume_keys_recorded_later_still_resume_old_folders(tmp_path):
     cfg = {"benchmark": "ruler", "policy": "duo", "options": {"pattern": "p.tsv"}, "dtype": "float32",
            "option_files": {"pattern": "ab12"}, "calibration": None}
     old = {k: v for k, v in cfg.items() if k not in ("option_files", "calibration")}
-    with common.RunDir(tmp_path / "old", old):
+    with rundir.RunDir(tmp_path / "old", old):
         pass
-    with common.RunDir(tmp_path / "old", cfg, resume=True):
+    with rundir.RunDir(tmp_path / "old", cfg, resume=True):
         pass
     with pytest.raises(ValueError, match="dtype: the folder has 'float32', this run asks for 'float16'"):
-        common.RunDir(tmp_path / "old", dict(cfg, dtype="float16"), resume=True)
+        rundir.RunDir(tmp_path / "old", dict(cfg, dtype="float16"), resume=True)
 
 
 def test_resume_refuses_finished_rows_made_from_other_prompts(tiny_dir, tmp_path, capsys):
@@ -220,9 +220,9 @@ def test_resume_refuses_finished_rows_made_from_other_prompts(tiny_dir, tmp_path
     assert run("eval", "niah", "--model", tiny_dir, "--lengths", 256, "--depths", 2, "--dump-prompts", f) == 0
     out = tmp_path / "run"
     assert run("eval", "niah", "--model", tiny_dir, "--prompts", f, "--out", out, "--max-new-tokens", 2) == 0
-    samples = common.read_jsonl(f)
+    samples = files.read_jsonl(f)
     samples[1]["prompt"] = samples[1]["prompt"].replace("magic", "secret")  # the file edited since, same ids
-    common.atomic_write_jsonl(f, samples)
+    files.atomic_write_jsonl(f, samples)
     assert run("eval", "niah", "--model", tiny_dir, "--prompts", f, "--out", out, "--max-new-tokens", 2,
                "--resume") == 2
     err = capsys.readouterr().err
@@ -231,8 +231,8 @@ def test_resume_refuses_finished_rows_made_from_other_prompts(tiny_dir, tmp_path
 
 def test_check_samples_compares_the_sample_digest(tmp_path):
     s = dict(id="vt/0", prompt="p", outputs=["A"], tokens_to_generate=4, metric="string_match_all")
-    with common.RunDir(tmp_path / "r", {"benchmark": "ruler"}) as r:
-        r.add(common._row(s, common.Generation("A", 3, 1, 0.1, 10, 0), 1.0))
+    with rundir.RunDir(tmp_path / "r", {"benchmark": "ruler"}) as r:
+        r.add(runner._row(s, generation.Generation("A", 3, 1, 0.1, 10, 0), 1.0))
         r.check_samples([s])
         for change in ({"tokens_to_generate": 8}, {"outputs": ["B"]}, {"context_end": 0}, {"prompt": "q"}):
             with pytest.raises(ValueError, match="other prompts"):
@@ -243,11 +243,11 @@ def test_prompts_seed_is_the_files_and_another_seed_is_refused(tiny_dir, tmp_pat
     f = tmp_path / "p.jsonl"
     row = dict(id="256/0/0", task="256", index=0, prompt="hi", outputs=["A"], tokens_to_generate=2,
                metric="string_match_all", target_length=256, depth=0.0, seed=5)
-    common.atomic_write_jsonl(f, [row])
+    files.atomic_write_jsonl(f, [row])
     assert run("eval", "niah", "--model", tiny_dir, "--prompts", f, "--seed", 7) == 2
     assert f"--seed 7: the prompts of {f} were made with seed 5" in capsys.readouterr().err
-    assert eval_cli._prompts_seed(Namespace(seed=None, prompts=f), [row]) == 5
-    assert eval_cli._prompts_seed(Namespace(seed=5, prompts=f), [row]) == 5
+    assert eval_runs.prompts_seed(Namespace(seed=None, prompts=f), [row]) == 5
+    assert eval_runs.prompts_seed(Namespace(seed=5, prompts=f), [row]) == 5
 
 
 # ================================================================= 12. one writer per eval folder at a time
@@ -257,7 +257,7 @@ def test_second_writer_into_a_running_folder_is_refused(tiny_dir, tmp_path, monk
     """The defect's scenario in one process: while the first NIAH run generates, a second NIAH run of other
     settings into the same --out starts. Before: both exited 0 and the first run's rows and summary were gone."""
     out = tmp_path / "niah"
-    real = common.generate
+    real = runner.generate
     second = []
 
     def generate(*a, **k):
@@ -267,7 +267,7 @@ def test_second_writer_into_a_running_folder_is_refused(tiny_dir, tmp_path, monk
             second.append(capsys.readouterr().err)
         return real(*a, **k)
 
-    monkeypatch.setattr(common, "generate", generate)
+    monkeypatch.setattr(runner, "generate", generate)
     assert _niah(tiny_dir, out) == 0
     _, rc, err = second
     assert rc == 2
@@ -275,15 +275,15 @@ def test_second_writer_into_a_running_folder_is_refused(tiny_dir, tmp_path, monk
     assert "wait for it to finish or choose another --out" in err
     s = json.loads((out / "summary.json").read_text())
     assert s["policy"] == "full" and s["samples_scored"] == 1
-    assert len(common.read_jsonl(out / "samples.jsonl")) == 1
-    assert not (out / common.LOCK_NAME).exists()  # the last holder removes the lock file
+    assert len(files.read_jsonl(out / "samples.jsonl")) == 1
+    assert not (out / rundir.LOCK_NAME).exists()  # the last holder removes the lock file
 
 
 def test_lock_held_by_another_process_names_its_pid_and_a_killed_holder_blocks_nothing(tiny_dir, tmp_path, capsys):
     out = tmp_path / "niah"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from kvkit.evals.common import RunDir
+        from kvkit.evals.rundir import RunDir
         run = RunDir({str(out)!r}, {{"benchmark": "niah", "policy": "snapkv"}})
         print("locked", flush=True)
         time.sleep(120)
@@ -297,7 +297,7 @@ def test_lock_held_by_another_process_names_its_pid_and_a_killed_holder_blocks_n
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    assert (out / common.LOCK_NAME).exists()  # a killed holder leaves its file; the kernel dropped its lock
+    assert (out / rundir.LOCK_NAME).exists()  # a killed holder leaves its file; the kernel dropped its lock
     assert _niah(tiny_dir, out) == 0
     assert json.loads((out / "summary.json").read_text())["policy"] == "full"
 
@@ -306,28 +306,28 @@ def test_same_settings_share_a_folder_only_with_resume(tmp_path):
     """One job split over processes by --tasks (benchmarks/policies/run_cpu.sh) shares its run folders: a writer of
     the same settings joins with --resume; without it, or with other settings, it is refused."""
     cfg = {"benchmark": "ruler", "policy": "full", "dtype": "float32", "tasks": ["vt"]}
-    with common.RunDir(tmp_path / "run", cfg) as a:
+    with rundir.RunDir(tmp_path / "run", cfg) as a:
         with pytest.raises(ValueError, match=r"is being written by another .*pass --resume"):
-            common.RunDir(tmp_path / "run", cfg)
+            rundir.RunDir(tmp_path / "run", cfg)
         with pytest.raises(ValueError, match=r"with other settings \(dtype: it runs 'float32', this run asks for "
                                              r"'bfloat16'\)"):
-            common.RunDir(tmp_path / "run", dict(cfg, dtype="bfloat16"), resume=True)
-        with common.RunDir(tmp_path / "run", dict(cfg, tasks=["cwe"]), resume=True) as b:
+            rundir.RunDir(tmp_path / "run", dict(cfg, dtype="bfloat16"), resume=True)
+        with rundir.RunDir(tmp_path / "run", dict(cfg, tasks=["cwe"]), resume=True) as b:
             a.add({"id": "vt/0", "score": 1.0})
             b.add({"id": "cwe/0", "score": 0.0})
-        assert (tmp_path / "run" / common.LOCK_NAME).exists()  # a still holds it
-    assert not (tmp_path / "run" / common.LOCK_NAME).exists()
-    assert sorted(r["id"] for r in common.read_jsonl(tmp_path / "run" / "samples.jsonl")) == ["cwe/0", "vt/0"]
+        assert (tmp_path / "run" / rundir.LOCK_NAME).exists()  # a still holds it
+    assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()
+    assert sorted(r["id"] for r in files.read_jsonl(tmp_path / "run" / "samples.jsonl")) == ["cwe/0", "vt/0"]
 
 
 def test_a_refused_resume_releases_the_folder(tmp_path):
     cfg = {"benchmark": "ruler", "policy": "full", "dtype": "float32"}
-    with common.RunDir(tmp_path / "run", cfg):
+    with rundir.RunDir(tmp_path / "run", cfg):
         pass
     with pytest.raises(ValueError, match="different configuration") as e:
-        common.RunDir(tmp_path / "run", dict(cfg, policy="snapkv"), resume=True)
+        rundir.RunDir(tmp_path / "run", dict(cfg, policy="snapkv"), resume=True)
     assert e.value  # the traceback (and the half-made RunDir) is still alive here
-    with common.RunDir(tmp_path / "run", cfg, resume=True):
+    with rundir.RunDir(tmp_path / "run", cfg, resume=True):
         pass
 
 
@@ -335,10 +335,10 @@ def test_an_unreferenced_run_dir_releases_its_folder(tmp_path):
     """Library code that makes a RunDir without ``with`` / ``close()`` (tests/test_calibrate.py does) holds the folder
     only while the object lives."""
     cfg = {"benchmark": "ruler", "policy": "full", "dtype": "float32"}
-    common.RunDir(tmp_path / "run", cfg)  # dropped at once
-    with common.RunDir(tmp_path / "run", dict(cfg, policy="snapkv")):
+    rundir.RunDir(tmp_path / "run", cfg)  # dropped at once
+    with rundir.RunDir(tmp_path / "run", dict(cfg, policy="snapkv")):
         pass
-    assert not (tmp_path / "run" / common.LOCK_NAME).exists()
+    assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()
 
 
 # ================================================================= 16. prompts rows checked before any sample
@@ -349,7 +349,7 @@ def _prompts(tmp_path, *changes):
                 metric="string_match_all", target_length=256, depth=0.0)
     rows = [good] + [dict(dict(good, id=f"vt/{i + 1}", index=i + 1), **c) for i, c in enumerate(changes)]
     f = tmp_path / "prompts.jsonl"
-    common.atomic_write_jsonl(f, rows)
+    files.atomic_write_jsonl(f, rows)
     return f
 
 
@@ -394,9 +394,9 @@ def test_niah_prompts_score_by_their_metric(tiny_dir, tmp_path, monkeypatch):
     """A NIAH prompts row's metric is the one it is scored with (it used to be ignored: string_match_all always)."""
     f = tmp_path / "p.jsonl"
     assert run("eval", "niah", "--model", tiny_dir, "--lengths", 256, "--depths", 1, "--dump-prompts", f) == 0
-    rows = common.read_jsonl(f)
-    common.atomic_write_jsonl(f, [dict(r, outputs=["zzz-never", "a"], metric="string_match_part") for r in rows])
-    monkeypatch.setattr(common, "generate", lambda *a, **k: common.Generation("a b", 3, 1, 0.1, 10, 0))
+    rows = files.read_jsonl(f)
+    files.atomic_write_jsonl(f, [dict(r, outputs=["zzz-never", "a"], metric="string_match_part") for r in rows])
+    monkeypatch.setattr(runner, "generate", lambda *a, **k: generation.Generation("a b", 3, 1, 0.1, 10, 0))
     out = tmp_path / "run"
     assert run("eval", "niah", "--model", tiny_dir, "--prompts", f, "--out", out) == 0
-    assert [r["score"] for r in common.read_jsonl(out / "samples.jsonl")] == [1.0]  # all: 0.5
+    assert [r["score"] for r in files.read_jsonl(out / "samples.jsonl")] == [1.0]  # all: 0.5

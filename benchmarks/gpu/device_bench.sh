@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU decode benchmark (kvkit/evals/gpu_bench.py) on the lent GPU machine, everything in ONE call of the device
+# The GPU decode benchmark (kvkit/evals/gpu/) on the lent GPU machine, everything in ONE call of the device
 # tool: install the carried transformers 5.24.0 wheel (the machine has 5.17; kvkit needs >= 5.19), then
 #   1. the CUDA tests (DEVICE=cuda, KERNEL_TESTS=1; TRITON_INTERPRET=0): `-k cuda` of tests/test_kernels_{fused_decode,
 #      quant,sparse,lowrank_scoring}.py (the compiled Triton kernels vs fp64 / torch references) and

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, per policy: host (Python + launches) vs device (kernels), with torch.profiler.
 
-For each policy (eager, kvkit's default GPU options of :mod:`kvkit.evals.gpu_bench`) on a random-weight model of
+For each policy (eager, kvkit's default GPU options of :mod:`kvkit.evals.gpu`) on a random-weight model of
 ``--shape``: prefill ``--batch x --length`` tokens, ``--warmup`` untimed steps, then ``--steps`` steps under
 ``torch.profiler`` (CPU + CUDA activities). Per policy it prints
 
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kvkit.evals.gpu_bench import Bench
+from kvkit.evals.gpu import Bench
 
 POLICIES = ["full", "streaming", "snapkv", "tidal", "duo", "cake", "chelsea", "zipcache", "shadowkv", "kvzip"]
 

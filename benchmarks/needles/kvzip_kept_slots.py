@@ -4,7 +4,7 @@ import torch
 
 import kvkit
 from kvkit.evals import needles, niah
-from kvkit.evals.common import encode
+from kvkit.evals.generation import encode
 from kvkit.models import load_default
 
 model, tok = load_default()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import kvkit
 from kvkit.evals import needles
-from kvkit.evals.common import generate
+from kvkit.evals.generation import generate
 from kvkit.evals.ruler import score
 from kvkit.models import load_default
 

@@ -145,7 +145,7 @@ def _chat(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[s
 
 def answer_logprob(model, tokenizer, s: NeedleSample, rec, question_aware: bool = False) -> float:
     """Mean log-probability of the needle's answer tokens, teacher-forced after the question, under the policy
-    ``model`` is patched with (the context replayed from ``rec``, as :func:`kvkit.evals.common.generate` does).
+    ``model`` is patched with (the context replayed from ``rec``, as :func:`kvkit.evals.generation.generate` does).
 
     The question is fed in one forward on top of the compressed context, then the answer one token per forward
     (decode steps, so every policy runs its decode path). A margin: how far a policy is from losing the answer,
@@ -154,7 +154,7 @@ def answer_logprob(model, tokenizer, s: NeedleSample, rec, question_aware: bool 
     import torch
 
     import kvkit
-    from kvkit.evals.common import encode
+    from kvkit.evals.generation import encode
     from kvkit.evals.shared_prefill import replay_prefill
 
     q = encode(tokenizer, s.prompt if question_aware else s.prompt[s.context_end:])
@@ -190,7 +190,7 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
     CAKE's setting) instead of the shared context prefill with the question fed after it.
     """
     import kvkit
-    from kvkit.evals.common import encode, generate
+    from kvkit.evals.generation import encode, generate
     from kvkit.evals.shared_prefill import record_prefill
 
     t0 = time.perf_counter()

@@ -201,7 +201,7 @@ def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE
     measured). Returns ``{layer: [captured mass at fraction 1/grid, ..., 1]}`` for the reuse layers."""
     import kvkit
     from kvkit.compat import cache_kw
-    from kvkit.evals.common import encode
+    from kvkit.evals.generation import encode
     from kvkit.policies.tidal import TidalStore, group_score
     from kvkit.stores import attend_slots
 

@@ -74,7 +74,7 @@ def _answered_by_full(model, tokenizer, data, log) -> list:
     """``(sample, recording)`` for each sample the full cache answers, its context prefilled once and recorded (the
     others' recordings are dropped)."""
     import kvkit
-    from kvkit.evals.common import encode, generate
+    from kvkit.evals.generation import encode, generate
     from kvkit.evals.shared_prefill import record_prefill
 
     recs = []
@@ -96,7 +96,7 @@ def _first_keeping_all(model, tokenizer, cands, recs, per: dict, preds: dict, lo
     """The first of ``cands`` that answers every recorded sample, each candidate stopping at its first miss; fills
     ``per`` (per candidate: answered, tried, kept) and ``preds`` (its answers) on the way. None: none kept all."""
     import kvkit
-    from kvkit.evals.common import generate
+    from kvkit.evals.generation import generate
 
     n_full = len(recs)
     for o in cands:

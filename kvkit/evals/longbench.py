@@ -14,7 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvkit.evals import longbench_config as cfg
-from kvkit.evals.common import build_prompt, read_jsonl
+from kvkit.evals import metrics
+from kvkit.evals.files import read_jsonl
+from kvkit.evals.generation import build_prompt
 
 FIELDS = ("input", "context", "answers")
 #: tokens of ``--length`` left for the chat template around the (truncated) raw prompt
@@ -127,8 +129,6 @@ def make_samples(tokenizer, data_dir, tasks: list[str], max_length: int, limit: 
 
 
 def score(sample: dict, prediction: str) -> float:
-    from kvkit.evals import metrics
-
     if sample["task"] in cfg.FIRST_LINE:
         prediction = prediction.lstrip("\n").split("\n")[0]
     fn = metrics.METRICS[sample["metric"]]

@@ -20,18 +20,19 @@ Sample ``i`` of a length takes format ``FORMATS[i % 3]`` (of those asked for) an
 chat template over "context, then question", with the answer prefix "The <key> ledger lists the <kind>"; the
 haystack is sized by bisection so that prompt + generation is within 2% below the target length. Scored with
 RULER's ``string_match_all`` (the value must appear in the answer). The sample dicts are RULER's (``context_end``
-splits context and question), so ``kvkit.evals.common.run_samples`` runs them under either protocol.
+splits context and question), so ``kvkit.evals.runner.run_samples`` runs them under either protocol.
 """
 
 from __future__ import annotations
 
 import random
-import re
 import uuid
 import zlib
 
-from kvkit.evals.common import build_prompt, count_tokens
+from kvkit.evals.generation import build_prompt, count_tokens
+from kvkit.evals.haystack import SENTENCE_END, essay_words, insert_at_depths, qa_data, word_lists
 from kvkit.evals.niah import depth_grid
+from kvkit.evals.runner import progress
 
 FORMATS = ("digits", "uuid", "words")
 HAYSTACKS = ("essay", "squad")
@@ -45,7 +46,6 @@ PREFIX = "The {key} ledger lists the {kind}"
 INTRO = "Read the text below. Somewhere in it, a ledger lists a value; you will be asked for it.\n\n"
 ESSAY_SPAN = 0.66  # haystacks come from the essays' words [0, 66%); calibration haystacks start at 66%
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in ("a", "e", "i", "o", "u", "ar", "en", "ol")]
-_SENT = re.compile(r"(?<=[.!?])\s+")
 
 
 def sample_seed(seed: int, length: int, index: int) -> int:
@@ -63,8 +63,6 @@ def value_for(rng: random.Random, fmt: str) -> str:
     if fmt == "uuid":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     if fmt == "words":
-        from kvkit.evals.ruler import word_lists
-
         w = word_lists()
         return f"{rng.choice(w['adjective'])} {rng.choice(w['noun'])}"
     raise ValueError(f"unknown needle format {fmt!r}; use {', '.join(FORMATS)}")
@@ -72,25 +70,19 @@ def value_for(rng: random.Random, fmt: str) -> str:
 
 def essay_span() -> int:
     """Words of the essays haystacks may use: ``[0, essay_span())`` (calibration haystacks start there)."""
-    from kvkit.evals.ruler import essay_words
-
     return int(len(essay_words()) * ESSAY_SPAN)
 
 
 def _essay_units(rng: random.Random, words: int) -> tuple[list[str], int]:
-    from kvkit.evals.ruler import essay_words
-
     span = essay_span()
     if words > span:
         raise ValueError(f"needles: a haystack of {words} essay words is more than the {span} words kept apart from "
                          "calibration; use a shorter length or --haystack squad")
     start = rng.randrange(0, max(1, span - words))
-    return _SENT.split(" ".join(essay_words()[start:start + words]).strip()), start
+    return SENTENCE_END.split(" ".join(essay_words()[start:start + words]).strip()), start
 
 
 def _squad_units(rng: random.Random, words: int) -> list[str]:
-    from kvkit.evals.ruler import qa_data
-
     _, docs = qa_data("squad")
     order = list(range(len(docs)))
     rng.shuffle(order)
@@ -106,8 +98,6 @@ def _squad_units(rng: random.Random, words: int) -> list[str]:
 
 def build(seed: int, fmt: str, haystack: str, words: int, depth: float) -> tuple[str, str, str, str, dict]:
     """(user message, answer prefix, answer, context, meta) of one sample with ``words`` haystack words."""
-    from kvkit.evals.ruler import _insert_at_depths
-
     rng = random.Random(seed)
     key, value = pseudo_word(rng), value_for(rng, fmt)
     kind = KIND[fmt]
@@ -119,7 +109,7 @@ def build(seed: int, fmt: str, haystack: str, words: int, depth: float) -> tuple
         units, sep = _squad_units(hay_rng, words), "\n\n"
     else:
         raise ValueError(f"unknown haystack {haystack!r}; use {', '.join(HAYSTACKS)}")
-    context = sep.join(_insert_at_depths(units, [NEEDLE.format(key=key, kind=kind, value=value)], [depth]))
+    context = sep.join(insert_at_depths(units, [NEEDLE.format(key=key, kind=kind, value=value)], [depth]))
     user = INTRO + context + "\n\n" + QUESTION.format(key=key, kind=kind)
     meta = dict(key=key, format=fmt, haystack=haystack, words=words)
     if offset is not None:
@@ -165,8 +155,6 @@ def generate_sample(tokenizer, length: int, index: int, *, seed: int = DEFAULT_S
 def generate_samples(tokenizer, lengths: list[int], samples: int, *, seed: int = DEFAULT_SEED, formats=FORMATS,
                      haystack: str = "essay", depths: int = 11, chat: bool = True) -> list[dict]:
     """``samples`` samples per length (deterministic for a seed)."""
-    from kvkit.evals.common import progress
-
     if samples < 1:
         raise ValueError(f"--samples must be a positive number per length, got {samples}")
     bad = [f for f in formats if f not in FORMATS]

@@ -1,6 +1,6 @@
 """The fresh-needle table and figure: accuracy against the full cache's on the same samples, per run, vs KV bytes.
 
-Reads run folders (``config.json`` + ``samples.jsonl`` of :class:`kvkit.evals.common.RunDir`) of one protocol and
+Reads run folders (``config.json`` + ``samples.jsonl`` of :class:`kvkit.evals.rundir.RunDir`) of one protocol and
 sample set; the baseline is the run whose policy is ``full``. Per run: accuracy (mean ``string_match_all``),
 accuracy on the samples full answers (``kept``: the needles the policy keeps of those the model can find at all),
 ``x full`` = accuracy / full's accuracy on the same samples, per-format accuracy, and the mean KV bytes held at the
@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from kvkit.evals.common import atomic_write_bytes, atomic_write_text, read_rows
+from kvkit.evals.files import atomic_write_bytes, atomic_write_text, read_rows
 from kvkit.evals.report import budget_of, markdown_table
 
 
@@ -81,7 +81,6 @@ def figure_png(records: list[dict], title: str) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     fig, ax = plt.subplots(figsize=(7.5, 5))

@@ -5,6 +5,8 @@ a fixed depth, scored with ``string_match_all``; a heatmap in the conventional c
 from __future__ import annotations
 
 from kvkit.evals import ruler
+from kvkit.evals.ruler_tasks import TASKS
+from kvkit.evals.runner import progress
 
 
 def depth_grid(n: int) -> list[float]:
@@ -16,14 +18,12 @@ def depth_grid(n: int) -> list[float]:
 
 def generate_samples(tokenizer, lengths: list[int], depths: list[float], samples: int = 1, seed: int = 42,
                      task: str = "niah_single_2", chat: bool = True) -> list[dict]:
-    from kvkit.evals.common import progress
-
     if samples < 1:
         raise ValueError(f"samples (--samples) must be a positive number per cell, got {samples}")
     if not lengths or not depths:
         raise ValueError(f"NIAH needs at least one length and one depth, got lengths {lengths}, depths {depths}")
-    if task not in ruler.TASKS or ruler.TASKS[task].kind != "niah":
-        known = [t for t, v in ruler.TASKS.items() if v.kind == "niah"]
+    if task not in TASKS or TASKS[task].kind != "niah":
+        known = [t for t, v in TASKS.items() if v.kind == "niah"]
         raise ValueError(f"unknown NIAH task {task!r}; use one of {', '.join(known)}")
     out = []
     bar = progress(total=len(lengths) * len(depths) * samples, desc="NIAH prompts")

@@ -7,7 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from kvkit.evals.common import atomic_write_bytes, atomic_write_json, atomic_write_text
+from kvkit.evals.files import atomic_write_bytes, atomic_write_json, atomic_write_text, read_rows
 
 NIAH_COLORS = ("#F0496E", "#EBB839", "#0CD79F")  # red -> yellow -> green
 
@@ -103,10 +103,19 @@ def budget_of(options: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "-"
 
 
+def task_scores(rows: list[dict], tasks: list[str]) -> dict:
+    """Mean score x 100 per task (2 decimals) and their average."""
+    per = {}
+    for t in tasks:
+        xs = [r["score"] for r in rows if r.get("task") == t]
+        if xs:
+            per[t] = round(100 * sum(xs) / len(xs), 2)
+    avg = round(sum(per.values()) / len(per), 2) if per else None
+    return {"scores": per, "average": avg}
+
+
 def _load_run(d) -> tuple[dict, list[dict]]:
     """``config.json`` and the rows of ``samples.jsonl`` of the run folder ``d``."""
-    from kvkit.evals.common import read_rows
-
     p = Path(d)
     cfg_path, rows_path = p / "config.json", p / "samples.jsonl"
     if not cfg_path.is_file() or not rows_path.is_file():
@@ -116,8 +125,6 @@ def _load_run(d) -> tuple[dict, list[dict]]:
 
 def _score(rows: list[dict], keep: set) -> dict:
     """Task scores, average, per-task counts and mean KV bytes of the rows whose id is in ``keep``."""
-    from kvkit.evals.common import task_scores
-
     rows = [r for r in rows if r["id"] in keep]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     kv = [r["kv_bytes"] for r in rows if "kv_bytes" in r]
@@ -131,7 +138,7 @@ def _score(rows: list[dict], keep: set) -> dict:
 #: numerics; another --max-new-tokens: other generations). Policy, options and full_prompt_prefill are what a
 #: comparison compares.
 SAMPLE_SETTINGS = ("benchmark", "model", "length", "lengths", "depths", "task", "seed", "chat", "max_new_tokens", "dtype")
-#: the fields of a row that name its sample beyond the id (kvkit.evals.common.sample_digest, the seed)
+#: the fields of a row that name its sample beyond the id (kvkit.evals.rundir.sample_digest, the seed)
 ROW_IDENTITY = ("sample_sha", "seed")
 
 

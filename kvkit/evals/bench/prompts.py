@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvkit.evals.bench.configs import positive_int
-from kvkit.evals.ruler import essay_words
+from kvkit.evals.haystack import essay_words
 
 
 def bench_prompt(tokenizer, length: int):

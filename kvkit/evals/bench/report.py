@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from kvkit.evals.common import atomic_write_bytes, atomic_write_json, atomic_write_text
+from kvkit.evals.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from kvkit.evals.report import csv_text, markdown_table
 
 

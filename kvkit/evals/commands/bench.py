@@ -1,0 +1,137 @@
+"""``kvkit bench``: prefill time, decode speed, peak memory and KV bytes of a policy (and ``--add``-ed ones) against
+the full cache, measured in the same run on the same essay prompts of the bundled model.
+
+Three modes: per prompt length, one-shot (and with ``--prefill-chunk`` also chunked) prefill and ``--decode-tokens``
+decoded tokens (:func:`kvkit.evals.bench.run`, one row per policy and length); ``--batch B``: batched decode of every
+policy paired with the full cache in interleaved rounds, memory fit and profiles
+(:func:`kvkit.evals.bench.decode_bench`); ``--shape NAME``: random weights of a model shape, the transformers
+baselines and every policy (:mod:`kvkit.evals.gpu`). The options of one mode are refused in the others before
+anything loads.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kvkit import env
+from kvkit.evals import bench, gpu
+from kvkit.evals.commands import runs
+from kvkit.evals.files import atomic_write_json, atomic_write_jsonl
+from kvkit.evals.report import write_summary
+from kvkit.evals.settings import resolve_policy_options, run_label
+from kvkit.options import fmt_bytes, parse_options
+
+
+def cmd_bench(args) -> int:
+    args.seed = runs.generate_seed(args)
+    if args.shape:  # the shaped-model decode benchmark (random weights; kvkit/evals/gpu/)
+        if args.lengths:
+            runs.ints(args.lengths, "--lengths")
+        return gpu.run_cli(args, runs.command_line())
+    policy, options, lengths, more, threads = _settings(args)
+    if args.batch and not args.prefill_chunk:
+        return _bench_batch(args, policy, options, lengths, more, threads)
+    model, tok = runs.load(args)
+    if threads:
+        torch.set_num_threads(threads[0])
+    rows = bench.with_ratios(bench.run(model, tok, policy, options, lengths, args.decode_tokens,
+                                       prefill_chunk=args.prefill_chunk, more=more, batch=args.batch or 1,
+                                       oneshot=args.oneshot))
+    out = runs.out_dir(args, "bench", run_label(args.model, policy, options, max(lengths)))
+    cfg = runs.run_config(args, "bench", policy, options, lengths=lengths, decode_tokens=args.decode_tokens,
+                          prefill_chunk=args.prefill_chunk)
+    atomic_write_json(out / "config.json", cfg)
+    atomic_write_jsonl(out / "samples.jsonl", rows)
+    header, table = _table(rows)
+    write_summary(out, dict(cfg, rows=rows, device_name=_device_name(args.device)), header, table,
+                  title=f"kvkit bench - {args.model} - {policy} {options or ''} - {_device_name(args.device)}")
+    print((out / "summary.md").read_text())
+    return 0
+
+
+def _settings(args) -> tuple[str, dict, list[int], list[tuple[str, dict]], list[int] | None]:
+    """``(policy, options, lengths, added settings, threads)`` of a bundled-model bench, every argument checked
+    (ValueError) before the model loads; sets the mode's defaults of ``--dtype`` and ``--steps``."""
+    for flag in ("policies", "no_compile", "no_interleave", "no_cudnn_sdpa"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --shape only")
+    args.dtype = args.dtype or "float32"
+    args.steps = 4 if args.steps is None else args.steps
+    policy, options = runs.policy_of(args)
+    lengths = runs.ints(args.lengths or "2048,4096,8192", "--lengths")
+    if args.decode_tokens < 1:
+        raise ValueError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
+        raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
+    more = []
+    for spec in args.add or []:
+        name, _, opts = spec.partition(":")
+        if not name.strip():
+            raise ValueError(f"--add {spec!r} must look like POLICY or POLICY:key=value,key=value")
+        more.append((name.strip(), resolve_policy_options(name.strip(), parse_options([opts] if opts else None))))
+    if args.batch is not None and args.batch <= 0:
+        raise ValueError(f"--batch must be a positive number of sequences, got {args.batch}")
+    if args.memory is not None and not args.memory > 0:
+        raise ValueError(f"--memory must be a positive number of GiB, got {args.memory}")
+    if args.max_batch <= 0:
+        raise ValueError(f"--max-batch must be a positive number of sequences, got {args.max_batch}")
+    threads = runs.ints(args.threads, "--threads") if args.threads else None
+    if (args.memory is not None or args.profile) and not args.batch:
+        raise ValueError("--memory and --profile measure batched decode: give --batch B too")
+    return policy, options, lengths, more, threads
+
+
+def _table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    header = ["policy", "length", "prefill", "prefill s", "decode tok/s", "peak prefill", "peak decode", "KV after prefill",
+              "KV after decode", "KV vs full", "KV read/step", "reads vs full", "prefill vs full", "decode vs full"]
+    table = [[r["policy"] + (f" {r['options']}" if r["options"] else ""), r["length"],
+              f"chunks of {r['prefill_chunk']}" if r.get("prefill_chunk") else "one-shot", r["prefill_s"],
+              r["decode_tok_s"], fmt_bytes(r["peak_prefill_bytes"]), fmt_bytes(r["peak_decode_bytes"]),
+              fmt_bytes(r["kv_bytes_prefill"]), fmt_bytes(r["kv_bytes_decode"]), r.get("kv_bytes_decode_vs_full"),
+              fmt_bytes(r.get("kv_read_step", 0)), r.get("kv_read_step_vs_full"),
+              r.get("prefill_s_vs_full"), r.get("decode_tok_s_vs_full")] for r in rows]
+    return header, table
+
+
+def _bench_batch(args, policy, options, lengths, more, threads) -> int:
+    """``kvkit bench --batch B``: :func:`kvkit.evals.bench.decode_bench` at each length."""
+    configs = bench.check_configs([(policy, options)] + more)  # unknown policies refused before the model loads
+    model, tok = runs.load(args)
+    threads = threads or [torch.get_num_threads()]
+    try:
+        commit = env.git_commit() or subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvkit"], capture_output=True, text=True,
+                               timeout=10, cwd=Path(__file__).resolve().parent).stdout.split("\n")
+        dirty = [x.strip() for x in dirty if x.strip()]
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    out_root = runs.out_dir(args, "bench", run_label(args.model, policy, options, max(lengths)) + f"-b{args.batch}")
+    cfg = runs.run_config(args, "bench", policy, options, lengths=lengths, added=[list(c) for c in more],
+                          git_commit=commit, git_dirty_kvkit=dirty, device_name=_device_name(args.device),
+                          cpu_count=os.cpu_count())
+    for L in lengths:
+        out = out_root if len(lengths) == 1 else out_root / f"len{L}"
+        res = bench.decode_bench(model, tok, configs[1:], batch=args.batch, length=L, threads=threads,
+                                 rounds=args.rounds, steps=args.steps, memory_gib=args.memory,
+                                 max_batch=args.max_batch, profile=args.profile, spill_dir=args.prefill_cache,
+                                 reuse_prefill=args.prefill_cache is not None,
+                                 log=lambda m: print(m, file=sys.stderr, flush=True),
+                                 on_partial=lambda r, o=out: bench.write_partial(o, r, cfg))
+        md = bench.write_decode_results(out, res, cfg, title=f"kvkit bench --batch {args.batch} - {args.model} - "
+                                                            f"{L} tokens - {_device_name(args.device)}")
+        print(md)
+    return 0
+
+
+def _device_name(device: str) -> str:
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"

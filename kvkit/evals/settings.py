@@ -1,0 +1,85 @@
+"""A run's settings: the model loaded by name and dtype, the policy options checked against the policy, what the
+run's config records about them beyond their values, and the run's folder label.
+
+:func:`resolve_policy_options` merges ``--opt`` / ``--policy-options`` with ``--budget`` and refuses an option the
+policy does not have (listing the ones it has). A run's config records the content of file-valued options
+(:func:`option_files`: duo's ``pattern``, by sha256) and the values a per-model calibration sets
+(:func:`calibration_used`), so ``--resume`` refuses a folder made with another file or calibration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from kvkit.calibration import CALIBRATED_OPTIONS, lookup, resolve
+from kvkit.models import load
+from kvkit.registry import policy_class, policy_options
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def option_files(options: dict) -> dict:
+    """``{option: sha256}`` of the policy options that name a file (duo's ``pattern``): the run depends on the
+    file's content, not its name, so the content is what ``--resume`` checks."""
+    return {k: file_sha256(v) for k, v in sorted(options.items())
+            if isinstance(v, (str, os.PathLike)) and str(v) and os.path.isfile(v)}
+
+
+def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
+    """``kvkit.models.load`` with a dtype given by name."""
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown --dtype {dtype!r}; use float32, bfloat16 or float16")
+    return load(name, dtype=dt, device=device)
+
+
+def resolve_policy_options(policy: str, options: dict | None = None, budget: int | None = None) -> dict:
+    """Policy options from ``--opt``/``--policy-options`` plus ``--budget`` (which sets the policy's
+    ``budget`` option; a policy without one is an error listing its options)."""
+    valid = policy_options(policy)  # unknown policy: ValueError listing the known ones
+    opts = dict(options or {})
+    if budget is not None:
+        if "budget" not in valid:
+            listed = ", ".join(f"{k}={v!r}" for k, v in valid.items()) or "(none)"
+            raise ValueError(f"--budget: policy {policy!r} has no option named 'budget'; its options: {listed}")
+        opts["budget"] = budget
+    unknown = sorted(set(opts) - set(valid))
+    if unknown:
+        listed = ", ".join(f"{k}={v!r}" for k, v in valid.items()) or "(none)"
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for policy {policy!r}; valid options: {listed}")
+    return opts
+
+
+def calibration_used(model, policy: str, options: dict) -> dict | None:
+    """The options a per-model calibration (:mod:`kvkit.calibration`) sets for ``policy`` with ``options`` on
+    this model, with the file they come from; None when none applies. Recorded in a run's config, so a run resumed
+    after a recalibration is refused instead of mixing rows of two settings."""
+    if policy not in CALIBRATED_OPTIONS:
+        return None
+    pol = policy_class(policy)(**options)
+    resolved = resolve(pol, model.config)
+    if resolved is pol:
+        return None
+    changed = {f.name: getattr(resolved, f.name) for f in dataclasses.fields(pol)
+               if getattr(resolved, f.name) != getattr(pol, f.name)}
+    changed = {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()}
+    found = lookup(model.config, policy)
+    return {"options": changed, "file": found[1].name if found else None} if changed else None
+
+
+def run_label(model: str, policy: str, options: dict, length) -> str:
+    parts = [Path(str(model)).name or str(model), policy]
+    parts += [f"{k}{v}" for k, v in sorted(options.items())]
+    parts.append(f"{length}")
+    return "-".join(str(p).replace("/", "_") for p in parts)
