@@ -1,8 +1,8 @@
 """Lazy, optional Triton import.
 
-kvkit imports without Triton; the kernel modules (``sparse``, ``weighted``, ``quant_attn``, ``lowrank``) define
-their ``@triton.jit`` functions at import time, so they are imported only when a Triton launch is
-actually requested (see :func:`kvkit.kernels._dispatch.use_triton`).
+kvkit imports without Triton; the kernel modules (``sparse``, ``weighted``, ``quant_attn``, ``lowrank``,
+``fused_decode`` and their shared ``splitk``) define their ``@triton.jit`` functions at import time, so they are
+imported only when a Triton launch is actually requested (see :func:`kvkit.kernels.use_triton`).
 """
 
 from __future__ import annotations

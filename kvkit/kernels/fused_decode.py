@@ -13,7 +13,7 @@ of ``index``, or the slots ``0 .. cap-1`` themselves), walked in ``BLOCK_N`` til
 * ``HAS_LW``: ``log_weight[b, h, slot]`` added to the score (natural-log units; -inf hides the key).
 
 Every load is masked; a slot that fails a test is never dereferenced. Phase 1 writes a partial (out, lse)
-per split; phase 2 (``sparse._reduce_kernel``) merges the splits by log-sum-exp. With one split the kernel
+per split; phase 2 (``splitk._reduce_kernel``) merges the splits by log-sum-exp. With one split the kernel
 writes the final output directly and phase 2 is skipped. The number of splits is a function of the shapes
 and of the device's SM count only (never of device values), so a launch is CUDA-graph capturable. A row/head
 that sees no key gets zeros and lse = -inf.
@@ -30,7 +30,20 @@ import triton.language as tl
 
 from . import reference as _ref
 from ._triton import interpreting, next_pow2
-from .sparse import LOG2E, dot_fp32, finish_splits, pick_splits
+from .splitk import (
+    LOG2E,
+    accumulate,
+    add_log_weight,
+    alloc_partials,
+    dot_fp32,
+    finish_splits,
+    load_kv,
+    online_softmax,
+    plan_splits,
+    qk_scores,
+    softmax_init,
+    store_partial,
+)
 
 
 @triton.jit
@@ -68,9 +81,7 @@ def _fused_decode_kernel(
     if HAS_POS:
         qp = tl.load(QPOS + b * sqp).to(tl.int64)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
     if TRIM:
         end = hi
     else:
@@ -89,36 +100,16 @@ def _fused_decode_kernel(
             p = tl.load(POS + b * spb + h * sph + slot, mask=ok, other=-1).to(tl.int64)
             ok = ok & (p >= 0) & (p <= qp)
         slot = tl.where(ok, slot, 0)
-        kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + slot[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + slot[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
+        k, v = load_kv(k_base, v_base, slot, skn, svn, ok, offs_d, d_ok)
+        s = qk_scores(q, k, DOT_FP32) * qk_scale
         if HAS_LW:
-            w = tl.load(LW + b * swb + h * swh + slot, mask=ok, other=0.0).to(tl.float32)
-            s = s + w[None, :] * 1.4426950408889634
+            s = add_log_weight(s, LW + b * swb + h * swh + slot, ok)
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        pr = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, alpha, pr = online_softmax(s, m_i, l_i)
+        acc = accumulate(acc, alpha, pr, v, DOT_FP32)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row = b * (H * G) + hq  # flat (b, hq)
-    tl.store(OP + (row[:, None] * S + split) * D + offs_d[None, :], out.to(OP.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LP + row * S + split, lse, mask=row_ok)
+    store_partial(OP, LP, acc, m_i, l_i, row, row_ok, offs_d, d_ok, S, split, D)
 
 
 TUNING = {"block_n": 64, "block_n_index": 32, "num_warps": 4, "num_stages": 2}
@@ -161,19 +152,12 @@ def fused_decode_triton(q3, view, *, scale, num_splits=None, block_n=None):
     BLOCK_D = max(16, next_pow2(D))
     if block_n is None:
         block_n = 16 if interpreting() else TUNING["block_n_index" if index is not None else "block_n"]
-    n_tiles = triton.cdiv(L, block_n)
-    S = num_splits if num_splits is not None else pick_splits(B * H, n_tiles, q3.device)
-    S = max(1, min(int(S), n_tiles))
-    split_len = triton.cdiv(triton.cdiv(L, S), block_n) * block_n
-    S = triton.cdiv(L, split_len)
+    S, split_len = plan_splits(L, block_n, B * H, q3.device, num_splits)
     R = B * Hq
     out = torch.empty(B, Hq, D, device=q3.device, dtype=q3.dtype)
     lse = torch.empty(B, Hq, device=q3.device, dtype=torch.float32)
-    if S == 1:  # the kernel writes the result itself
-        op, lp = out, lse
-    else:
-        op = torch.empty(R, S, D, device=q3.device, dtype=torch.float32)
-        lp = torch.empty(R, S, device=q3.device, dtype=torch.float32)
+    # with one split the kernel writes the result itself
+    op, lp = (out, lse) if S == 1 else alloc_partials(R, S, D, q3.device)
     dummy = q3  # pointer for absent tensors (never loaded: their constexpr switch is off)
     sl = (length.stride(0), length.stride(1) if length.dim() == 2 else 0) if length is not None else (0, 0)
     si = (index.stride(0), index.stride(1)) if index is not None else (0, 0)

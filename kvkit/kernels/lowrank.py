@@ -7,7 +7,7 @@ are (the pre-RoPE key) and once with the columns permuted and negated as ``rotat
 register shuffles are needed); cos/sin come from the original positions and ``inv_freq`` in fp32 (HF
 convention, times ``attention_scaling``). The rebuilt post-RoPE key tile never leaves registers; the
 values are gathered from the value store (or read in order when already gathered), then the same
-online-softmax / split-K / reduce as ``sparse._gather_attn_kernel``.
+online-softmax / split-K / reduce as ``sparse._gather_attn_kernel`` (:mod:`kvkit.kernels.splitk`).
 
 Reference: :func:`kvkit.kernels.reference.lowrank_decode_ref` / :func:`~kvkit.kernels.reference.reconstruct_keys`.
 """
@@ -19,7 +19,18 @@ import triton
 import triton.language as tl
 
 from ._triton import interpreting, next_pow2
-from .sparse import LOG2E, dot_fp32, finish_splits, pick_splits
+from .splitk import (
+    LOG2E,
+    accumulate,
+    alloc_partials,
+    dot_fp32,
+    finish_splits,
+    online_softmax,
+    plan_splits,
+    qk_scores,
+    softmax_init,
+    store_partial,
+)
 
 
 @triton.jit
@@ -59,9 +70,7 @@ def _lowrank_attn_kernel(
     v_base = V + b * svb + h * svh
     i_base = IDX + b * sib + h * sih + ti * sit
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
     lo = split * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, L)
     for start in range(lo, lo + SPLIT_LEN, BLOCK_N):  # bounds from scalars only (Triton 3.6 interpreter)
@@ -105,27 +114,11 @@ def _lowrank_attn_kernel(
         else:
             vrow = tok
         v = tl.load(v_base + vrow[:, None] * svn + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        s = tl.where(ok[None, :], qk_scores(q, k, DOT_FP32) * qk_scale, float("-inf"))
+        m_i, l_i, alpha, p = online_softmax(s, m_i, l_i)
+        acc = accumulate(acc, alpha, p, v, DOT_FP32)
     row = (b * (Hkv * G_KV) + hq) * Tq + t
-    tl.store(OP + (row[:, None] * S + split) * D + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LP + row * S + split, lse, mask=row_ok)
+    store_partial(OP, LP, acc, m_i, l_i, row, row_ok, offs_d, d_ok, S, split, D)
 
 
 TUNING = {"block_n": 64, "num_warps": 8, "num_stages": 2}  # best of bench --sweep on an H100 (results/kernels)
@@ -159,11 +152,7 @@ def lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, *, positions=
     BLOCK_R = 16 if interpreting() or R <= 16 else 32
     if block_n is None:
         block_n = 16 if interpreting() else TUNING["block_n"]
-    n_tiles = triton.cdiv(max(L, 1), block_n)
-    S = num_splits if num_splits is not None else pick_splits(B * Hkv * Ti, n_tiles, q4.device)
-    S = max(1, min(int(S), n_tiles))
-    split_len = triton.cdiv(triton.cdiv(max(L, 1), S), block_n) * block_n
-    S = triton.cdiv(max(L, 1), split_len)
+    S, split_len = plan_splits(L, block_n, B * Hkv * Ti, q4.device, num_splits)
     if positions is not None:
         pos_mode, pos_t, spb = 1, positions.contiguous(), N
     elif position_offset is not None:
@@ -173,8 +162,7 @@ def lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, *, positions=
     if mask is not None:
         mask = mask.to(torch.uint8).contiguous()
     Rr = B * Hq * Tq
-    op = torch.empty(Rr, S, D, device=q4.device, dtype=torch.float32)
-    lp = torch.empty(Rr, S, device=q4.device, dtype=torch.float32)
+    op, lp = alloc_partials(Rr, S, D, q4.device)
     _lowrank_attn_kernel[(B * Hkv * Ti, S)](
         q4, U, SV, v, idx, pos_t, inv, mask if mask is not None else q4, op, lp,
         q4.stride(0), q4.stride(1), q4.stride(2), U.stride(0), U.stride(1), SV.stride(0), SV.stride(1),

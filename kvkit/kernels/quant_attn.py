@@ -15,7 +15,9 @@ out of the inner loop where the statistics allow it:
 * channel pre-scales (ZipCache values) multiply the output once at the end (keys: the query).
 
 Other layouts dequantise each block in registers (``code * scale + zero``). No fp16 copy of K or V
-is ever written to memory. Online softmax / split-K / reduce as in ``sparse._gather_attn_kernel``.
+is ever written to memory. Online softmax / split-K / reduce as in ``sparse._gather_attn_kernel``
+(:mod:`kvkit.kernels.splitk`'s ``online_softmax`` and ``softmax_stats``; K and V are read and the accumulators
+kept per channel block, so its tile load, dots and store do not apply here).
 
 Reference: :func:`kvkit.kernels.reference.quant_decode_ref` (dequantize, then dense attention).
 """
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._triton import interpreting, next_pow2
-from .sparse import LOG2E, dot_fp32, finish_splits, pick_splits
+from .splitk import LOG2E, alloc_partials, dot_fp32, finish_splits, online_softmax, plan_splits, softmax_stats
 
 
 @triton.jit
@@ -163,11 +165,7 @@ def _quant_attn_kernel(
             s += _qk_block(q2, KD, KS, KZ, bh, N, KG, start, tok, ok, row, 2, K_BITS, D, DK, K_CW, K_FOLD, DOT_FP32)
             s += _qk_block(q3, KD, KS, KZ, bh, N, KG, start, tok, ok, row, 3, K_BITS, D, DK, K_CW, K_FOLD, DOT_FP32)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i, l_i, alpha, p = online_softmax(s, m_i, l_i)
         if V_FOLD:
             vs = tl.load(VS + row, mask=ok, other=0.0).to(tl.float32)
             vz = tl.load(VZ + row, mask=ok, other=0.0).to(tl.float32)
@@ -185,9 +183,7 @@ def _quant_attn_kernel(
                              DV, V_CW, V_FOLD, DOT_FP32)
             acc3 = _pv_block(acc3 * alpha[:, None], p, pw, VD, VS, VZ, bh, N, VG, start, tok, ok, row, 3, V_BITS, D,
                              DV, V_CW, V_FOLD, DOT_FP32)
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    l_safe, lse = softmax_stats(m_i, l_i)
     orow = (b * (Hkv * G_KV) + hq) * Tq + t
     _store_block(OP, acc0, zsum, l_safe, VP, bh, orow, row_ok, S, split, 0, DV, D, V_PRE)
     if VPB > 1:
@@ -224,14 +220,9 @@ def quant_decode_triton(q4, kpack, vpack, *, scale, mask=None, num_splits=None, 
     m_tiles = triton.cdiv(G * Tq, BLOCK_M)
     if block_n is None:
         block_n = 16 if interpreting() else TUNING["block_n"]
-    n_tiles = triton.cdiv(max(N, 1), block_n)
-    S = num_splits if num_splits is not None else pick_splits(B * Hkv, n_tiles, q4.device)
-    S = max(1, min(int(S), n_tiles))
-    split_len = triton.cdiv(triton.cdiv(max(N, 1), S), block_n) * block_n
-    S = triton.cdiv(max(N, 1), split_len)
+    S, split_len = plan_splits(N, block_n, B * Hkv, q4.device, num_splits)
     R = B * Hq * Tq
-    op = torch.empty(R, S, D, device=q4.device, dtype=torch.float32)
-    lp = torch.empty(R, S, device=q4.device, dtype=torch.float32)
+    op, lp = alloc_partials(R, S, D, q4.device)
     if mask is not None:
         mask = mask.to(torch.uint8).contiguous()
     kd, ks, kz, kp = _parts(kpack)

@@ -5,8 +5,9 @@ a KV head (``index_mode='kv_head'``: the program holds all G = Hq/Hkv query head
 Tq query tokens as the rows of one ``[BLOCK_M, D]`` tile, so each K/V row is loaded once per group) or
 to one query head (``'q_head'``). The list is walked in ``BLOCK_N`` tiles with an online softmax
 (exp2, fp32 statistics); with split-K each program covers one slice of the list and writes a partial
-(out, lse) that ``_reduce_kernel`` combines. Every load is masked: entries that are -1, out of
-``[0, N)`` or masked by ``valid`` contribute nothing and are never dereferenced.
+(out, lse) that phase 2 combines (the split-K pieces shared by the kernels: :mod:`kvkit.kernels.splitk`). Every
+load is masked: entries that are -1, out of ``[0, N)`` or masked by ``valid`` contribute nothing and are never
+dereferenced.
 
 Modes (constexpr): 0 dense (token = position in the list, used by ``weighted_decode``), 1 token
 indices (``sparse_decode``, TidalDecode's reuse layers). Optional additive bias ``[B, Hkv, N]`` and key mask
@@ -21,10 +22,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import interpreting, next_pow2, num_sms
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from ._triton import interpreting, next_pow2
+from .splitk import (
+    LOG2E,
+    accumulate,
+    add_log_weight,
+    alloc_partials,
+    dot_fp32,
+    finish_splits,
+    load_kv,
+    online_softmax,
+    pick_splits,  # noqa: F401 -- re-exported: its home was this module
+    plan_splits,
+    qk_scores,
+    softmax_init,
+    store_partial,
+)
 
 
 @triton.jit
@@ -60,10 +73,7 @@ def _gather_attn_kernel(
     v_base = V + b * svb + hkv * svh
     i_base = IDX + b * sib + hi * sih + ti * sit
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
+    m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
     lo = split * SPLIT_LEN
     hi_end = tl.minimum(lo + SPLIT_LEN, L)
     for start in range(lo, lo + SPLIT_LEN, BLOCK_N):  # bounds from scalars only (Triton 3.6 interpreter)
@@ -77,79 +87,19 @@ def _gather_attn_kernel(
         if HAS_MASK:
             ok = ok & (tl.load(MASK + b * smb + tok, mask=ok, other=0) != 0)
         tok = tl.where(ok, tok, 0)
-        kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + tok[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + tok[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
+        k, v = load_kv(k_base, v_base, tok, skn, svn, ok, offs_d, d_ok)
+        s = qk_scores(q, k, DOT_FP32) * qk_scale
         if HAS_BIAS:
-            bias = tl.load(BIAS + b * sbb + hkv * sbh + tok, mask=ok, other=0.0).to(tl.float32)
-            s = s + bias[None, :] * 1.4426950408889634
+            s = add_log_weight(s, BIAS + b * sbb + hkv * sbh + tok, ok)
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, alpha, p = online_softmax(s, m_i, l_i)
+        acc = accumulate(acc, alpha, p, v, DOT_FP32)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row = (b * (Hidx * GH) + hq) * Tq + t  # flat (b, hq, t)
-    o_ptrs = OP + (row[:, None] * S + split) * D + offs_d[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LP + row * S + split, lse, mask=row_ok)
-
-
-@triton.jit
-def _reduce_kernel(OP, LP, OUT, LSE, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Combine S partial (out, lse) of one (b, hq, t) row: flash-decoding's second pass."""
-    row = tl.program_id(0)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < S
-    lse = tl.load(LP + row * S + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)
-    tot = tl.sum(w, 0)
-    o = tl.load(OP + (row * S + offs_s[:, None]) * D + offs_d[None, :],
-                mask=s_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
-    tl.store(OUT + row * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
-    tl.store(LSE + row, tl.where(tot > 0, m_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
+    store_partial(OP, LP, acc, m_i, l_i, row, row_ok, offs_d, d_ok, S, split, D)
 
 
 TUNING = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # best of bench --sweep on an H100 (results/kernels)
-
-
-def pick_splits(n_programs: int, n_tiles: int, device) -> int:
-    """Split-K factor: enough programs for ~4 waves of the SMs, at least 2 tiles per split."""
-    if n_tiles <= 1:
-        return 1
-    sms = num_sms(device.index or 0) if device.type == "cuda" else 4
-    want = max(1, (4 * sms + n_programs - 1) // n_programs)
-    return max(1, min(want, n_tiles // 2 if n_tiles >= 4 else 1, 64))
-
-
-def finish_splits(op, lp, out, lse, S, D):
-    """Second pass: partial ``op [R, S, D]``, ``lp [R, S]`` -> ``out [R, D]`` (out dtype), ``lse [R]``."""
-    R = lp.shape[0]
-    _reduce_kernel[(R,)](op, lp, out, lse, S, D=D, BLOCK_S=max(2, next_pow2(S)), BLOCK_D=next_pow2(D),
-                         num_warps=1 if interpreting() else 4)
-
-
-def dot_fp32(dtype) -> bool:
-    """fp32 (IEEE) dots under the interpreter (no bf16 dot there) and for fp32/fp64 inputs."""
-    return interpreting() or dtype not in (torch.float16, torch.bfloat16)
 
 
 def gather_attn(q4, k, v, idx, *, mode, scale, mask=None, bias=None, num_splits=None, block_n=None):
@@ -179,14 +129,9 @@ def gather_attn(q4, k, v, idx, *, mode, scale, mask=None, bias=None, num_splits=
     if block_n is None:
         block_n = 16 if interpreting() else (TUNING["block_n"] if BLOCK_D <= 128 and BLOCK_M <= 16 else 32)
     n_prog = B * Hidx * Ti
-    n_tiles = triton.cdiv(max(L, 1), block_n)
-    S = num_splits if num_splits is not None else pick_splits(n_prog, n_tiles, q4.device)
-    S = max(1, min(int(S), n_tiles))
-    split_len = triton.cdiv(triton.cdiv(max(L, 1), S), block_n) * block_n
-    S = triton.cdiv(max(L, 1), split_len)
+    S, split_len = plan_splits(L, block_n, n_prog, q4.device, num_splits)
     R = B * Hq * Tq
-    op = torch.empty(R, S, D, device=q4.device, dtype=torch.float32)
-    lp = torch.empty(R, S, device=q4.device, dtype=torch.float32)
+    op, lp = alloc_partials(R, S, D, q4.device)
     if bias is not None:
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     if mask is not None:
