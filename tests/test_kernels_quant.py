@@ -201,7 +201,9 @@ def test_quant_decode_cpu_kernel_matches_reference(monkeypatch, case, with_mask,
     assert max_err(out, want) < 2e-5
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), finite)
-    assert max_err(lse[finite], want_lse[finite]) < 2e-5
+    # fp32 rounding of the log-sum-exp grows with its magnitude (|lse| reaches ~30 with the outlier keys): 2e-5
+    # absolute plus ~16 fp32 ulps of the value (the C kernel and the reference sum in different orders)
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=2e-6, atol=2e-5)
     # rows that see no key at all read zeros
     assert not out[~finite].any()
 
