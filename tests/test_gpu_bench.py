@@ -14,7 +14,7 @@ from kvkit.cli import main
 from kvkit.evals import gpu
 
 B, L, WARMUP, STEPS = 2, 48, 2, 4
-ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal", "chelsea"]
+ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal", "zipcache"]
 FULLC, STREAMC = "full static+compile", "streaming static+compile"
 
 
@@ -46,10 +46,10 @@ def test_files_and_rows(out):
     names = [r["name"] for r in rows]
     # full first (the reference), then each static policy's compiled row right after its eager one
     assert names == ["full", FULLC, "hf-dynamic", "hf-static", "streaming", STREAMC, "tidal", "tidal static+compile",
-                     "chelsea"]
+                     "zipcache"]
     assert cfg["rows_planned"] == names and cfg["compiled_rows"] is True and cfg["compile_backend"] == "aot_eager"
     by = {r["name"]: r for r in rows}
-    for n in ("full", "hf-dynamic", "hf-static", "streaming", "chelsea"):
+    for n in ("full", "hf-dynamic", "hf-static", "streaming", "zipcache"):
         r = by[n]
         assert r["status"] == "ok", r
         assert r["steps"] == STEPS and r["step_ms_p10"] <= r["step_ms"] <= r["step_ms_p90"]
@@ -107,13 +107,13 @@ def test_compiled_rows(out):
 def test_policy_without_static_store_lists_its_reason(out):
     cfg = json.loads((out / "config.json").read_text())
     rows = {r["name"]: r for r in _rows(out)}
-    why = rows["chelsea"]["compile_refusal"]
-    assert "ChelseaStore" in why and "static" in why
-    assert list(cfg["no_static_store"].values()) == [why] and next(iter(cfg["no_static_store"])).startswith("chelsea")
-    assert "chelsea static+compile" not in rows
+    why = rows["zipcache"]["compile_refusal"]
+    assert "ZipCacheStore" in why and "static" in why
+    assert list(cfg["no_static_store"].values()) == [why] and next(iter(cfg["no_static_store"])).startswith("zipcache")
+    assert "zipcache static+compile" not in rows
     assert "compile_refusal" not in rows["streaming"] and "compile_refusal" not in rows["full"]
     top = (out / "summary.md").read_text().splitlines()[2]
-    assert "No static store, so no compiled row: chelsea" in top and why in top
+    assert "No static store, so no compiled row: zipcache" in top and why in top
 
 
 def test_byte_counts_and_bound(out):
@@ -164,7 +164,7 @@ def test_parse_rows():
     assert plan[:6] == ["full", "full static+compile", "hf-dynamic", "hf-static", "streaming",
                         "streaming static+compile"]
     assert {p for p in plan if p.endswith("static+compile")} == {
-        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake", "kvzip")}
+        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake", "kvzip", "chelsea")}
     assert [n for n, _, c in gpu.plan_rows(gpu.parse_rows(None), compiled=False)] == \
         [n for n, _ in gpu.parse_rows(None)]
     with pytest.raises(ValueError, match="takes no options"):
