@@ -1,6 +1,6 @@
 """What differs between the transformers releases kvkit supports (:data:`TRANSFORMERS_SUPPORTED`, the one place
 that states them: ``kvkit.patch.check_transformers``, ``pyproject.toml`` and the README agree with it,
-``tests/test_versions.py``).
+``tests/core/test_versions.py``).
 
 transformers 5.16 is the first release kvkit supports: ``AttentionInterface`` / ``AttentionMaskInterface``, cache
 layers sized by ``get_max_length`` (5.13), sliding-window layers that can roll back
@@ -25,7 +25,7 @@ from packaging.version import Version
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 #: the transformers releases kvkit supports: ``low <= version < high`` (tested at both ends in CI: ``.ci/run``).
-#: ``pyproject.toml``'s dependency and the README state the same range (``tests/test_versions.py`` checks)
+#: ``pyproject.toml``'s dependency and the README state the same range (``tests/core/test_versions.py`` checks)
 TRANSFORMERS_SUPPORTED = ("5.16", "5.25")
 #: the lowest supported release, exactly: what ``scripts/install_low.sh`` installs and CI tests
 TRANSFORMERS_LOWEST = "5.16.0"

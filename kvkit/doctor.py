@@ -2,7 +2,7 @@
 
 The matrix is generated, never typed by hand: every cell patches a tiny random model of that
 architecture with that policy, decodes a left-padded batch of two prompts and compares each row with
-the same prompt decoded alone. ``tests/test_support_matrix.py`` runs the same cells.
+the same prompt decoded alone. ``tests/core/test_support_matrix.py`` runs the same cells.
 """
 
 from __future__ import annotations

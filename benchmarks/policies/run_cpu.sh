@@ -4,7 +4,7 @@
 # split the 13 tasks and share the run folders (RunDir merges rows under a lock); every folder is
 # resumable and continues the earlier rows (H100 samples of the former results/policies-4k-partial, in git history before its removal, and the CPU sweeps
 # of earlier sessions, same options: a row does not depend on which other policies shared its prefill,
-# tests/test_shared_prefill.py).
+# tests/evals/test_shared_prefill.py).
 # usage: bash benchmarks/policies/run_cpu.sh {6|7} {1|2|all}
 #   6 = issue 6's settings (duo, tidal, cake), 7 = issue 7's (chelsea, zipcache, shadowkv);
 #   1 / 2 = the two task halves (run both at once), all = every task (also rewrites each run's summary)

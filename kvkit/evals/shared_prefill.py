@@ -10,7 +10,7 @@ result is the cache (and the policy's compression decisions) that the policy's o
 left: this only skips the projections and MLPs, which do not depend on the policy.
 
 Policies whose prefill is *not* exact for every query would diverge; ``replayable(policy)`` says
-which ones qualify (`tests/test_shared_prefill.py` checks each against a real prefill, token for token).
+which ones qualify (`tests/evals/test_shared_prefill.py` checks each against a real prefill, token for token).
 
 A sweep over P policies then costs one prefill + P x (replayed attention + decoding) per sample instead
 of P full prefills, which matters wherever the prefill is most of a sample's time (long contexts on a CPU).

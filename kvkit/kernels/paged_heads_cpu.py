@@ -11,7 +11,7 @@ after RoPE, so attention over a subset of a row's blocks is exact softmax attent
 Page layout: a layer's cache is vLLM's ``[num_blocks, kv_heads, block_size, 2 * head_size]`` tensor, viewed as
 ``[num_blocks, kv_heads, 2 * block_size, head_size]`` and split in two: the key page of (block, head) is the first
 ``bs * D`` elements of its slab, the value page the next ``bs * D``. The order *inside* a page depends on the ISA
-vLLM's ``cpu_attn_reshape_and_cache`` writes for (read back from it, ``tests/test_vllm_duo.py``):
+vLLM's ``cpu_attn_reshape_and_cache`` writes for (read back from it, ``tests/vllm/test_vllm_duo.py``):
 
 * ``"amx"`` (bf16 on AMX machines, ``D % 32 == 0``): keys in 16-token tiles ``[bs/16][D/2][16][2]`` (channel pairs
   of 16 tokens: one 64-byte line = 16 tokens x 2 channels), values in 16-channel groups ``[D/16][bs/2][16][2]``

@@ -125,5 +125,5 @@ def quant_attn(q4: torch.Tensor, parts, scale: float, prior=None):
                                   max(1, torch.get_num_threads()))
     if rc != 0:
         raise RuntimeError(f"kvkit quant_cpu kernel refused shapes B={B} H={H} M={M} D={D}")
-    del keep
+    keep.clear()  # the C call has returned: the pointers it read may go
     return out.view(B, Hq, Tq, D).to(q4.dtype), lse.view(B, Hq, Tq)

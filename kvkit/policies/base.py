@@ -24,7 +24,7 @@ class Policy:
     saves: ClassVar[str] = "nothing"
     #: needs rotary position embeddings in the model
     needs_rope: ClassVar[bool] = True
-    #: options for tiny random test models (``kvkit doctor``'s support matrix, tests/test_policy_contract.py)
+    #: options for tiny random test models (``kvkit doctor``'s support matrix, tests/policies/test_policy_contract.py)
     test_options: ClassVar[dict] = {}
     #: options under which the policy keeps and reads everything of a short (<= 256 tokens) context, so its
     #: output equals ``full``'s; None when no setting is lossless (e.g. quantisation)

@@ -96,7 +96,7 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
     verification) on a GQA model, transformers repeats every K/V head ``num_key_value_groups`` times
     (a full copy of the layer's KV per forward, because CUDA's masked GQA would fall back to the math
     kernel). torch's CPU flash kernel runs masked GQA natively (``enable_gqa``) and gives the same
-    bits (``tests/test_core.py::test_cpu_masked_gqa_matches_transformers_bitwise``); cost measured by
+    bits (``tests/core/test_core.py::test_cpu_masked_gqa_matches_transformers_bitwise``); cost measured by
     ``benchmarks/speculative/profile_verify.py`` (results/speculative).
 
     Inside :func:`skip_prompt_attention` a call whose queries and keys both span the prompt returns zeros.

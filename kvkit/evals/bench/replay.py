@@ -114,7 +114,7 @@ def replay_rows(model, rec, rows, b0: int):
     """Replay ``rec`` (recorded at batch ``b0``) into a fresh cache of the policy ``model`` is patched with, at the
     batch rows ``rows [batch]`` (indices into the recorded rows; the recording itself when ``batch == b0``),
     skipping the prompt's own attention. Returns ``(cache, last-token logits [batch, V])``.
-    ``tests/test_bench_batch.py`` checks, for every policy, that the replayed cache decodes the same greedy tokens
+    ``tests/evals/test_bench_batch.py`` checks, for every policy, that the replayed cache decodes the same greedy tokens
     as the policy's own prefill."""
     batch = rows.shape[0]
     sub = rec if batch == b0 else PrefillRecording(

@@ -23,7 +23,7 @@ from kvkit.compat import RELEASE, TRANSFORMERS_LOWEST, TRANSFORMERS_SUPPORTED
 from kvkit.model_info import layer_infos, layer_types_and_windows
 from kvkit.testing import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 F, S, C = "full_attention", "sliding_attention", "chunked_attention"
 

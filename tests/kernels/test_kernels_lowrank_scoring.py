@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from _kernel_utils import assert_flash_rule, max_err, needs_cuda, needs_triton
 
 import kvkit.kernels as K
 from kvkit.kernels import reference as R
+from tests._kernel_utils import assert_flash_rule, max_err, needs_cuda, needs_triton
 
 
 def _factors(B, Hkv, N, D, r, dtype, g, device="cpu"):

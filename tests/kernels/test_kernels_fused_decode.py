@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from _kernel_utils import HAS_TRITON, INTERPRET, assert_flash_rule, max_err, needs_cuda, needs_triton
 
 import kvkit.kernels as K
 from kvkit.hostsync import HostSyncCounter
 from kvkit.kernels import reference as R
+from tests._kernel_utils import HAS_TRITON, INTERPRET, assert_flash_rule, max_err, needs_cuda, needs_triton
 
 B, H, CAP, D = 2, 2, 37, 32  # cap not a multiple of the block; D = 32 lets int8/int4 parts run in Triton
 CASES = ["dense", "length_bh", "length_b", "index", "index_length", "pos", "pos_shared", "log_weight", "all",

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import kvkit
-from kvkit import cli
 from kvkit import calibration as store
+from kvkit import cli
 from kvkit.demo import run_policy
 from kvkit.kernels import cbuild
 from kvkit.testing import ModelLoaded, random_ids, tiny_model

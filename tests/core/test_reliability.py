@@ -1,6 +1,6 @@
 """Defects of the reliability issue in the cache / store layer, one test each (named after the defect).
 
-Eval / CLI defects are in tests/test_reliability_evals.py, speculative ones in tests/test_speculative*.py.
+Eval / CLI defects are in tests/evals/test_reliability_evals.py, speculative ones in tests/speculative/.
 """
 
 import pytest

@@ -12,7 +12,7 @@ from kvkit.cli import main
 from kvkit.evals import files, longbench, report, rundir
 from kvkit.evals.report import compare_matched
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 
 

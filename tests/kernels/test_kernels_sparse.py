@@ -3,10 +3,10 @@ TRITON_INTERPRET=1 on CPU, for real on CUDA) vs torch reference vs fp64."""
 
 import pytest
 import torch
-from _kernel_utils import HAS_TRITON, INTERPRET, assert_flash_rule, max_err, needs_cuda, needs_triton
 
 import kvkit.kernels as K
 from kvkit.kernels import reference as R
+from tests._kernel_utils import HAS_TRITON, INTERPRET, assert_flash_rule, max_err, needs_cuda, needs_triton
 
 # (B, Hq, Hkv, N, D, K): GQA ratios 1 / 3 / 7, N not a multiple of the block, k = 1, batch > 1
 SHAPES = [(2, 3, 3, 37, 16, 5), (1, 3, 1, 50, 32, 1), (2, 7, 1, 64, 8, 20), (3, 6, 2, 19, 16, 19)]

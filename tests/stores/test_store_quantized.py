@@ -58,7 +58,7 @@ def test_decode_equals_dense_attention_over_dequantized_parts(store_cls, kw):
     g = torch.Generator().manual_seed(0)
     store = store_cls(LayerInfo(0, 1, Hq, H, D), tail_tokens=5, **kw)
     _prefill(store, torch.randn(2, H, 23, D, generator=g), torch.randn(2, H, 23, D, generator=g))
-    for step in range(7):  # compresses the tail at steps 5 (tail of 5): 2 segments, 2 tail tokens
+    for _ in range(7):  # compresses the tail at steps 5 (tail of 5): 2 segments, 2 tail tokens
         q = torch.randn(2, Hq, 1, D, generator=g)
         out = _decode(store, q, torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g))
         torch.testing.assert_close(out, _reference(store, q), rtol=1e-5, atol=1e-5)

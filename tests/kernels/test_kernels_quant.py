@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from _kernel_utils import assert_flash_rule, max_err, needs_cuda, needs_triton
 
 import kvkit.kernels as K
 from kvkit.kernels import reference as R
+from tests._kernel_utils import assert_flash_rule, max_err, needs_cuda, needs_triton
 
 # round-trip bound: |x - deq(q(x))| <= step/2 (+ stat rounding); step = range / (2^bits - 1)
 BITS = [8, 4, 2]

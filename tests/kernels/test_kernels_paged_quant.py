@@ -127,7 +127,7 @@ def test_c_write_equals_torch_write(bits):
     H, D, bs = 3, 64, 32
     g = torch.Generator().manual_seed(1)
     a, b = _cache(5, H, bs, D, bits), _cache(5, H, bs, D, bits)
-    for step, slots in enumerate(([64 + i for i in range(20)] + [-1, 3 * 32], [64 + 20, 96 + 1, -1])):
+    for slots in ([64 + i for i in range(20)] + [-1, 3 * 32], [64 + 20, 96 + 1, -1]):
         slots = torch.tensor(slots)
         qkv = (torch.randn(len(slots), 3, H, D, generator=g) * (1 + 5 * (torch.arange(D) == 7))).bfloat16()
         k, v = qkv[:, 1], qkv[:, 2]  # strided views of a fused qkv, as vLLM hands them
@@ -168,7 +168,7 @@ def test_channel_scale_helps_outlier_keys():
         c = torch.maximum(m, m.mean(-1, keepdim=True)).sqrt().half().float()  # as write() sets it
         vq = deq(*PQ.quantize_tokens(v, 4))
 
-        def att(kk, vv):
+        def att(kk, vv, q=q):
             p = torch.softmax(torch.einsum("hgd,lhd->hgl", q, kk) * D ** -0.5, -1)
             return torch.einsum("hgl,lhd->hgd", p, vv)
 

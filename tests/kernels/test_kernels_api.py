@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-from _kernel_utils import HAS_TRITON
 
 import kvkit.kernels as K
+from tests._kernel_utils import HAS_TRITON
 
 
 def _qkv(B=1, Hq=4, Hkv=2, N=10, D=8, dtype=torch.float32):

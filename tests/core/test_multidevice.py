@@ -6,16 +6,16 @@ The CPU tests dispatch with accelerate's hooks on every module (all on "cpu") so
 without a GPU. The CUDA tests (``needs_cuda``: a GPU, triton and ``TRITON_INTERPRET=0``) interleave the
 decoder layers over ``cuda:0`` and ``cpu``::
 
-    TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/test_multidevice.py
+    TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/core/test_multidevice.py
 """
 
 import pytest
 import torch
-from _kernel_utils import needs_cuda
 
 import kvkit
 from kvkit.doctor import small_options
 from kvkit.testing import greedy, left_padded_batch, tiny_model
+from tests._kernel_utils import needs_cuda
 
 POLICIES = kvkit.available_policies()
 ARCHS = ("llama", "gemma3_text")

@@ -332,7 +332,7 @@ def test_a_refused_resume_releases_the_folder(tmp_path):
 
 
 def test_an_unreferenced_run_dir_releases_its_folder(tmp_path):
-    """Library code that makes a RunDir without ``with`` / ``close()`` (tests/test_calibrate.py does) holds the folder
+    """Library code that makes a RunDir without ``with`` / ``close()`` (tests/calibrate/test_calibrate.py does) holds the folder
     only while the object lives."""
     cfg = {"benchmark": "ruler", "policy": "full", "dtype": "float32"}
     rundir.RunDir(tmp_path / "run", cfg)  # dropped at once

@@ -2,7 +2,7 @@
 through the CLI, its files, its rows (the compiled ``<policy> static+compile`` rows included), the byte-bound
 arithmetic, the time limit and the errors for unknown shapes / rows.
 
-The compiled rows compile with ``--compile-backend aot_eager`` (as tests/test_compiled_decode.py: dynamo's tracing,
+The compiled rows compile with ``--compile-backend aot_eager`` (as tests/core/test_compiled_decode.py: dynamo's tracing,
 which decides graph breaks and recompiles, is the same for every backend; inductor's code generation is what the GPU
 run pays for), and hf-static runs eager (``--no-compile``): compile cost is not what these tests measure."""
 

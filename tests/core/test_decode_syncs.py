@@ -42,7 +42,7 @@ def test_counter_sees_every_kind_of_sync():
         torch.equal(t, t)
         torch.repeat_interleave(t, t)
     assert s.count == 8, s.calls
-    assert all(w.startswith("tests/test_decode_syncs.py:") for w in s.where()), s.where()  # the caller's line
+    assert all(w.startswith("tests/core/test_decode_syncs.py:") for w in s.where()), s.where()  # the caller's line
     with HostSyncCounter() as s:  # fixed-shape device work reads nothing on the host
         m = t > 2
         torch.where(m, t, -1).cumsum(0).topk(2)

@@ -281,7 +281,7 @@ def test_decode_past_headroom_equals_full():
 def test_gather_attend_triton_path_matches_torch(monkeypatch):
     """The reuse layers' two paths (Triton sparse_decode on CUDA, index_select + sdpa elsewhere) agree;
     the Triton one runs under TRITON_INTERPRET here."""
-    from _kernel_utils import HAS_TRITON, INTERPRET
+    from tests._kernel_utils import HAS_TRITON, INTERPRET
 
     if not (HAS_TRITON and INTERPRET):
         pytest.skip("needs triton and TRITON_INTERPRET=1")
