@@ -12,6 +12,19 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from kvkit.testing import tiny_model  # noqa: E402,F401
 
+#: tests over ~1 s on 2 CPU cores (scripts/slow_tests.py writes the list from a full run's JUnit report)
+_SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test listed in ``tests/slow.txt`` (besides those marked in their files: the bundled real
+    model), so ``pytest -m "not slow"`` is the fast loop. A listed test that no longer exists is ignored."""
+    with open(_SLOW_LIST, encoding="utf-8") as f:
+        slow = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def default_model():
