@@ -7,11 +7,11 @@
 #      T_TESTS seconds;
 #   2. "compiled": the rows that can beat the full cache on a GPU (CUDA graphs take the host out of the step):
 #        kvkit bench --shape llama-3.2-1b --device cuda --batch 16 --lengths 16384 \
-#          --policies full hf-static streaming snapkv duo cake tidal kvzip chelsea
+#          --policies full hf-static streaming snapkv duo cake tidal kvzip chelsea zipcache
 #      = full, full static+compile, hf-static (StaticCache + torch.compile reduce-overhead), streaming, streaming
 #      static+compile, snapkv, snapkv static+compile, ... as far as T_COMPILED allows (a compile: 7.5-19 s on an H100);
 #   3. "eager": the policies without a static store, eager, at the same workload:
-#        kvkit bench ... --no-compiled --policies full zipcache shadowkv
+#        kvkit bench ... --no-compiled --policies full shadowkv
 #   4. "profile" (T_PROFILE > 0): benchmarks/gpu/profile_step.py, every policy eager: wall vs device time per step,
 #      kernels per step, the top device / host operators -> $OUT/profile.txt;
 #   5. (T_SMALL > 0) batch 1 x 8192, default rows.
@@ -63,8 +63,8 @@ T_EAGER=${T_EAGER:-100}
 T_PROFILE=${T_PROFILE:-0}
 T_SMALL=${T_SMALL:-0}
 KERNEL_TESTS=${KERNEL_TESTS:-1}
-COMPILED_ROWS=${COMPILED_ROWS:-full hf-static streaming snapkv duo cake tidal kvzip chelsea}
-EAGER_ROWS=${EAGER_ROWS:-full zipcache shadowkv}
+COMPILED_ROWS=${COMPILED_ROWS:-full hf-static streaming snapkv duo cake tidal kvzip chelsea zipcache}
+EAGER_ROWS=${EAGER_ROWS:-full shadowkv}
 EXTRA=${EXTRA:-}
 
 main() {

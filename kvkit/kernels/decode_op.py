@@ -13,7 +13,10 @@ The operator takes a :class:`~kvkit.kernels.view.DecodeView` without parts as it
     view_decode(q [B, Hq, D], k [B, H, cap, D], v, length?, index?, pos?, qpos?, log_weight?, scale, num_splits?)
         -> (out [B, Hq, D] in q's dtype, lse [B, Hq] fp32)
 
-(the slot rule and shapes of :mod:`kvkit.kernels.view`). Its implementation picks the path at run time like
+(the slot rule and shapes of :mod:`kvkit.kernels.view`). A :class:`~kvkit.kernels.view.PackedPart` is a second operator,
+``packed_decode`` (its :class:`~kvkit.kernels.Packed` keys and values as tensors plus their bit widths, group sizes and
+axes), read by ``quant_attn``'s Triton kernel or the torch reference; :func:`compiled_decode` reads a view with parts
+as one operator per part, merged by log-sum-exp in the graph. Each implementation picks the path at run time like
 :func:`kvkit.kernels.decode` (Triton where :func:`kvkit.kernels.use_triton` says so, else the torch reference); its
 fake implementation gives the output shapes, so Dynamo traces a step around it with ``fullgraph=True`` and CUDA
 graphs capture its launches (no host synchronisation, splits from shapes only). Outputs never alias inputs.
@@ -26,7 +29,8 @@ from typing import Optional  # noqa: UP035 -- custom_op reads these annotations;
 import torch
 
 from . import reference as _ref
-from .view import DecodeView
+from .quant import Packed
+from .view import DecodeView, PackedPart
 
 
 def _view(k, v, length, index, pos, qpos, log_weight) -> DecodeView:
@@ -57,11 +61,63 @@ def _view_decode_fake(q, k, v, length, index, pos, qpos, log_weight, scale, num_
     return q.new_empty(q.shape), q.new_empty((B, Hq), dtype=torch.float32)
 
 
+def _packed(data, scale, zero, prescale, bits, group_size, axis, dtype) -> Packed:
+    B, H, N = data.shape[:3]
+    D = data.shape[3] * 8 // bits
+    return Packed(data, scale, zero, bits, group_size, axis, (B, H, N, D), dtype, prescale)
+
+
+@torch.library.custom_op("kvkit::packed_decode", mutates_args=())
+def packed_decode(q: torch.Tensor, kdata: torch.Tensor, kscale: torch.Tensor, kzero: torch.Tensor,
+                  kprescale: Optional[torch.Tensor], vdata: torch.Tensor, vscale: torch.Tensor, vzero: torch.Tensor,
+                  vprescale: Optional[torch.Tensor], length: Optional[torch.Tensor], kbits: int, kgroup: int,
+                  kaxis: int, vbits: int, vgroup: int, vaxis: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token ``q [B, Hq, D]`` over a packed part (codes ``[B, H, N, D*bits/8]`` with their statistics,
+    ``length [B]`` or None) -> ``(out [B, Hq, D] in q's dtype, lse [B, Hq] fp32)``."""
+    from . import _on_device, use_triton
+
+    part = PackedPart(_packed(kdata, kscale, kzero, kprescale, kbits, kgroup, kaxis, q.dtype),
+                      _packed(vdata, vscale, vzero, vprescale, vbits, vgroup, vaxis, q.dtype), length)
+    if use_triton(q, *part.tensors()):
+        from .fused_decode import packed_part_triton
+
+        with _on_device(q):
+            out, lse = packed_part_triton(q, part, scale=scale)
+    else:
+        out, lse = _ref.packed_part_ref(q, part, scale=scale)
+    return out.to(q.dtype), lse.float()
+
+
+@packed_decode.register_fake
+def _packed_decode_fake(q, kdata, kscale, kzero, kprescale, vdata, vscale, vzero, vprescale, length, kbits, kgroup,
+                        kaxis, vbits, vgroup, vaxis, scale):
+    B, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq), dtype=torch.float32)
+
+
+def _packed_op(q3: torch.Tensor, part: PackedPart, scale: float):
+    k, v = part.k, part.v
+    return torch.ops.kvkit.packed_decode(q3, k.data, k.scale, k.zero, k.prescale, v.data, v.scale, v.zero,
+                                         v.prescale, part.length, k.bits, k.group_size, k.axis, v.bits,
+                                         v.group_size, v.axis, float(scale))
+
+
 def compiled_decode(q3: torch.Tensor, view: DecodeView, scale: float, num_splits: Optional[int]):
-    """What :func:`kvkit.kernels.decode` runs while ``torch.compile`` traces: the operator for a view without parts,
-    the traced torch reference otherwise (packed / nested parts are not an operator argument).
-    Returns ``(out [B, Hq, D], lse [B, Hq] fp32)``."""
-    if view.parts or view.k is None:
-        return _ref.decode_ref(q3, view, scale=scale)
-    return torch.ops.kvkit.view_decode(q3, view.k, view.v, view.length, view.index, view.pos, view.qpos,
-                                       view.log_weight, float(scale), num_splits)
+    """What :func:`kvkit.kernels.decode` runs while ``torch.compile`` traces: the view's own keys through
+    ``view_decode``, every packed part through ``packed_decode`` and every nested view the same way, merged by
+    log-sum-exp (traced torch). Returns ``(out [B, Hq, D], lse [B, Hq] fp32)``."""
+    res = []
+    if view.k is not None:
+        res.append(torch.ops.kvkit.view_decode(q3, view.k, view.v, view.length, view.index, view.pos, view.qpos,
+                                               view.log_weight, float(scale), num_splits))
+    for part in view.parts:
+        if isinstance(part, PackedPart):
+            res.append(_packed_op(q3, part, scale))
+        else:
+            res.append(compiled_decode(q3, part, scale, num_splits))
+    if not res:
+        raise ValueError("kvkit.kernels.decode: a view with neither keys nor parts reads nothing")
+    out, lse = res[0]
+    for o, s in res[1:]:
+        out, lse = _ref.merge_attn(out, lse, o, s)
+    return out, lse

@@ -37,6 +37,7 @@ from kvkit.registry import register
 from kvkit.stores import LayerInfo, QuantizedSegmentStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
 from kvkit.stores.quantized import rank_groups
+from kvkit.stores.static import static_store
 
 BITS = (2, 4, 8)
 
@@ -95,8 +96,9 @@ class ZipCache(Policy):
 
     description = "ZipCache: saliency (probe-query attention) picks 4-bit vs 2-bit tokens, packed KV (2405.14256)"
     saves = "memory+reads"  # decode reads the packed codes (Triton quant_decode on CUDA)
+    static_capable: ClassVar[bool] = True
     calibrated_options: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
-    test_options: ClassVar[dict] = {}
+    test_options: ClassVar[dict] = dict(requant_interval=4)
     covering_options: ClassVar[dict | None] = None
     speculative_refusal: ClassVar[str | None] = (
         "ZipCache re-quantises every requant_interval tokens with saliencies from the current queries; a "
@@ -136,8 +138,8 @@ class ZipCache(Policy):
         resolve(self, config)  # a malformed calibration file for this model is refused at patch time
 
     def new_layer(self, info: LayerInfo):
-
-        return ZipCacheStore(info, resolve(self, info.config))
+        cls = static_store(ZipCacheStore) if info.static else ZipCacheStore
+        return cls(info, resolve(self, info.config))
 
 
 def probe_positions(n_real: int, ratio: float, seed: int) -> torch.Tensor:
@@ -154,7 +156,13 @@ def probe_positions(n_real: int, ratio: float, seed: int) -> torch.Tensor:
 
 
 class ZipCacheStore(QuantizedSegmentStore):
-    """ZipCache's saliency and bit split over the quantized-segment store."""
+    """ZipCache's saliency and bit split over the quantized-segment store.
+
+    Static (``static_store(ZipCacheStore)``): the tail (``requant_interval`` slots) and its saliency sums
+    (``sal_sum`` ``[B, H, n]``, ``sal_cnt`` ``[B, 1, n]``, 0 on a free slot as on a new token) live in static buffers,
+    the decoded tokens' segments in slot segments (:mod:`kvkit.stores.quantized`); :meth:`observe` adds in place."""
+
+    static_slot_tensors = {"sal_sum": 0.0, "sal_cnt": 0.0}
 
     def __init__(self, info: LayerInfo, policy: ZipCache):
         super().__init__(info, tail_tokens=policy.requant_interval, bits=policy.high_bits, value_prescale=True,
@@ -194,6 +202,10 @@ class ZipCacheStore(QuantizedSegmentStore):
         if self.sal_sum is not None:
             self.sal_sum, self.sal_cnt = self.sal_sum[..., :0], self.sal_cnt[..., :0]
 
+    def slots_bound(self) -> int:
+        """The tail never holds more than ``requant_interval`` tokens between compressions."""
+        return self.tail_tokens
+
     # ---- ZipCache's choices --------------------------------------------------------------------------
     def split_block(self, k, v, valid, score):
         """The ``high_ratio`` most salient tokens at ``high_bits``, the rest at ``low_bits`` (keys: ``key_bits``
@@ -209,6 +221,7 @@ class ZipCacheStore(QuantizedSegmentStore):
     def on_prefill(self, query, module) -> None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         self.compress_tail(self._saliency_prefill(query, scaling))
+        self.reserve_segments()
 
     def observe(self, query, qpos, scaling, lse) -> None:
         """Add each tail token's share of every query's attention (over everything held) to its saliency."""
@@ -222,15 +235,16 @@ class ZipCacheStore(QuantizedSegmentStore):
         s = torch.matmul(q, self.keys.float().transpose(-1, -2)).mul_(scaling)  # [B, H, G*T, n]
         prob = s.sub_(lse.view(B, H, G * T, 1).float()).exp_()
         pos = self.pos[:, 0]  # [B, n]
+        # in place: a static store's sums are its buffers (a compiled step cannot reassign them)
         if self.dense_decode(T):  # one query per row that sees every tail token
-            self.sal_sum = self.sal_sum + prob.sum(2)
-            self.sal_cnt = self.sal_cnt + 1.0
+            self.sal_sum.add_(prob.sum(2))
+            self.sal_cnt.add_(1.0)
             return
         see = (pos[:, None, :] <= qpos.view(1, T, 1)) & (pos[:, None, :] >= 0)  # [B, T, n]
         see_g = see[:, None, None].expand(B, H, G, T, n).reshape(B, H, G * T, n)
         prob = prob.masked_fill(~see_g, 0.0).nan_to_num(0.0)
-        self.sal_sum = self.sal_sum + prob.sum(2)
-        self.sal_cnt = self.sal_cnt + see.float().sum(1, keepdim=True)
+        self.sal_sum.add_(prob.sum(2))
+        self.sal_cnt.add_(see.float().sum(1, keepdim=True))
 
     def _saliency_prefill(self, query, scaling) -> torch.Tensor:
         """Probe-query saliency ``[B, H, n]`` of the prompt (normalised by visibility)."""

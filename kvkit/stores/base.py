@@ -380,6 +380,10 @@ class SlotStore(SeenLength, StoreMixin, CacheLayerMixin):
     def num_slots(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
+    def off_slot_nbytes(self) -> int:
+        """Bytes the store allocates outside its slot tensors (a static variant adds them to its buffers')."""
+        return 0
+
     # ---- policy hooks ------------------------------------------------------------------------
     def should_compress(self) -> bool:
         return False

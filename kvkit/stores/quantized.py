@@ -20,6 +20,14 @@ which leaves per-channel min/max statistics unchanged). Tokens inside a part are
 position order: every segment is older than every query, so no causal mask is needed inside segments.
 The tail is the :class:`~kvkit.stores.SlotStore`'s ``keys``/``values``/``pos`` (uncompressed, with positions).
 
+Static variant (``static_store(<a subclass>)``, ``info.static``): the tail lives in static buffers of
+``tail_tokens`` slots, and the segments of decoded tokens go to *slot segments* preallocated at the prefill, one per
+``tail_tokens`` of the room the cache was sized for (``max_length`` / ``ensure_capacity``): each holds the parts of
+a full tail's layout with ``length`` 0 until a compression writes a block's codes and statistics into it in place.
+A compiled step then reads the same tensors after every compression (one graph); when the slot segments run out
+their number doubles (one re-trace), and a block of another layout (an eager multi-token forward) is appended as
+an ordinary segment.
+
 Decode: the tail goes to :func:`kvkit.stores.attend_slots` with ``return_lse=True`` (causal by position,
 padding); all parts of all segments go to :func:`kvkit.kernels.quant_decode` in one call (one softmax over
 their union: Triton on CUDA, the packed-code C kernel on CPU, the torch reference otherwise) with the
@@ -56,6 +64,8 @@ class Segment:
     """One quantised block of tokens: one ``(kpack, vpack, length [B])`` part per non-empty group."""
 
     parts: list
+    #: a static store's preallocated segment: written in place at a compression, every part's length 0 until then
+    slot: bool = False
 
     def tokens(self) -> int:
         return sum(int(n.max()) for _, _, n in self.parts)
@@ -119,6 +129,7 @@ class QuantizedSegmentStore(SlotStore):
         self.key_group = key_group
         self.segments: list[Segment] = []
         self._read = None  # (kpacks, vpacks, valid lengths or None where every row is full): built once per change
+        self._slots_used = 0  # slot segments written (static variant)
 
     # ---- what a quantizer overrides --------------------------------------------------------------
     def split_block(self, k, v, valid, score) -> list[Group]:
@@ -148,6 +159,7 @@ class QuantizedSegmentStore(SlotStore):
         super().reset()
         self.segments = []
         self._read = None
+        self._slots_used = 0
 
     def _apply_batch(self, fn) -> None:
         super()._apply_batch(fn)
@@ -156,11 +168,19 @@ class QuantizedSegmentStore(SlotStore):
         self._read = None
 
     def nbytes(self) -> int:
-        n = tensor_bytes(self.keys, self.values, self.pos, self.first_pos)
-        for seg in self.segments:
-            for k, v, length in seg.parts:
-                n += packed_nbytes(k) + packed_nbytes(v) + tensor_bytes(length)
-        return n
+        """Bytes held: the tail and every written segment (a static store's unwritten slot segments are
+        :meth:`allocated_nbytes` only)."""
+        return tensor_bytes(self.keys, self.values, self.pos, self.first_pos) + self._segment_bytes(written=True)
+
+    def _segment_bytes(self, written: bool) -> int:
+        slots = [s for s in self.segments if s.slot]
+        skip = {id(s) for s in slots[self._slots_used:]} if written else set()
+        return sum(packed_nbytes(k) + packed_nbytes(v) + tensor_bytes(length)
+                   for seg in self.segments if id(seg) not in skip for k, v, length in seg.parts)
+
+    def off_slot_nbytes(self) -> int:
+        """Every segment's bytes, unwritten slot segments included (a static store's allocation beyond its slots)."""
+        return self._segment_bytes(written=False)
 
     def num_slots(self) -> int:
         tail = 0 if self.keys is None else self.keys.shape[-2]
@@ -185,11 +205,14 @@ class QuantizedSegmentStore(SlotStore):
         return Segment(parts)
 
     def compress_tail(self, score=None) -> None:
-        """Quantise the whole tail into a new segment and empty the tail."""
+        """Quantise the whole tail into a new segment (a static store: into its next slot segment) and empty the
+        tail."""
         if self.keys is None or self.keys.shape[-2] == 0:
             return
         valid = self.pos[:, 0] >= 0
-        self.segments.append(self.quantize_block(self.keys, self.values, valid, score))
+        seg = self.quantize_block(self.keys, self.values, valid, score)
+        if not self._place(seg):
+            self.segments.append(seg)
         self._build_read()
         self.keys = self.keys[..., :0, :]
         self.values = self.values[..., :0, :]
@@ -197,6 +220,48 @@ class QuantizedSegmentStore(SlotStore):
 
     def on_prefill(self, query, module) -> None:
         self.compress_tail(self.tail_score())
+        self.reserve_segments()
+
+    # ---- static variant: slot segments -----------------------------------------------------------
+    def reserve_segments(self, count: int | None = None) -> None:
+        """Static stores: preallocate ``count`` more slot segments (default: one per ``tail_tokens`` of the room
+        asked for beyond the tokens seen -- ``max_length`` / ``ensure_capacity`` -- at least 2), each with the
+        layout of a full tail's block (:meth:`quantize_block` of zeros; every part's length 0). No-op otherwise."""
+        if not self.static or self.keys is None:
+            return
+        if count is None:
+            want = max(self.info.max_length or 0, getattr(self, "tokens_wanted", 0))
+            count = max(2, -(-(want - self.seen) // self.tail_tokens))
+        B, H, _, D = self.keys.shape
+        n = self.tail_tokens
+        z = torch.zeros(B, H, n, D, dtype=self.keys.dtype, device=self.keys.device)
+        valid = torch.ones(B, n, dtype=torch.bool, device=z.device)
+        for _ in range(count):
+            proto = self.quantize_block(z, z, valid, torch.zeros(B, H, n, device=z.device))
+            parts = [(_zeroed(k), _zeroed(v), torch.zeros_like(m)) for k, v, m in proto.parts]
+            self.segments.append(Segment(parts, slot=True))
+        self._build_read()
+
+    def _place(self, seg: Segment) -> bool:
+        """Write ``seg`` into the next unwritten slot segment in place (same tensors: a compiled step's graph reads
+        them without re-tracing), doubling the slot segments when none is left. False (the caller appends it) for
+        a store that is not static or a block whose layout is not a full tail's."""
+        slots = [s for s in self.segments if s.slot]
+        if not slots or not _same_layout(slots[0], seg):
+            return False
+        if self._slots_used == len(slots):
+            self.reserve_segments(len(slots))
+            slots = [s for s in self.segments if s.slot]
+        for (kd, vd, nd), (k, v, n) in zip(slots[self._slots_used].parts, seg.parts):
+            for d, src in ((kd, k), (vd, v)):
+                for name in ("data", "scale", "zero", "prescale"):
+                    t = getattr(d, name)
+                    if t is not None:
+                        t.copy_(getattr(src, name))
+                d.cpu_view = None  # the C kernel's cached statistics are stale
+            nd.copy_(n)
+        self._slots_used += 1
+        return True
 
     def should_compress(self) -> bool:
         return self.keys.shape[-2] >= self.tail_tokens
@@ -207,9 +272,11 @@ class QuantizedSegmentStore(SlotStore):
     def _build_read(self) -> None:
         """What decode reads from the segments: the packed parts and their lengths (None where every row holds
         the whole part). Built at a compression event (it reads the lengths on the host), reused by every step."""
-        parts = self.parts()
-        self._read = ([k for k, _, _ in parts], [v for _, v, _ in parts],
-                      [None if int(n.min()) >= k.shape[-2] else n for k, _, n in parts]) if parts else None
+        parts = [(k, v, n, seg.slot) for seg in self.segments for k, v, n in seg.parts]
+        # a slot segment keeps its length tensor (written in place: the read's structure never changes)
+        self._read = ([k for k, _, _, _ in parts], [v for _, v, _, _ in parts],
+                      [None if not slot and int(n.min()) >= k.shape[-2] else n for k, _, n, slot in parts]
+                      ) if parts else None
 
     # ---- attention -------------------------------------------------------------------------------
     def decode(self, query, qpos, scaling):
@@ -247,7 +314,8 @@ class QuantizedSegmentStore(SlotStore):
             return None
         held = (self.keys, self.values) if tail else ()
         packed = [p.data for p in self._read[0] + self._read[1]] if self._read is not None else []
-        if not seam_open(query, *held, *packed):
+        # a compiled step (static variant) always reads through the seam: its operators pick the path at run time
+        if not (torch.compiler.is_compiling() or seam_open(query, *held, *packed)):
             return None
         parts = ()
         if self._read is not None:
@@ -261,6 +329,22 @@ class QuantizedSegmentStore(SlotStore):
             view = DecodeView(None, None, parts=parts)
         r = seam_view(query, view, scaling)
         return None if r is None else (r[0][:, None], r[1][:, :, None])
+
+
+def _zeroed(p: Packed) -> Packed:
+    """A packed block of ``p``'s layout holding zeros (codes, statistics; pre-scale 1): dequantizes to 0."""
+    pre = None if p.prescale is None else torch.ones_like(p.prescale)
+    return replace(p, data=torch.zeros_like(p.data), scale=torch.zeros_like(p.scale), zero=torch.zeros_like(p.zero),
+                   prescale=pre)
+
+
+def _same_layout(a: Segment, b: Segment) -> bool:
+    """Whether two segments' parts have the same packed shapes, dtypes and bit widths (one can be written into
+    the other)."""
+    def layout(seg):
+        return [(p.bits, p.group_size, p.axis, tuple(t.shape), t.dtype) for k, v, _ in seg.parts for p in (k, v)
+                for t in (p.data, p.scale, p.zero)] + [n.shape for _, _, n in seg.parts]
+    return len(a.parts) == len(b.parts) and layout(a) == layout(b)
 
 
 __all__ = ["Group", "Segment", "QuantizedSegmentStore", "rank_groups", "map_packed"]

@@ -64,6 +64,7 @@ class StaticSlots:
         self.nslots = torch.zeros((), dtype=torch.int64)
         self.seen_t = torch.zeros((), dtype=torch.int64)
         self._min_cap = 0
+        self.tokens_wanted = 0  # the most tokens seen a caller asked room for (ensure_capacity / max_length)
         super().__init__(*args, **kwargs)
         info = self.info
         if info.max_length:
@@ -125,6 +126,7 @@ class StaticSlots:
     def ensure_capacity(self, n: int) -> None:
         """Room for ``n`` tokens seen (an unbounded store holds all of them) without re-allocating."""
         bound = self.slots_bound()
+        self.tokens_wanted = max(self.tokens_wanted, n)  # read by stores that size other parts by it
         self._min_cap = max(self._min_cap, n if bound is None else min(n, bound))
         if self._buf["keys"] is not None and self.cap() < self._min_cap:
             self._resize(self._cap_for(self.held()))
@@ -283,7 +285,7 @@ class StaticSlots:
         self.seen_t.zero_()
 
     def allocated_nbytes(self) -> int:
-        return tensor_bytes(*self._buffers())
+        return tensor_bytes(*self._buffers()) + self.off_slot_nbytes()
 
 
 _STATIC_CLASSES: dict = {}

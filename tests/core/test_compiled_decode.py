@@ -360,3 +360,42 @@ def test_chelsea_static_holds_its_bound_and_compiles_with_reconstruction_scores(
         assert cache.layers[0].n_merged > 0
     finally:
         kvkit.unpatch(model)
+
+
+def test_zipcache_static_writes_its_segments_in_place_and_doubles_them_once():
+    """ZipCache's static store: the tail is ``requant_interval`` slots, the decoded tokens' segments go to slot
+    segments preallocated at the prefill for the room asked (``max_length``) and written in place (the compiled
+    step keeps reading the same tensors: one graph over every compression event); bytes held count the written
+    ones only. Without room asked, two slot segments are preallocated and doubled once they are used up: one
+    re-trace, the eager tokens still."""
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=1)
+    opts = dict(requant_interval=2)
+    kvkit.patch(model, "zipcache", **opts)
+    dyn_toks, _, _ = greedy(model, ids, STEPS)
+    kvkit.patch(model, "zipcache", static=True, max_length=ids.shape[1] + STEPS, **opts)
+    try:
+        ref_toks, ref_logits, cache = _decode(model, ids, STEPS, model)
+        assert torch.equal(ref_toks, dyn_toks)
+        layer = cache.layers[0]
+        slots = [s for s in layer.segments if s.slot]
+        assert len(slots) == STEPS // 2 and layer.cap() == 2  # one per requant_interval of the room; the tail
+        assert layer._slots_used == STEPS // 2 - 1  # the last tail waits for the next step's compression
+        assert layer.nbytes() < layer.allocated_nbytes()
+        before = [p.data.data_ptr() for s in slots for k, v, _ in s.parts for p in (k, v)]
+        cache = _compiled_matches(model, ids, model.get_compiled_call(_config()), ref_toks, ref_logits)
+        layer = cache.layers[0]
+        assert [p.data.data_ptr() for s in layer.segments if s.slot for k, v, _ in s.parts for p in (k, v)] != before
+        assert layer._slots_used == STEPS // 2 - 1 and len([s for s in layer.segments if s.slot]) == STEPS // 2
+    finally:
+        kvkit.unpatch(model)
+    kvkit.patch(model, "zipcache", static=True, **opts)  # no room asked: 2 slot segments, doubled at the third
+    try:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        toks, _, cache = _decode(model, ids, STEPS, model.get_compiled_call(_config()))
+        assert torch.equal(toks, ref_toks)
+        assert len([s for s in cache.layers[0].segments if s.slot]) == 8
+        assert _graphs() == 3  # 2 slots -> 4 -> 8: one re-trace each
+    finally:
+        kvkit.unpatch(model)

@@ -14,7 +14,7 @@ from kvkit.cli import main
 from kvkit.evals import gpu
 
 B, L, WARMUP, STEPS = 2, 48, 2, 4
-ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal", "zipcache"]
+ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal", "shadowkv:budget=16,min_prompt=16"]
 FULLC, STREAMC = "full static+compile", "streaming static+compile"
 
 
@@ -46,10 +46,10 @@ def test_files_and_rows(out):
     names = [r["name"] for r in rows]
     # full first (the reference), then each static policy's compiled row right after its eager one
     assert names == ["full", FULLC, "hf-dynamic", "hf-static", "streaming", STREAMC, "tidal", "tidal static+compile",
-                     "zipcache"]
+                     "shadowkv"]
     assert cfg["rows_planned"] == names and cfg["compiled_rows"] is True and cfg["compile_backend"] == "aot_eager"
     by = {r["name"]: r for r in rows}
-    for n in ("full", "hf-dynamic", "hf-static", "streaming", "zipcache"):
+    for n in ("full", "hf-dynamic", "hf-static", "streaming", "shadowkv"):
         r = by[n]
         assert r["status"] == "ok", r
         assert r["steps"] == STEPS and r["step_ms_p10"] <= r["step_ms"] <= r["step_ms_p90"]
@@ -107,13 +107,13 @@ def test_compiled_rows(out):
 def test_policy_without_static_store_lists_its_reason(out):
     cfg = json.loads((out / "config.json").read_text())
     rows = {r["name"]: r for r in _rows(out)}
-    why = rows["zipcache"]["compile_refusal"]
-    assert "ZipCacheStore" in why and "static" in why
-    assert list(cfg["no_static_store"].values()) == [why] and next(iter(cfg["no_static_store"])).startswith("zipcache")
-    assert "zipcache static+compile" not in rows
+    why = rows["shadowkv"]["compile_refusal"]
+    assert "ShadowKVStore" in why and "static" in why
+    assert list(cfg["no_static_store"].values()) == [why] and next(iter(cfg["no_static_store"])).startswith("shadowkv")
+    assert "shadowkv static+compile" not in rows
     assert "compile_refusal" not in rows["streaming"] and "compile_refusal" not in rows["full"]
     top = (out / "summary.md").read_text().splitlines()[2]
-    assert "No static store, so no compiled row: zipcache" in top and why in top
+    assert "No static store, so no compiled row: shadowkv" in top and why in top
 
 
 def test_byte_counts_and_bound(out):
@@ -164,7 +164,7 @@ def test_parse_rows():
     assert plan[:6] == ["full", "full static+compile", "hf-dynamic", "hf-static", "streaming",
                         "streaming static+compile"]
     assert {p for p in plan if p.endswith("static+compile")} == {
-        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake", "kvzip", "chelsea")}
+        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake", "kvzip", "chelsea", "zipcache")}
     assert [n for n, _, c in gpu.plan_rows(gpu.parse_rows(None), compiled=False)] == \
         [n for n, _ in gpu.parse_rows(None)]
     with pytest.raises(ValueError, match="takes no options"):
@@ -188,19 +188,19 @@ def test_unknown_shape_and_row(tmp_path, capsys):
 def test_time_limit_skips_rows(tmp_path):
     d = tmp_path / "skip"
     assert _run("--shape", "tiny", "--batch", 1, "--lengths", 16, "--steps", 2, "--no-compile", "--time-limit", 0,
-                "--policies", "full", "hf-dynamic", "zipcache", "--out", d) == 0
+                "--policies", "full", "hf-dynamic", "shadowkv", "--out", d) == 0
     rows = _rows(d)
-    assert [r["name"] for r in rows] == ["full", "full static+compile", "hf-dynamic", "zipcache"]
+    assert [r["name"] for r in rows] == ["full", "full static+compile", "hf-dynamic", "shadowkv"]
     assert all(r["status"] == "skipped" and "time limit" in r["error"] for r in rows)
     assert "its compile included" in rows[1]["error"] and "compile" not in rows[0]["error"]
-    assert "ZipCacheStore" in rows[3]["compile_refusal"]  # a skipped row still says why it has no compiled row
+    assert "ShadowKVStore" in rows[3]["compile_refusal"]  # a skipped row still says why it has no compiled row
     md = (d / "summary.md").read_text()
     assert "skipped: time limit" in md and "Compiled rows: full static+compile (skipped)" in md
     # --no-compiled: no compiled row, no refusal
     assert _run("--shape", "tiny", "--batch", 1, "--lengths", 16, "--steps", 2, "--no-compile", "--no-compiled",
-                "--time-limit", 0, "--policies", "full", "zipcache", "--out", d) == 0
+                "--time-limit", 0, "--policies", "full", "shadowkv", "--out", d) == 0
     rows = _rows(d)
-    assert [r["name"] for r in rows] == ["full", "zipcache"] and "compile_refusal" not in rows[1]
+    assert [r["name"] for r in rows] == ["full", "shadowkv"] and "compile_refusal" not in rows[1]
     md = (d / "summary.md").read_text()
     assert "Compiled rows: none. kvkit static+compile rows: off (--no-compiled)." in md
 

@@ -346,6 +346,28 @@ def test_compile_fullgraph_cpu_equals_eager(monkeypatch):
     assert max_err(out2, step(q, view2)[0]) < 1e-5
 
 
+@pytest.mark.parametrize("case", ["parts", "container"])
+def test_compiled_decode_reads_every_part_through_an_operator(triton_path, case):
+    """Traced by ``torch.compile``, a view's own keys go through ``torch.ops.kvkit.view_decode`` and each packed part
+    through ``torch.ops.kvkit.packed_decode`` (quant_attn's Triton kernel here; the int2 part of "container" has no
+    Triton layout at D=32 and reads through the reference inside the operator), merged in the graph: the same
+    read as the eager one."""
+    view, q = _view(case, torch.float32, seed=2), _q(2, torch.float32, seed=2)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(lambda q, v: K.decode(q, v, return_lse=True), fullgraph=True, backend=backend)(q, view)
+    e_out, e_lse = K.decode(q, view, return_lse=True)
+    # "parts": its own keys and a nested view; "container": two nested views
+    assert sum("packed_decode" in o for o in ops) == 1 and sum("view_decode" in o for o in ops) == 2, ops
+    assert max_err(out, e_out) < 1e-5
+    _assert_lse(lse, e_lse, 1e-5)
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------
 class _LowRankLike:
     kind = "lowrank"
