@@ -8,7 +8,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 def kvkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvkit_store=None, **kwargs):
     """Registered under ``"kvkit"``: routes the layer's attention to its policy store.
 
-    The store comes with the call: kvkit's attention pre-hook (``kvkit.patch._attn_pre_hook``) reads it from the cache
+    The store comes with the call: kvkit's attention pre-hook (``kvkit.patch.attn_pre_hook``) reads it from the cache
     the attention module is given (``cache.layers[module.layer_idx]``) and adds it to the module's keyword arguments,
     which the module's forward passes on here. Nothing is read from the module itself, which every caller shares
     (threads, deep copies). Without a kvkit cache (``use_cache=False``, or a transformers cache under ``full``) this

@@ -263,50 +263,11 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     check_tensor(fn, "SV", SV, 4, None, q.device)
     check_tensor(fn, "v", v, 4, None, q.device)
     fused = inv_freq is not None and use_triton(q, U, SV, v)
-    if callable(rope_table):  # built only where the torch path runs (the Triton path does not read it)
-        rope_table = None if fused else rope_table()
-    if rope_table is not None:
-        if not (isinstance(rope_table, (tuple, list)) and len(rope_table) == 2):
-            fail(fn, "rope_table must be a (cos, sin) pair of [P, Dr] tensors")
-        for name, t in zip(("rope_table cos", "rope_table sin"), rope_table):
-            check_tensor(fn, name, t, 2, None, q.device)
-        if rope_table[0].shape != rope_table[1].shape:
-            fail(fn, f"rope_table cos {tuple(rope_table[0].shape)} and sin {tuple(rope_table[1].shape)} differ")
-    elif inv_freq is None:
-        fail(fn, "give inv_freq (or a rope_table)")
-    if inv_freq is not None:
-        check_tensor(fn, "inv_freq", inv_freq, 1, None, q.device)
-    if U.dtype != SV.dtype or not U.is_floating_point():
-        fail(fn, f"U and SV must share one float dtype, got {U.dtype} and {SV.dtype}")
-    if v.dtype != q.dtype:
-        fail(fn, f"v must have q's dtype {q.dtype}, got {v.dtype}")
-    N, r = U.shape[1], U.shape[2]
-    Hkv = SV.shape[1]
-    if U.shape[0] != B or SV.shape[0] != B or SV.shape[2] != r or SV.shape[3] != D or Hkv == 0 or Hq % Hkv:
-        fail(fn, f"shapes do not fit: q {tuple(q.shape)}, U {tuple(U.shape)} [B, N, r], SV {tuple(SV.shape)} "
-                 f"[B, Hkv, r, D] (Hq a multiple of Hkv)")
-    dr = 2 * inv_freq.shape[0] if inv_freq is not None else rope_table[0].shape[1]
-    if dr > D or dr == 0 or dr % 2:
-        fail(fn, f"rotary dims {dr} (2 x inv_freq entries, or the rope_table width) must be even and in (0, D={D}]")
-    if inv_freq is not None and rope_table is not None and rope_table[0].shape[1] != dr:
-        fail(fn, f"rope_table has {rope_table[0].shape[1]} rotary dims but inv_freq gives {dr}")
+    rope_table = _lowrank_rope(fn, q, inv_freq, rope_table, fused)
+    N, Hkv = _lowrank_factors(fn, q, U, SV, v, inv_freq, rope_table)
     idx = check_indices(fn, chunk_ids, B, Hq, Hkv, Tq, "kv_head", q.device, name="chunk_ids")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        fail(fn, f"chunk_size must be a positive int, got {chunk_size!r}")
-    L = idx.shape[3] * chunk_size
-    if v_gathered:
-        if tuple(v.shape) != (B, Hkv, idx.shape[2] * L, D):
-            fail(fn, f"v_gathered: v must be [B, Hkv, Ti*C*chunk_size={idx.shape[2] * L}, D], got {tuple(v.shape)}")
-    elif tuple(v.shape) != (B, Hkv, N, D):
-        fail(fn, f"v must be [B={B}, Hkv={Hkv}, N={N}, D={D}] (the value store), got {tuple(v.shape)}")
-    if positions is not None:
-        check_tensor(fn, "positions", positions, 2, (torch.int32, torch.int64), q.device)
-        if tuple(positions.shape) != (B, N):
-            fail(fn, f"positions must be [B={B}, N={N}], got {tuple(positions.shape)}")
-    if position_offset is not None:
-        check_tensor(fn, "position_offset", position_offset, 1, (torch.int32, torch.int64), q.device)
-        if position_offset.shape[0] != B:
-            fail(fn, f"position_offset must be [B={B}], got {tuple(position_offset.shape)}")
+    _lowrank_values(fn, v, idx, chunk_size, v_gathered, B, Hkv, N, D)
+    _lowrank_positions(fn, positions, position_offset, B, N, q.device)
     mask = check_valid(fn, valid, B, N, q.device)
     scale = default_scale(scale, D)
     if debug():
@@ -329,6 +290,75 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
         o2, l2 = weighted_decode(q4, extra_k, extra_v, None, scale=scale, valid=extra_valid, return_lse=True)
         out, lse = merge_attn(out, lse, o2, l2)
     return _finish(out, lse, q.dim() == 3, return_lse)
+
+
+def _lowrank_rope(fn, q, inv_freq, rope_table, fused: bool):
+    """The rope table :func:`lowrank_decode`'s torch path reads: ``rope_table`` (a callable is called only when the
+    Triton path does not run, ``fused`` False; None then), checked to be a ``(cos, sin)`` pair of equal ``[P, Dr]``
+    tensors on q's device, or None. Without a table ``inv_freq`` is required; given, it is checked to be a 1-D tensor
+    on q's device."""
+    if callable(rope_table):  # built only where the torch path runs (the Triton path does not read it)
+        rope_table = None if fused else rope_table()
+    if rope_table is not None:
+        if not (isinstance(rope_table, (tuple, list)) and len(rope_table) == 2):
+            fail(fn, "rope_table must be a (cos, sin) pair of [P, Dr] tensors")
+        for name, t in zip(("rope_table cos", "rope_table sin"), rope_table):
+            check_tensor(fn, name, t, 2, None, q.device)
+        if rope_table[0].shape != rope_table[1].shape:
+            fail(fn, f"rope_table cos {tuple(rope_table[0].shape)} and sin {tuple(rope_table[1].shape)} differ")
+    elif inv_freq is None:
+        fail(fn, "give inv_freq (or a rope_table)")
+    if inv_freq is not None:
+        check_tensor(fn, "inv_freq", inv_freq, 1, None, q.device)
+    return rope_table
+
+
+def _lowrank_factors(fn, q, U, SV, v, inv_freq, rope_table) -> tuple[int, int]:
+    """Check the low-rank factors against q ``[B, Hq, (Tq,) D]``: U ``[B, N, r]`` and SV ``[B, Hkv, r, D]`` of one
+    float dtype, Hq a multiple of Hkv, v of q's dtype, and the rotary dims (2 x inv_freq entries, else the rope
+    table's width) even and in (0, D], inv_freq and the table agreeing where both are given. Returns ``(N, Hkv)``."""
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    if U.dtype != SV.dtype or not U.is_floating_point():
+        fail(fn, f"U and SV must share one float dtype, got {U.dtype} and {SV.dtype}")
+    if v.dtype != q.dtype:
+        fail(fn, f"v must have q's dtype {q.dtype}, got {v.dtype}")
+    N, r = U.shape[1], U.shape[2]
+    Hkv = SV.shape[1]
+    if U.shape[0] != B or SV.shape[0] != B or SV.shape[2] != r or SV.shape[3] != D or Hkv == 0 or Hq % Hkv:
+        fail(fn, f"shapes do not fit: q {tuple(q.shape)}, U {tuple(U.shape)} [B, N, r], SV {tuple(SV.shape)} "
+                 f"[B, Hkv, r, D] (Hq a multiple of Hkv)")
+    dr = 2 * inv_freq.shape[0] if inv_freq is not None else rope_table[0].shape[1]
+    if dr > D or dr == 0 or dr % 2:
+        fail(fn, f"rotary dims {dr} (2 x inv_freq entries, or the rope_table width) must be even and in (0, D={D}]")
+    if inv_freq is not None and rope_table is not None and rope_table[0].shape[1] != dr:
+        fail(fn, f"rope_table has {rope_table[0].shape[1]} rotary dims but inv_freq gives {dr}")
+    return N, Hkv
+
+
+def _lowrank_values(fn, v, idx, chunk_size, v_gathered: bool, B: int, Hkv: int, N: int, D: int) -> None:
+    """Check ``chunk_size`` (a positive int) and the values v: ``[B, Hkv, N, D]`` indexed by token row, or with
+    ``v_gathered`` ``[B, Hkv, Ti*C*chunk_size, D]`` for the chunk ids ``idx`` ``[B, Hkv, Ti, C]``."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        fail(fn, f"chunk_size must be a positive int, got {chunk_size!r}")
+    L = idx.shape[3] * chunk_size
+    if v_gathered:
+        if tuple(v.shape) != (B, Hkv, idx.shape[2] * L, D):
+            fail(fn, f"v_gathered: v must be [B, Hkv, Ti*C*chunk_size={idx.shape[2] * L}, D], got {tuple(v.shape)}")
+    elif tuple(v.shape) != (B, Hkv, N, D):
+        fail(fn, f"v must be [B={B}, Hkv={Hkv}, N={N}, D={D}] (the value store), got {tuple(v.shape)}")
+
+
+def _lowrank_positions(fn, positions, position_offset, B: int, N: int, device) -> None:
+    """Check the keys' positions where given: positions ``[B, N]`` and position_offset ``[B]``, int32/int64 on
+    ``device``."""
+    if positions is not None:
+        check_tensor(fn, "positions", positions, 2, (torch.int32, torch.int64), device)
+        if tuple(positions.shape) != (B, N):
+            fail(fn, f"positions must be [B={B}, N={N}], got {tuple(positions.shape)}")
+    if position_offset is not None:
+        check_tensor(fn, "position_offset", position_offset, 1, (torch.int32, torch.int64), device)
+        if position_offset.shape[0] != B:
+            fail(fn, f"position_offset must be [B={B}], got {tuple(position_offset.shape)}")
 
 
 def lowrank_token_decode(q, U, SV, v, tok, rope_half, *, scale=None, position_offset=None, positions=None,

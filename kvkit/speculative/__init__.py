@@ -7,13 +7,8 @@ model drafting for the self-draft (TriForce's hierarchy). See :mod:`.generate`.
 """
 
 from kvkit.speculative.draft import DraftCache, DraftView, RetrievalView, StreamingView, make_view
-from kvkit.speculative.generate import (
-    SpeculativeOutput,
-    SpeculativeStats,
-    check_assistant,
-    check_target_policy,
-    generate,
-)
+from kvkit.speculative.generate import SpeculativeOutput, SpeculativeStats, generate
+from kvkit.speculative.request import check_assistant, check_target_policy
 from kvkit.speculative.rows import batch_cache
 
 __all__ = [

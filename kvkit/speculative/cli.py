@@ -15,6 +15,9 @@ import statistics
 import sys
 import time
 
+import torch
+from transformers import DynamicCache, StaticCache
+
 import kvkit
 import kvkit.models
 from kvkit.compat import cache_kw
@@ -57,8 +60,7 @@ def add_commands(subparsers) -> None:
 
 
 def _sync(device) -> None:
-    import torch
-
+    """Wait for ``device``'s queued CUDA work (nothing to wait for off CUDA), so wall-clock timings are right."""
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -71,8 +73,6 @@ def plain_decode(model, cache, ids, new_tokens: int, device, mask=None):
     :func:`kvkit.speculative.generate`, which counts it as prefill: the decode seconds cover the
     ``new_tokens - 1`` one-token steps after it.
     """
-    import torch
-
     toks = [[] for _ in range(ids.shape[0])]
     nxt = ids[:, -1:]
     pos = None if mask is None else mask.long().sum(-1, keepdim=True) - 1
@@ -93,8 +93,6 @@ def plain_decode(model, cache, ids, new_tokens: int, device, mask=None):
 
 def plain_decode_hf(kind: str, model, base, ids, new_tokens: int, device, mask=None):
     """:func:`plain_decode` over a transformers ``DynamicCache`` / ``StaticCache`` holding a copy of ``base``'s prompt KV."""
-    from transformers import DynamicCache, StaticCache
-
     if kind == "static":
         cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
     else:
@@ -106,8 +104,6 @@ def plain_decode_hf(kind: str, model, base, ids, new_tokens: int, device, mask=N
 
 def _prompt(tok, task: str, length: int, seed: int):
     """One prompt ``[1, n]``: a needle question (--length counts the whole chat prompt) or essay text from an offset."""
-    import torch
-
     if task == "needle":
         ids, _ = needle_prompt(tok, context_tokens=length, seed=seed)
         extra = ids.shape[1] - length
@@ -120,6 +116,7 @@ def _prompt(tok, task: str, length: int, seed: int):
 
 
 def _int_list(flag: str, text) -> list[int]:
+    """The comma-separated integers of ``text`` (a value of ``flag``); ValueError unless there is one and all are >= 1."""
     try:
         values = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
@@ -129,11 +126,9 @@ def _int_list(flag: str, text) -> list[int]:
     return values
 
 
-def cmd_speculate(args) -> int:
-    import torch
-
-    torch.manual_seed(args.seed)
-    dtype = getattr(torch, args.dtype)
+def _check_args(args) -> tuple[list[int], list[str], list, list[str]]:
+    """Check ``kvkit speculate``'s arguments; returns ``(gammas, draft policies, budgets, baselines)`` as lists
+    (budgets ``[None]`` without ``--budget``: the view's default)."""
     gammas = _int_list("--gamma", args.gamma)
     policies = [p for p in args.draft_policy.split(",") if p]
     budgets = _int_list("--budget", args.budget) if args.budget else [None]
@@ -149,15 +144,25 @@ def cmd_speculate(args) -> int:
         raise ValueError(f"--new-tokens must be >= 2 (the first one comes from the prefill), got {args.new_tokens}")
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device} but torch sees no CUDA device")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    opts = parse_options(args.draft_opt)
+    return gammas, policies, budgets, baselines
+
+
+def _load(args, dtype):
+    """``(model, tokenizer, assistant)`` loaded on ``args.device`` in ``dtype`` (assistant None without
+    ``--assistant``)."""
     print(f"loading model {args.model!r} ...", flush=True)
     model, tok = kvkit.models.load(args.model, dtype=dtype, device=args.device)
     assistant = None
     if args.assistant:
         print(f"loading assistant {args.assistant!r} ...", flush=True)
         assistant, _ = kvkit.models.load(args.assistant, dtype=dtype, device=args.device)
+    return model, tok, assistant
+
+
+def _batch(model, tok, args):
+    """The ``--batch`` prompts (:func:`_prompt`, one seed each) left padded into ``(ids [B, n], mask [B, n])`` on
+    ``args.device`` (mask None without padding); ValueError when prompt + ``--new-tokens`` exceeds the model's
+    trained context."""
     rows = [_prompt(tok, args.task, args.length, args.seed * args.batch + b) for b in range(args.batch)]
     width = max(r.shape[1] for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -171,19 +176,44 @@ def cmd_speculate(args) -> int:
             f"prompt ({ids.shape[1]} tokens) + --new-tokens {args.new_tokens} exceeds the model's trained context of "
             f"{limit} tokens; use --length {limit - args.new_tokens - 8} or less"
         )
-    ids = ids.to(args.device)
-    print(f"prompt: {args.batch} x {ids.shape[1]} tokens; prefilling once ...", flush=True)
-    kvkit.patch(model, "full")
+    return ids.to(args.device), mask
+
+
+def _prefill_once(model, ids, mask, args):
+    """The shared prefill: a cache of the patched model (a batch cache at ``--batch`` > 1) holding ``ids[:, :-1]``
+    (masked by ``mask``), prefilled in chunks; every setting continues from a copy of it."""
     base = batch_cache(model) if args.batch > 1 else kvkit.KVCache(model)
     t0 = time.perf_counter()
     kvkit.prefill(model, ids[:, :-1], None if mask is None else mask[:, :-1], chunk_size=4096 // args.batch, cache=base)
     _sync(args.device)
     print(f"prefill {time.perf_counter() - t0:.1f}s", flush=True)
+    return base
 
-    # with --assistant every setting runs twice, self-draft alone and under the assistant (TriForce's
-    # hierarchy), so the hierarchy's gain over the plain self-draft is measured on the same prefill
-    helpers = [None, assistant] if assistant is not None else [None]
-    settings = [(p, g, b, a) for p in policies for b in budgets for g in gammas for a in helpers]
+
+def _run_setting(model, base, ids, mask, args, opts: dict, setting: tuple, plain: list):
+    """One speculative run of ``setting`` ``(draft policy, gamma, budget, assistant or None)`` from a copy of
+    ``base``, its draft options ``opts`` (with the budget); returns ``(name, stats, equals plain, assistant)``, the
+    third comparing its new tokens with ``plain`` (plain greedy's, per row)."""
+    policy, gamma, budget, helper = setting
+    o = dict(opts)
+    if budget is not None:
+        o["budget"] = budget
+    st = SpeculativeStats()
+    out = generate(model, ids, attention_mask=mask, past_key_values=copy.deepcopy(base), draft_policy=policy, draft_options=o,
+                   gamma=gamma, assistant=helper, assistant_gamma=args.assistant_gamma if helper is not None else None,
+                   adaptive=args.adaptive or False, max_new_tokens=args.new_tokens, eos_token_id=None, stats=st)
+    new = out[:, ids.shape[1]:].tolist()
+    name = f"{policy}({', '.join(f'{k}={v}' for k, v in o.items())}) gamma={gamma}"
+    if helper is not None:
+        name += f" + assistant {args.assistant}"
+    print(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s", flush=True)
+    return name, st, new == plain, helper
+
+
+def _measure(model, base, ids, mask, args, settings: list, opts: dict, baselines: list[str]):
+    """``--repeat`` rounds, each plain greedy decoding, then every transformers-cache baseline, then every setting,
+    all from copies of ``base``. Returns ``(plain tok/s per round, {baseline: [(tok/s, equals plain)]}, per setting
+    [(name, stats, equals plain, assistant)] per round)``."""
     plain_runs, extra_runs, runs = [], {b: [] for b in baselines}, [[] for _ in settings]
     for rep in range(args.repeat):
         if args.repeat > 1:
@@ -196,21 +226,38 @@ def cmd_speculate(args) -> int:
             toks, secs = plain_decode_hf(b, model, base, ids, args.new_tokens, args.device, mask)
             extra_runs[b].append((args.batch * steps / secs, toks == plain))
             print(f"  plain greedy, transformers {b} cache: {extra_runs[b][-1][0]:.2f} tok/s", flush=True)
-        for i, (policy, gamma, budget, helper) in enumerate(settings):
-            o = dict(opts)
-            if budget is not None:
-                o["budget"] = budget
-            st = SpeculativeStats()
-            out = generate(model, ids, attention_mask=mask, past_key_values=copy.deepcopy(base), draft_policy=policy, draft_options=o,
-                           gamma=gamma, assistant=helper, assistant_gamma=args.assistant_gamma if helper is not None else None,
-                           adaptive=args.adaptive or False, max_new_tokens=args.new_tokens, eos_token_id=None, stats=st)
-            new = out[:, ids.shape[1]:].tolist()
-            name = f"{policy}({', '.join(f'{k}={v}' for k, v in o.items())}) gamma={gamma}"
-            if helper is not None:
-                name += f" + assistant {args.assistant}"
-            runs[i].append((name, st, new == plain, helper))
-            print(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s", flush=True)
+        for i, setting in enumerate(settings):
+            runs[i].append(_run_setting(model, base, ids, mask, args, opts, setting, plain))
+    return plain_runs, extra_runs, runs
 
+
+def _setting_row(args, reps: list, plain_runs: list, plain_step: float, extra_runs: dict) -> dict:
+    """The summary row of one setting from its rounds ``reps`` (:func:`_run_setting`'s tuples): medians of tok/s and
+    of the speedups over plain (``plain_runs``) and over each baseline, acceptance, and the cost of one draft step and
+    of one verification forward in plain decode steps (``plain_step`` seconds; all rounds pooled)."""
+    name, st, _, helper = reps[-1]
+    tps = [r[1].decode_tokens_per_second for r in reps]
+    ratios = [t / p for t, p in zip(tps, plain_runs)]
+    # cost of one draft step and of one verification forward, in plain decode steps (all repeats pooled)
+    steps = sum(r[1].draft_steps for r in reps)
+    rounds = sum(r[1].rounds for r in reps)
+    draft_step = sum(r[1].draft_seconds for r in reps) / steps if steps else None
+    verify = sum(r[1].verify_seconds for r in reps) / rounds if rounds else None
+    row = dict(setting=name, acceptance=st.acceptance_rate, tokens_per_round=st.tokens_per_round,
+               tok_s=statistics.median(tps), speedup=statistics.median(ratios), same=all(r[2] for r in reps),
+               assistant=args.assistant if helper is not None else None,
+               assistant_acceptance=st.assistant_acceptance_rate if helper is not None else None,
+               tok_s_runs=tps, speedup_runs=ratios,
+               draft_step_vs_plain=None if draft_step is None or helper is not None else draft_step / plain_step,
+               verify_vs_plain=None if verify is None else verify / plain_step)
+    for b, breps in extra_runs.items():
+        row[f"speedup_vs_{b}"] = statistics.median(t / r[0] for t, r in zip(tps, breps))
+    return row
+
+
+def _summary(args, plain_runs: list, extra_runs: dict, runs: list) -> list[dict]:
+    """The summary rows (:func:`_measure`'s results): plain greedy, each transformers-cache baseline, each setting
+    (:func:`_setting_row`)."""
     plain_med = statistics.median(plain_runs)
     plain_step = args.batch / plain_med  # seconds of one plain batched decode step
     rows = [dict(setting="plain greedy", acceptance=None, tokens_per_round=1.0, tok_s=plain_med, speedup=1.0, same=True,
@@ -223,26 +270,12 @@ def cmd_speculate(args) -> int:
                          speedup=statistics.median(ratios), same=all(r[1] for r in reps), assistant=None,
                          assistant_acceptance=None, tok_s_runs=[r[0] for r in reps], speedup_runs=ratios,
                          draft_step_vs_plain=None, verify_vs_plain=None))
-    for reps in runs:
-        name, st, _, helper = reps[-1]
-        tps = [r[1].decode_tokens_per_second for r in reps]
-        ratios = [t / p for t, p in zip(tps, plain_runs)]
-        # cost of one draft step and of one verification forward, in plain decode steps (all repeats pooled)
-        steps = sum(r[1].draft_steps for r in reps)
-        rounds = sum(r[1].rounds for r in reps)
-        draft_step = sum(r[1].draft_seconds for r in reps) / steps if steps else None
-        verify = sum(r[1].verify_seconds for r in reps) / rounds if rounds else None
-        rows.append(dict(setting=name, acceptance=st.acceptance_rate, tokens_per_round=st.tokens_per_round,
-                         tok_s=statistics.median(tps), speedup=statistics.median(ratios), same=all(r[2] for r in reps),
-                         assistant=args.assistant if helper is not None else None,
-                         assistant_acceptance=st.assistant_acceptance_rate if helper is not None else None,
-                         tok_s_runs=tps, speedup_runs=ratios,
-                         draft_step_vs_plain=None if draft_step is None or helper is not None else draft_step / plain_step,
-                         verify_vs_plain=None if verify is None else verify / plain_step))
-        for b, reps in extra_runs.items():
-            rows[-1][f"speedup_vs_{b}"] = statistics.median(t / r[0] for t, r in zip(tps, reps))
-    kvkit.unpatch(model)
+    rows.extend(_setting_row(args, reps, plain_runs, plain_step, extra_runs) for reps in runs)
+    return rows
 
+
+def _print_table(args, ids, rows: list[dict], extra_runs: dict) -> None:
+    """Print the summary table of ``rows`` and the speedups over each transformers-cache baseline."""
     print()
     print(f"model {args.model}, task {args.task}, batch {args.batch} x prompt {ids.shape[1]} tokens, {args.new_tokens} new "
           f"tokens per row, device {args.device}")
@@ -259,11 +292,44 @@ def cmd_speculate(args) -> int:
     for b in extra_runs:
         print(f"speedup vs plain greedy over transformers' {b} cache: "
               + ", ".join(f"{r['setting'].split(' + ')[0]} {r[f'speedup_vs_{b}']:.2f}x" for r in rows if f"speedup_vs_{b}" in r))
+
+
+def _write_json(path: str, args, ids, rows: list[dict]) -> None:
+    """Append one JSON line per summary row to ``path``, with the run's model, task, shapes, device and command."""
+    with open(path, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(dict(r, model=args.model, task=args.task, batch=args.batch, prompt_tokens=ids.shape[1],
+                                    new_tokens=args.new_tokens,
+                                    device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
+                                    command=" ".join(sys.argv))) + "\n")
+
+
+def cmd_speculate(args) -> int:
+    """``kvkit speculate``: prefill the batch once, then plain greedy decoding, the transformers-cache baselines and
+    every speculative setting (draft policy x budget x gamma, each also under ``--assistant``) from copies of that
+    cache, ``--repeat`` times interleaved; print the summary table (and append it to ``--json``). Returns 0 when every
+    row decoded the same tokens as plain greedy decoding, else 1."""
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    gammas, policies, budgets, baselines = _check_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    opts = parse_options(args.draft_opt)
+    model, tok, assistant = _load(args, dtype)
+    ids, mask = _batch(model, tok, args)
+    print(f"prompt: {args.batch} x {ids.shape[1]} tokens; prefilling once ...", flush=True)
+    kvkit.patch(model, "full")
+    base = _prefill_once(model, ids, mask, args)
+
+    # with --assistant every setting runs twice, self-draft alone and under the assistant (TriForce's
+    # hierarchy), so the hierarchy's gain over the plain self-draft is measured on the same prefill
+    helpers = [None, assistant] if assistant is not None else [None]
+    settings = [(p, g, b, a) for p in policies for b in budgets for g in gammas for a in helpers]
+    plain_runs, extra_runs, runs = _measure(model, base, ids, mask, args, settings, opts, baselines)
+    rows = _summary(args, plain_runs, extra_runs, runs)
+    kvkit.unpatch(model)
+
+    _print_table(args, ids, rows, extra_runs)
     if args.json:
-        with open(args.json, "a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(dict(r, model=args.model, task=args.task, batch=args.batch, prompt_tokens=ids.shape[1],
-                                        new_tokens=args.new_tokens,
-                                        device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
-                                        command=" ".join(sys.argv))) + "\n")
+        _write_json(args.json, args, ids, rows)
     return 0 if all(r["same"] for r in rows) else 1  # (the --baselines rows too: they must decode the same tokens)

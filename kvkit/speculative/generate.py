@@ -21,43 +21,45 @@ the target's distribution. The draft tokens' K/V never enter the real cache (:mo
 
 With ``assistant=`` a tiny model drafts for the self-draft (TriForce's hierarchy, every row on its own,
 :mod:`.hierarchy`).
+
+The call's checks and the settings read from its arguments are in :mod:`.request`.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import asdict, dataclass, field, make_dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
-from transformers.generation import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation import LogitsProcessorList
 from transformers.utils import ModelOutput
 
 from kvkit.cache import KVCache
 from kvkit.compat import CACHE_ARG, cache_kw, get_cache
 from kvkit.model_info import context_limit
 from kvkit.patch import is_patched, patch, patch_state, unpatch
-from kvkit.speculative.draft import DraftCache, make_view
+from kvkit.speculative.draft import DraftCache
 from kvkit.speculative.forward import logits as forward_logits
 from kvkit.speculative.hierarchy import HierarchicalDraft
-from kvkit.speculative.rows import Rows, batch_cache, layer_windows
+from kvkit.speculative.request import (
+    adaptive_threshold,
+    check_assistant,
+    drafting_setup,
+    eos_and_pad,
+    logits_processors,
+    prompt_mask,
+    real_token_counts,
+    request_generation_config,
+    request_max_new_tokens,
+    target_cache,
+)
+from kvkit.speculative.rows import Rows, layer_windows
 from kvkit.speculative.verify import accept_greedy, accept_sample, pick
-from kvkit.stores import FullStore, SlotStore
 
-#: adaptive=True stops drafting when the draft's top probability falls below this
-#: (transformers' default ``assistant_confidence_threshold``)
-ADAPTIVE_THRESHOLD = 0.4
 #: the assistant's cache: TriForce's StreamingLLM draft cache, 16 sinks + recent, 256 in all
 ASSISTANT_CACHE = {"policy": "streaming", "budget": 256, "sink": 16}
-#: keyword arguments read into the generation config on direct calls
-GENERATION_KEYS = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                   "pad_token_id", "return_dict_in_generate")
+
+
 @dataclass
 class SpeculativeStats:
     """Counts of one generation, summed over the batch rows: drafted/accepted at the target level (and the
@@ -116,6 +118,9 @@ SpeculativeOutput.__doc__ = "``return_dict_in_generate=True``: the sequences, th
 
 @dataclass
 class _Run:
+    """What every round of one call reads: the logits processors, greedy or sampling, the adaptive-drafting
+    threshold (None: off) and the stats it fills."""
+
     logits_processor: LogitsProcessorList
     do_sample: bool
     threshold: float | None
@@ -194,91 +199,6 @@ def decode(model, cache: KVCache, draft, rows: Rows, gamma: int, limit: int | No
                     (st.accepted + st.row_rounds) / st.row_rounds)
 
 
-# ---- checks -------------------------------------------------------------------------------------
-def _vocab_size(model) -> int:
-    emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if emb is not None and hasattr(emb, "weight"):
-        return emb.weight.shape[0]
-    return model.config.get_text_config(decoder=True).vocab_size
-
-
-def check_assistant(model, assistant, tokenizer=None, assistant_tokenizer=None) -> None:
-    """Raise ValueError unless ``assistant`` shares ``model``'s tokenizer (vocabulary and special tokens)."""
-    va, vt = _vocab_size(assistant), _vocab_size(model)
-    name_a = getattr(assistant.config, "_name_or_path", "") or type(assistant).__name__
-    if va != vt:
-        raise ValueError(
-            f"the assistant model ({name_a}) has a vocabulary of {va} tokens but the target has {vt}: the assistant "
-            "must share the target's tokenizer (e.g. Qwen2.5-Coder 0.5B for 1.5B)"
-        )
-    for attr in ("bos_token_id", "eos_token_id"):
-        a = getattr(assistant.generation_config, attr, None)
-        t = getattr(model.generation_config, attr, None)
-        if a is not None and t is not None and a != t:
-            raise ValueError(f"the assistant's {attr} ({a}) differs from the target's ({t}): different tokenizers")
-    if tokenizer is not None and assistant_tokenizer is not None and tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
-        raise ValueError("the assistant's tokenizer differs from the target's; speculative decoding needs the same one")
-
-
-def check_target_policy(policy) -> None:
-    """Refuse target policies under which speculation would not reproduce the patched model's own decoding."""
-    reason = getattr(policy, "speculative_refusal", None)
-    if reason is not None:
-        raise ValueError(
-            f"speculative decoding over a {policy.name!r} target is not lossless: {reason}. "
-            f"Use the {policy.name!r} model's plain generate, or speculate over a full/streaming target (e.g. "
-            "kvkit.patch(model, 'full'))"
-        )
-
-
-def _int_arg(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _processors(gc, do_sample) -> LogitsProcessorList:
-    """Temperature / top-k / top-p warpers of ``gc`` (direct calls; ``model.generate`` passes its own list)."""
-    lp = LogitsProcessorList()
-    if not do_sample:
-        return lp
-    temperature, top_k, top_p = gc.temperature, gc.top_k, gc.top_p
-    if temperature is not None and temperature != 1.0:
-        lp.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        lp.append(TopKLogitsWarper(top_k))
-    if top_p is not None and top_p < 1.0:
-        lp.append(TopPLogitsWarper(top_p))
-    return lp
-
-
-def _target_cache(model, cache, batch: int, held_ok) -> tuple[KVCache, int]:
-    """The target's cache and how many prompt columns it already holds."""
-    if isinstance(cache, KVCache):
-        held = cache.get_seq_length()
-        held_ok(held)
-    elif cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
-        cache, held = KVCache(model), 0  # the patched policy's
-        if batch > 1 and not any(isinstance(layer, SlotStore) for layer in cache.layers):
-            cache = batch_cache(model)
-    else:
-        raise ValueError("kvkit.speculative.generate needs a kvkit.KVCache (or no cache) as past_key_values")
-    check_target_policy(cache.policy)
-    if batch > 1:
-        bad = [type(layer).__name__ for layer in cache.layers if not isinstance(layer, FullStore)]
-        if bad:
-            raise ValueError(
-                f"at batch > 1 the target cache must keep every slot (FullStore layers; this one has {bad[0]}): rows "
-                "accept different numbers of drafts and the rejected ones stay as masked holes, which a compressing or "
-                "sliding-window store cannot hold. Pass no cache, or kvkit.speculative.batch_cache(model); or run "
-                "the rows one at a time"
-            )
-    for layer in cache.layers:
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            layer.activate_past_recording()  # keep rejected tokens croppable on sliding layers
-    return cache, held
-
-
 # ---- the entry point ----------------------------------------------------------------------------
 @torch.no_grad()
 def generate(
@@ -327,108 +247,107 @@ def generate(
     ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``) are keyword arguments, as for
     ``model.generate`` (which puts them into ``generation_config`` before calling this function).
     """
-    if draft != "self":
-        raise ValueError(f"draft must be 'self' (the sparse-KV self-draft), got {draft!r}; pass a small model as assistant=")
-    gamma = _int_arg("gamma", gamma)
-    assistant_gamma = _int_arg("assistant_gamma", assistant_gamma if assistant_gamma is not None else gamma)
-    view = make_view(draft_policy, draft_options)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError("input_ids must be a [batch, length] tensor of token ids")
-    if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-        raise ValueError("empty prompt: input_ids has no tokens")
-    B = input_ids.shape[0]
-    mask = model_kwargs.pop("attention_mask", None)
-    if mask is None:
-        mask = torch.ones_like(input_ids)
-    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}")
-    mask = mask.to(input_ids.device)
-    if not bool((mask.long().diff(dim=1) >= 0).all()) or not bool(mask[:, -1].all()):
-        raise ValueError("attention_mask must mark left padding only (0s then 1s in every row): pad on the left")
-    if streamer is not None and B > 1:
-        raise ValueError("a streamer takes batch size 1, as in model.generate")
-    via_hf = generation_config is not None
-    gc = copy.deepcopy(generation_config if via_hf else model.generation_config)
-    gc.update(**{k: model_kwargs.pop(k) for k in GENERATION_KEYS if k in model_kwargs})
+    view, gamma, assistant_gamma = drafting_setup(draft, draft_policy, draft_options, gamma, assistant_gamma)
+    mask = prompt_mask(input_ids, model_kwargs.pop("attention_mask", None), streamer)
+    gc = request_generation_config(model, generation_config, model_kwargs)
     do_sample = bool(gc.do_sample)
     if logits_processor is None:
-        logits_processor = _processors(gc, do_sample)
-    if adaptive is True:
-        threshold = ADAPTIVE_THRESHOLD
-    elif adaptive is False or adaptive is None:
-        threshold = None
-    elif isinstance(adaptive, (int, float)) and 0 < adaptive < 1:
-        threshold = float(adaptive)
-    else:
-        raise ValueError(f"adaptive must be a bool or a threshold in (0, 1), got {adaptive!r}")
-    if gc.max_new_tokens is not None:
-        max_new_tokens = gc.max_new_tokens
-    else:  # transformers' default: max_length (20) counts the prompt
-        max_new_tokens = gc.max_length - input_ids.shape[1]
+        logits_processor = logits_processors(gc, do_sample)
+    threshold = adaptive_threshold(adaptive)
+    max_new_tokens = request_max_new_tokens(gc, input_ids.shape[1])
     if max_new_tokens < 1:
         return input_ids
     if assistant is not None:
         check_assistant(model, assistant, model_kwargs.get("tokenizer"), model_kwargs.get("assistant_tokenizer"))
-    eos = gc.eos_token_id
-    eos = [] if eos is None else list(eos if isinstance(eos, (list, tuple)) else [eos])
-    pad_id = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
-
-    prompt = input_ids
-    if B == 1 and not bool(mask.all()):  # one row: decode its real tokens only
-        prompt, mask = input_ids[:, mask[0].bool()], torch.ones_like(input_ids[:, mask[0].bool()])
-
-    def held_ok(held):
-        if held >= prompt.shape[1]:
-            raise ValueError(f"past_key_values already holds {held} tokens; input_ids must extend it")
+    eos, pad_id = eos_and_pad(gc)
+    prompt, mask = real_token_counts(input_ids, mask)
+    run = _Run(logits_processor, do_sample, threshold, stats if stats is not None else SpeculativeStats())
+    # token positions the hierarchy keeps room for (its prefill's width): the prompt, the new tokens, a draft margin
+    room = prompt.shape[1] + max_new_tokens + 2 * (gamma + assistant_gamma) + 4 if assistant is not None else None
 
     patched_here = []
     try:
-        if not is_patched(model):
-            patch(model, "full")
-            patched_here.append(model)
-        if assistant is not None and not is_patched(assistant):
-            patch(assistant, "full")  # routing only: the assistant reads its own cache below
-            patched_here.append(assistant)
-        cache, held = _target_cache(model, get_cache(model_kwargs), B, held_ok)
+        _patch_for_call(model, assistant, patched_here)
+        cache, held = target_cache(model, get_cache(model_kwargs), input_ids.shape[0], prompt.shape[1])
         limit = None if patch_state(model).allow_beyond_context else context_limit(model)
         rows = Rows(prompt, mask, max_new_tokens, set(eos), stopping_criteria)
-        run = _Run(logits_processor, do_sample, threshold, stats if stats is not None else SpeculativeStats())
-        if assistant is None:
-            drafter = SelfDraft(model, cache, view)
-        else:
-            drafter = HierarchicalDraft(model, DraftCache(cache, view), assistant,
-                                        ASSISTANT_CACHE if assistant_cache is None else assistant_cache, assistant_gamma)
-
-        _sync(model)
-        t0 = time.perf_counter()
-        lg = forward_logits(model, 1, input_ids=prompt[:, held:], attention_mask=None if rows.aligned else mask,
-                            position_ids=rows.prompt_pos[:, held:], **cache_kw(cache))
-        lg = rows.process(logits_processor, lg)[:, 0]
-        rows.start(pick(lg.softmax(-1) if do_sample else lg, do_sample))
-        if assistant is not None:
-            drafter.prefill(rows, prompt, mask, prompt.shape[1] + max_new_tokens + 2 * (gamma + assistant_gamma) + 4)
-        _sync(model)
-        t1 = time.perf_counter()
-        run.stats.prefill_seconds += t1 - t0
-        decode(model, cache, drafter, rows, gamma, limit, layer_windows(cache), run)
-        if B == 1:
-            # plain decoding's state: the prompt and every new token but the last (the round may have run past the end)
-            cache.rollback(cache.get_seq_length() - (prompt.shape[1] + len(rows.new[0]) - 1))
-        _sync(model)
-        run.stats.decode_seconds += time.perf_counter() - t1
-        new = sum(len(t) for t in rows.new)
-        run.stats.new_tokens += new
-        run.stats.decode_tokens += new - B
+        drafter = _drafter(model, cache, view, assistant, assistant_cache, assistant_gamma)
+        t1 = _prefill(model, cache, held, drafter, rows, prompt, mask, run, room)
+        _decode_timed(model, cache, drafter, rows, prompt, gamma, limit, run, t1)
     finally:
         for m in patched_here:
             unpatch(m)
+    return _output(rows, input_ids, pad_id, cache, gc, run.stats, streamer)
 
+
+def _patch_for_call(model, assistant, patched: list) -> None:
+    """Patch ``model`` and ``assistant`` (None: none) with ``full`` where they are not patched, appending each model
+    patched here to ``patched`` as it goes (the caller unpatches them afterwards, also when a later step fails)."""
+    if not is_patched(model):
+        patch(model, "full")
+        patched.append(model)
+    if assistant is not None and not is_patched(assistant):
+        patch(assistant, "full")  # routing only: the assistant reads its own cache below
+        patched.append(assistant)
+
+
+def _drafter(model, cache: KVCache, view, assistant, assistant_cache, assistant_gamma: int):
+    """The drafter of the rounds: the target over ``view`` of ``cache`` (:class:`SelfDraft`), or with an
+    ``assistant`` the hierarchy (:class:`HierarchicalDraft`: the assistant drafts ``assistant_gamma`` tokens at a
+    time for the self-draft, over its own cache, ``assistant_cache`` or :data:`ASSISTANT_CACHE`)."""
+    if assistant is None:
+        return SelfDraft(model, cache, view)
+    return HierarchicalDraft(model, DraftCache(cache, view), assistant,
+                             ASSISTANT_CACHE if assistant_cache is None else assistant_cache, assistant_gamma)
+
+
+def _prefill(model, cache: KVCache, held: int, drafter, rows: Rows, prompt, mask, run: _Run, room: int | None) -> float:
+    """The prefill: one forward of the prompt columns ``cache`` does not hold yet (``prompt[:, held:]``, ``prompt``
+    ``[B, T]`` with ``mask``), each row's first new token picked from its logits (``rows.start``) and, with ``room``
+    (the token positions the hierarchy keeps room for; None without an assistant), the hierarchy's own prefill.
+    Adds its seconds to ``run.stats.prefill_seconds``; returns the ``time.perf_counter()`` at which it ended."""
+    _sync(model)
+    t0 = time.perf_counter()
+    lg = forward_logits(model, 1, input_ids=prompt[:, held:], attention_mask=None if rows.aligned else mask,
+                        position_ids=rows.prompt_pos[:, held:], **cache_kw(cache))
+    lg = rows.process(run.logits_processor, lg)[:, 0]
+    rows.start(pick(lg.softmax(-1) if run.do_sample else lg, run.do_sample))
+    if room is not None:
+        drafter.prefill(rows, prompt, mask, room)
+    _sync(model)
+    t1 = time.perf_counter()
+    run.stats.prefill_seconds += t1 - t0
+    return t1
+
+
+def _decode_timed(model, cache: KVCache, drafter, rows: Rows, prompt, gamma: int, limit: int | None, run: _Run,
+                  t1: float) -> None:
+    """The speculative rounds (:func:`decode`) after a prefill that ended at ``t1``; at batch 1 the cache is then
+    left as plain decoding leaves it (``prompt`` ``[1, T]`` and every new token but the last: the last round may
+    have run past the end). Adds the decode seconds and the token counts to ``run.stats``."""
+    B = prompt.shape[0]
+    decode(model, cache, drafter, rows, gamma, limit, layer_windows(cache), run)
+    if B == 1:
+        # plain decoding's state: the prompt and every new token but the last (the round may have run past the end)
+        cache.rollback(cache.get_seq_length() - (prompt.shape[1] + len(rows.new[0]) - 1))
+    _sync(model)
+    run.stats.decode_seconds += time.perf_counter() - t1
+    new = sum(len(t) for t in rows.new)
+    run.stats.new_tokens += new
+    run.stats.decode_tokens += new - B
+
+
+def _output(rows: Rows, input_ids, pad_id: int, cache: KVCache, gc, stats: SpeculativeStats, streamer):
+    """What :func:`generate` returns: the sequences ``[B, T + new]`` (``input_ids`` and each row's new tokens, rows
+    that stopped early padded with ``pad_id``), or with ``gc.return_dict_in_generate`` a :class:`SpeculativeOutput`
+    (the target ``cache`` at batch 1, None at batch > 1, and ``stats``). A ``streamer`` gets the row's new tokens."""
     if streamer is not None:
         streamer.put(torch.tensor(rows.new[0]))
         streamer.end()
     sequences = rows.sequences(input_ids, pad_id)
     if getattr(gc, "return_dict_in_generate", False):
-        return SpeculativeOutput(sequences=sequences, **cache_kw(cache if B == 1 else None), stats=run.stats)
+        return SpeculativeOutput(sequences=sequences, **cache_kw(cache if input_ids.shape[0] == 1 else None),
+                                 stats=stats)
     return sequences
 
 

@@ -95,10 +95,10 @@ def test_defect1_checkpoint_fields_are_checked_by_name(tmp_path):
     state = {k: v for k, v in good.items() if k not in ("format", "version")}
     for field, value in (("gates", torch.ones(5, 2)), ("step", 7), ("history", []), ("wall_s", -1.0),
                          ("optimizer", [1, 2])):
-        duo._save_checkpoint(ck, {**state, field: value})
+        duo.save_checkpoint(ck, {**state, field: value})
         with pytest.raises(ValueError, match=rf"{ck.name} is malformed: '{field}' must be"):
             duo.calibrate(tiny_model("llama"), _Tok(), steps=3, out=out, resume=True, **KW)
-    duo._save_checkpoint(ck, {**state, "optimizer": {"state": {}, "param_groups": []}})
+    duo.save_checkpoint(ck, {**state, "optimizer": {"state": {}, "param_groups": []}})
     with pytest.raises(ValueError, match=rf"{ck.name} does not fit this run's optimiser"):
         duo.calibrate(tiny_model("llama"), _Tok(), steps=3, out=out, resume=True, **KW)
     from safetensors.torch import save_file

@@ -221,3 +221,29 @@ def test_time_estimate_counts_the_compile():
     assert cpu._estimate(False, [], [10.0]) == 0.0 and cpu._estimate(True, [], []) == 20.0
     assert [c for _, _, c in cpu.plan] == [False, True]
     assert [c for _, _, c in gpu.Bench("tiny", "cpu", torch.float32, spec, 1, 16, compiled=False).plan] == [False]
+
+
+def test_git_state_sees_changes_under_the_checkouts_kvkit(tmp_path, monkeypatch):
+    """The run's ``git_dirty_kvkit``: uncommitted changes under the checkout's top-level ``kvkit/``, found from a
+    folder below it (where the benchmark's module lives), and nothing outside ``kvkit/``."""
+    import shutil
+    import subprocess
+
+    from kvkit.evals.gpu.report import git_state
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    monkeypatch.delenv("KVKIT_GIT_COMMIT", raising=False)
+    sub = tmp_path / "kvkit" / "evals"
+    sub.mkdir(parents=True)
+    (tmp_path / "kvkit" / "a.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
+        subprocess.run(git + cmd, cwd=tmp_path, check=True, capture_output=True)
+    commit, dirty = git_state(sub)
+    assert len(commit) == 40 and dirty == []
+    (tmp_path / "kvkit" / "a.py").write_text("x = 2\n")
+    (tmp_path / "notes.txt").write_text("outside kvkit/\n")
+    assert git_state(sub)[1] == ["M kvkit/a.py"]
+    monkeypatch.setenv("KVKIT_GIT_COMMIT", "abc")  # the device machine has no checkout: the commit comes with the run
+    assert git_state(sub)[0] == "abc"

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-from kvkit import env
 from kvkit.evals import bench, gpu
 from kvkit.evals.commands import runs
 from kvkit.evals.files import atomic_write_json, atomic_write_jsonl
+from kvkit.evals.gpu.report import git_state
 from kvkit.evals.report import write_summary
 from kvkit.evals.settings import resolve_policy_options, run_label
 from kvkit.options import fmt_bytes, parse_options
@@ -104,15 +102,7 @@ def _bench_batch(args, policy, options, lengths, more, threads) -> int:
     configs = bench.check_configs([(policy, options)] + more)  # unknown policies refused before the model loads
     model, tok = runs.load(args)
     threads = threads or [torch.get_num_threads()]
-    try:
-        commit = env.git_commit() or subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-            cwd=Path(__file__).resolve().parent).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvkit"], capture_output=True, text=True,
-                               timeout=10, cwd=Path(__file__).resolve().parent).stdout.split("\n")
-        dirty = [x.strip() for x in dirty if x.strip()]
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
+    commit, dirty = git_state()
     out_root = runs.out_dir(args, "bench", run_label(args.model, policy, options, max(lengths)) + f"-b{args.batch}")
     cfg = runs.run_config(args, "bench", policy, options, lengths=lengths, added=[list(c) for c in more],
                           git_commit=commit, git_dirty_kvkit=dirty, device_name=_device_name(args.device),

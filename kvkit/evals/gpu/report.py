@@ -97,17 +97,20 @@ def summary_md(config: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _git() -> tuple[str | None, list | None]:
-    here = Path(__file__).resolve().parent
+def git_state(where: Path | None = None) -> tuple[str | None, list | None]:
+    """The commit kvkit runs from (``KVKIT_GIT_COMMIT`` when set, else ``git rev-parse HEAD`` of the checkout holding
+    ``where``, default this file) and the uncommitted changes under the checkout's top-level ``kvkit/`` (``git status
+    --porcelain`` lines; None outside a git checkout)."""
+    here = where or Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=here).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvkit"], capture_output=True, text=True,
-                               timeout=10, cwd=here).stdout.split("\n") if commit else None
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=here).stdout.strip() or None
+        # ":/kvkit": the pathspec from the checkout's top (a plain "kvkit" would be relative to ``here``)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/kvkit"], capture_output=True, text=True,
+                               timeout=10, cwd=here).stdout.split("\n") if head else None
     except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
-    commit = commit or env.git_commit()
-    return commit, None if dirty is None else [x.strip() for x in dirty if x.strip()]
+        head, dirty = None, None
+    return env.git_commit() or head, None if dirty is None else [x.strip() for x in dirty if x.strip()]
 
 
 def device_name(device) -> str:
@@ -124,7 +127,7 @@ def environment(device) -> dict:
         triton_v = triton.__version__
     except ImportError:
         triton_v = None
-    commit, dirty = _git()
+    commit, dirty = git_state()
     out = dict(torch=torch.__version__, transformers=transformers.__version__, triton=triton_v,
                kvkit=kvkit.__version__, python=platform.python_version(), device_name=device_name(device),
                git_commit=commit, git_dirty_kvkit=dirty, kvkit_kernels=backend(device),
