@@ -213,7 +213,7 @@ def test_defect6_cache_implementation_static_runs_the_policys_static_cache(how):
         kvkit.unpatch(model)
 
 
-@pytest.mark.parametrize("policy,impl", [("zipcache", "static"), ("streaming", "offloaded"),
+@pytest.mark.parametrize("policy,impl", [("shadowkv", "static"), ("streaming", "offloaded"),
                                          ("streaming", "quantized"), ("streaming", "offloaded_static")])
 def test_defect6_cache_implementation_refused_where_it_would_bypass_the_policy(policy, impl):
     model = tiny_model("llama")
