@@ -276,8 +276,13 @@ class DuoStore(SeenLength, StoreMixin, CacheLayerMixin):
             if store is not None:
                 q = [h * G + g for h in heads for g in range(G)]
                 self.parts.append((store, torch.tensor(heads), torch.tensor(q)))
+        # one gather per tensor puts the heads in parts order (retrieval first); each part then reads a narrow view
         order = torch.cat([q for _, _, q in self.parts])
+        self._q_order, self._q_sizes = order, [len(q) for _, _, q in self.parts]
+        self._kv_order = torch.cat([kv for _, kv, _ in self.parts])
+        self._kv_sizes = [len(kv) for _, kv, _ in self.parts]
         self._identity = bool(torch.equal(order, torch.arange(info.num_heads)))
+        self._kv_identity = bool(torch.equal(self._kv_order, torch.arange(info.num_kv_heads)))
         self._inv = torch.argsort(order)  # model query-head order from the concatenated parts
         self.sink, self.recent, self.tail = sink, recent, tail
 
@@ -335,7 +340,7 @@ class DuoStore(SeenLength, StoreMixin, CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         dev = key_states.device
         self.parts = [(s, kv.to(dev), q.to(dev)) for s, kv, q in self.parts]
-        self._inv = self._inv.to(dev)
+        self._inv, self._q_order, self._kv_order = self._inv.to(dev), self._q_order.to(dev), self._kv_order.to(dev)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -345,21 +350,27 @@ class DuoStore(SeenLength, StoreMixin, CacheLayerMixin):
         if len(self.parts) == 1:
             self.parts[0][0].update(key_states, value_states)
         else:
-            for store, kv, _ in self.parts:
-                store.update(key_states.index_select(1, kv), value_states.index_select(1, kv))
+            for (store, _, _), k, v in zip(self.parts, *self._split_kv(key_states, value_states)):
+                store.update(k, v)
         return key_states, value_states
+
+    def _split_kv(self, key, value):
+        """``key``/``value`` ``[B, H, T, D]`` -> each part's KV heads (one gather per tensor, then narrow views)."""
+        if not self._kv_identity:
+            key, value = key.index_select(1, self._kv_order), value.index_select(1, self._kv_order)
+        return key.split(self._kv_sizes, 1), value.split(self._kv_sizes, 1)
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """``query [B, Hq, T, D]`` -> ``[B, T, Hq, D]``: each head group reads its own store."""
         if len(self.parts) == 1:
             return self.parts[0][0].attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-        outs = [
-            store.attend(
-                module, query.index_select(1, q), key.index_select(1, kv), value.index_select(1, kv),
-                attention_mask, scaling, dropout, **kwargs,
-            )
-            for store, kv, q in self.parts
-        ]
+        qs = (query if self._identity else query.index_select(1, self._q_order)).split(self._q_sizes, 1)
+        # the new tokens' K/V are read by the prefill only (exact attention over the prompt); a decode step reads
+        # the stores, so it gathers no K/V here
+        prefill = not torch.compiler.is_compiling() and self.seen == query.shape[2]
+        ks, vs = self._split_kv(key, value) if prefill else ((None,) * len(qs), (None,) * len(qs))
+        outs = [store.attend(module, q, k, v, attention_mask, scaling, dropout, **kwargs)
+                for (store, _, _), q, k, v in zip(self.parts, qs, ks, vs)]
         out = torch.cat(outs, dim=2)  # [B, T, Hq, D] in parts order
         return out if self._identity else out.index_select(2, self._inv)
 

@@ -447,3 +447,35 @@ def test_hf_assisted_decoding_with_duo_assistant_past_its_window(kind):
     finally:
         kvkit.unpatch(small)
     assert torch.equal(out, ref)
+
+
+def test_decode_step_gathers_each_tensor_once_per_layer():
+    """A decode step puts q, k and v into the parts' head order with one gather each and the output back with one
+    (``index_select``), only in layers whose retrieval heads do not come first; the new tokens' K/V are split for the
+    stores' update only (a decode step's attention reads the stores)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvkit.testing import policy_test_options, random_ids
+
+    class Gathers(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket == torch.ops.aten.index_select
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model("llama")
+    opts = policy_test_options("duo")  # per layer (retrieval first?): [yes, no (head 1 retrieves), yes]
+    kvkit.patch(model, "duo", **opts)
+    try:
+        cache = kvkit.KVCache(model)
+        stores = cache.layers
+        reordered = sum(not s._identity for s in stores)
+        assert reordered == 1 and all(len(s.parts) == 2 for s in stores)
+        with torch.no_grad():
+            out = model(input_ids=random_ids(40, seed=1), past_key_values=cache, use_cache=True)
+            with Gathers() as g:
+                model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        assert g.n == 4 * reordered  # q, k, v into parts order and the output back
+    finally:
+        kvkit.unpatch(model)
