@@ -197,14 +197,21 @@ SMOL_SHARES = json.loads((root / "results" / "policies" / "tidalsh1132kv-4k" / "
 QWEN_SHARES = json.loads((root / "kvkit" / "data" / "calibration" / "qwen2.5-coder-0.5b-instruct.json").read_text())[
     "policies"]["tidal"]["evidence"]["shares_not_shipped"]["layer_shares"]  # what tidalsh999kv used (then shipped)
 READS = {"tidalrfsum1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132),
-         "tidalsh1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132, "full", SMOL_SHARES),
+         "tidalsh1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132, SMOL_SHARES),
          "tidalrf999kv": ((2, 6, 10, 14, 18, 22), 24, 999),
-         "tidalsh999kv": ((2, 6, 10, 14, 18, 22), 24, 999, "full", QWEN_SHARES),
-         "tidalsel1537kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1537, "selected"),
+         "tidalsh999kv": ((2, 6, 10, 14, 18, 22), 24, 999, QWEN_SHARES),
          "tidalcode1380kv-4k": ((2, 8, 14, 20, 26), 30, 1380), "tidalrf1132kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 1132), "tidalcal1732kv-4k": ((2, 15, 21), 30, 1732),
          "tidal1732kv-4k": ((2, 12), 30, 1732), "tidal550kv-4k": ((2, 12), 30, 550),
          "h100/tidalrf566kv-4k": ((2, 6, 10, 14, 18, 22, 26), 30, 566),
          "tidal1732kv": ((2, 10), 24, 1732), "tidal550kv": ((2, 10), 24, 550)}
+def _selected_reads(layout, n_layers: int, held: int, budget: int) -> float:
+    """Reads of tidalsel1537kv-4k, run with tidal's select_attention="selected" (removed since: worse than the
+    paper's exact selection layers): selection layers read every key but only ``budget + 1`` values."""
+    f = min(1.0, (budget + 1) / held)
+    reuse = n_layers - layout[0] - len(layout)
+    return (layout[0] + len(layout) * (0.5 + 0.5 * f) + reuse * f) / n_layers
+
+
 PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
          "tidalrf1132kv-4k": "uniform budgets (before the layer shares), kv_reduce max, budget 1132",
          "tidal1732kv": "paper layers 2 + 10 (budget 1732, reads 0.53)",
@@ -266,8 +273,11 @@ for folder, policy, setting, protocol, saves, paper in RUNS:
     if folder in READS:
         from kvkit.calibrate.tidal import tidal_read_fraction
 
-        layout, n_layers, budget, *rest = READS[folder]  # rest: select_attention, layer_shares
+        layout, n_layers, budget, *rest = READS[folder]  # rest: layer_shares
         reads = statistics.mean(tidal_read_fraction(layout, n_layers, rs[i]["prompt_tokens"] + 1, budget, *rest)
+                                for i in ids)
+    elif folder == "tidalsel1537kv-4k":
+        reads = statistics.mean(_selected_reads((2, 6, 10, 14, 18, 22, 26), 30, rs[i]["prompt_tokens"] + 1, 1537)
                                 for i in ids)
     row = dict(run=folder, policy=policy, setting=setting, protocol=protocol, samples=len(ids),
                tasks=len(per_task), min_per_task=min(per_task.values()) if len(per_task) == 13 else 0,

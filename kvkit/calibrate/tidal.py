@@ -41,14 +41,12 @@ def tidal_candidates(num_layers: int) -> list[tuple[int, ...]]:
     return out
 
 
-def tidal_read_fraction(layout, num_layers: int, held: int, budget: int, select_attention: str = "full",
-                        layer_shares=None) -> float:
+def tidal_read_fraction(layout, num_layers: int, held: int, budget: int, layer_shares=None) -> float:
     """K/V read per decode step by tidal with ``layout`` as selection layers, as a fraction of full attention's,
     at ``held`` tokens: the layers before the first selection layer read everything, the reuse layers ``budget + 1``
     rows (kv_head selection; with ``layer_shares`` each its own budget, :meth:`Tidal.layer_budgets`), the selection
-    layers everything (``select_attention="full"``, the paper) or every key and ``budget + 1`` values ("selected")."""
+    layers everything."""
     f = min(1.0, (budget + 1) / held)
-    sel = 1.0 if select_attention == "full" else 0.5 + 0.5 * f
     reuse = num_layers - layout[0] - len(layout)
     if layer_shares is None:
         reuse_reads = reuse * f
@@ -57,21 +55,17 @@ def tidal_read_fraction(layout, num_layers: int, held: int, budget: int, select_
 
         ks = Tidal(budget=budget, select_layers=tuple(layout), layer_shares=layer_shares).layer_budgets(num_layers)
         reuse_reads = sum(min(1.0, (ks[i] + 1) / held) for i in range(layout[0], num_layers) if i not in layout)
-    return (layout[0] + len(layout) * sel + reuse_reads) / num_layers
+    return (layout[0] + len(layout) + reuse_reads) / num_layers
 
 
-def tidal_budget_for(layout, num_layers: int, held: int, read_fraction: float,
-                     select_attention: str = "full") -> int | None:
+def tidal_budget_for(layout, num_layers: int, held: int, read_fraction: float) -> int | None:
     """The largest budget whose decode reads stay within ``read_fraction`` of full attention's at ``held``
     tokens (None: the layout's full-read layers alone exceed it, or no reuse layer is left)."""
     S = len(layout)
     reuse = num_layers - layout[0] - S
     if reuse <= 0:
         return None
-    if select_attention == "full":
-        f = (read_fraction * num_layers - layout[0] - S) / reuse
-    else:
-        f = (read_fraction * num_layers - layout[0] - 0.5 * S) / (0.5 * S + reuse)
+    f = (read_fraction * num_layers - layout[0] - S) / reuse
     b = int(f * held) - 1
     return b if b >= 16 else None
 

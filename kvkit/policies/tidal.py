@@ -77,7 +77,6 @@ RESELECT_FRACTION = 0.4  # TidalDecode: re-selection at layer 13 of 32 (Llama-3-
 MAX_SPARSE_CHUNK = 16  # longer multi-token forwards (chunked prefill) run exact full attention
 SELECTIONS = ("q_head", "kv_head")
 REDUCTIONS = ("max", "sum")
-SELECT_ATTENTION = ("full", "selected")
 
 
 @register("tidal")
@@ -101,13 +100,6 @@ class Tidal(Policy):
     select_layers : sequence of int or None
         All selection layers, strictly increasing (e.g. ``[2, 12, 15, 18, 21]``); replaces layer 2 +
         ``reselect_layer`` (give one or the other). Layers before the first one read everything.
-    select_attention : str
-        "full" (default, the paper): a selection layer attends over every token (it reads every K and V row).
-        "selected" (kvkit, beyond the paper): a selection layer reads every key to rank the tokens, then attends
-        over its own selection plus the current token, reading only those value rows (about half a full read at a
-        small budget), so the same read budget affords a larger ``budget``. Not the default: the selection
-        layers' exact attention is worth more than the larger budget (results/policies/README.md compares the
-        two).
     layer_shares : sequence of float or None
         kvkit, beyond the paper: one positive weight per model layer; the reuse layers' budgets become
         ``budget * share / mean share of the reuse layers`` (rounded), so their mean -- and the decode reads -- stay
@@ -126,7 +118,6 @@ class Tidal(Policy):
     selection: str = "q_head"  # TidalDecode selects per query head; "kv_head" is the GQA variant
     kv_reduce: str = "max"  # kvkit: group reduction for selection="kv_head"
     select_layers: tuple | None = None  # kvkit: explicit selection layers (per-model tuning)
-    select_attention: str = "full"  # TidalDecode: selection layers attend fully; "selected": kvkit
     layer_shares: tuple | None = None  # kvkit: per-layer budget weights of the reuse layers (None: uniform, the paper)
     calibrated: bool = True  # kvkit: the model's calibrated select_layers when none given; False = paper layout
 
@@ -142,7 +133,6 @@ class Tidal(Policy):
         check_positive_int("tidal", "reselect_layer", self.reselect_layer, allow_none=True)
         check_choice("tidal", "selection", self.selection, SELECTIONS, allow_none=False)
         check_choice("tidal", "kv_reduce", self.kv_reduce, REDUCTIONS, allow_none=False)
-        check_choice("tidal", "select_attention", self.select_attention, SELECT_ATTENTION, allow_none=False)
         if self.select_layers is not None:
             layers = self.select_layers
             ok = isinstance(layers, (list, tuple)) and len(layers) > 0 and all(
@@ -211,12 +201,11 @@ class Tidal(Policy):
                 for i in range(num_layers)]
 
     def select_budget(self, num_layers: int, layer: int) -> int:
-        """How many tokens selection layer ``layer`` ranks: the largest budget of the layers reading its selection
-        (itself included with ``select_attention="selected"``)."""
+        """How many tokens selection layer ``layer`` ranks: the largest budget of the layers reading its selection."""
         layers = self.selection_layers(num_layers)
         ks = self.layer_budgets(num_layers)
         nxt = min([x for x in layers if x > layer] + [num_layers])
-        own = [ks[layer]] if self.select_attention == "selected" or nxt == layer + 1 else []
+        own = [ks[layer]] if nxt == layer + 1 else []
         return max(own + ks[layer + 1: nxt])
 
     def validate(self, config) -> None:
@@ -324,7 +313,6 @@ class TidalStore(SlotStore):
         self.budget = policy.layer_budgets(L)[i]  # tokens this layer reads from a selection (reuse layers)
         self.per_kv_head = policy.selection == "kv_head"
         self.kv_reduce = policy.kv_reduce
-        self.attend_selected = policy.select_attention == "selected"
         layers = policy.selection_layers(L)
         self.role = "full" if i < layers[0] else "select" if i in layers else "reuse"
         # tokens ranked when this layer selects: the largest budget of the layers that read the selection
@@ -411,24 +399,9 @@ class TidalStore(SlotStore):
         cur_ok = None if plain else (self.pos[:, 0].index_select(-1, cur_slot) >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
         sel = self.info.shared
         sel.set(self.seen, T, top.indices, ranked_ok, n, cur, cur_ok, slot_order=not self.shared_budgets)
-        if not self.attend_selected:
-            self.last_read = self.last_full_read
-            out = torch.matmul(p, self.values.float())  # [B, H, G*T, Dv]
-            return out.view(B, H, G, T, -1).reshape(B, Hq, T, -1).transpose(1, 2).to(query.dtype)
-        idx, valid = sel.view(self.budget, query.device)  # this layer's own top-k of the selection
-        # attention over the selection only, from the scores already computed: every key read, the selected values
-        Gs, L, Dv = Hs // H, idx.shape[-1], self.values.shape[-1]
-        i5 = idx.view(B, H, Gs, T, L)
-        w = s5.gather(-1, i5.expand(B, H, G, T, L))
-        if valid is not None:
-            w = w.masked_fill(~valid.view(B, H, Gs, T, L).expand(B, H, G, T, L), float("-inf"))
-        w = torch.nan_to_num(torch.softmax(w, dim=-1), nan=0.0)
-        v = self.values.gather(2, i5.reshape(B, H, Gs * T * L, 1).expand(B, H, Gs * T * L, Dv))
-        v = v.view(B, H, Gs, T, L, Dv).float()
-        out = torch.einsum("bhgtl,bhgtld->bhgtd", w, v.expand(B, H, G, T, L, Dv))
-        self.last_read = B * H * n * self.keys.shape[-1] * self.keys.element_size() + \
-            idx.numel() * Dv * self.values.element_size()
-        return out.reshape(B, Hq, T, Dv).transpose(1, 2).to(query.dtype)
+        self.last_read = self.last_full_read
+        out = torch.matmul(p, self.values.float())  # [B, H, G*T, Dv]
+        return out.view(B, H, G, T, -1).reshape(B, Hq, T, -1).transpose(1, 2).to(query.dtype)
 
     def _reuse(self, query, sel, scaling):
         """Attention over the selected rows plus the current token only; returns ``[B, T, Hq, D]``."""

@@ -419,21 +419,18 @@ def test_candidates():
     assert zipcache_bits(dict(high_ratio=0.6, high_bits=4, low_bits=2, key_bits=4)) == pytest.approx(7.2)
 
 
-@pytest.mark.parametrize("attend", ["full", "selected"])
 @pytest.mark.parametrize("layout", [(2, 4), (2, 3, 6), (3, 6)])
-def test_tidal_budget_for_matches_measured_reads(layout, attend):
+def test_tidal_budget_for_matches_measured_reads(layout):
     """The read-fraction calibration's budget arithmetic is what a decode step really reads (decode_read_bytes)."""
     from kvkit.calibrate.tidal import tidal_budget_for, tidal_read_fraction
     from kvkit.policies.tidal import decode_read_bytes
 
     model = tiny_model("llama", num_hidden_layers=8)
     n = 96
-    b = tidal_budget_for(layout, 8, n + 1, 0.7, attend)  # the decode step holds n + 1 tokens
+    b = tidal_budget_for(layout, 8, n + 1, 0.7)  # the decode step holds n + 1 tokens
     assert b is not None and b < n
-    assert tidal_read_fraction(layout, 8, n + 1, b, attend) <= 0.7 < tidal_read_fraction(layout, 8, n + 1, b + 8, attend)
-    if attend == "selected":  # the selection layers' saving buys a larger budget at the same reads
-        assert b > tidal_budget_for(layout, 8, n + 1, 0.7)
-    kvkit.patch(model, "tidal", budget=b, selection="kv_head", select_layers=layout, select_attention=attend)
+    assert tidal_read_fraction(layout, 8, n + 1, b) <= 0.7 < tidal_read_fraction(layout, 8, n + 1, b + 8)
+    kvkit.patch(model, "tidal", budget=b, selection="kv_head", select_layers=layout)
     try:
         cache = kvkit.KVCache(model)
         ids = _ids(n)
@@ -441,7 +438,7 @@ def test_tidal_budget_for_matches_measured_reads(layout, attend):
             out = model(ids, past_key_values=cache, use_cache=True)
             model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
         r = decode_read_bytes(cache)
-        assert r["read"] / r["full"] == pytest.approx(tidal_read_fraction(layout, 8, n + 1, b, attend), abs=1e-9)
+        assert r["read"] / r["full"] == pytest.approx(tidal_read_fraction(layout, 8, n + 1, b), abs=1e-9)
     finally:
         kvkit.unpatch(model)
     assert tidal_budget_for((2, 3, 4, 5, 6), 8, 100, 0.5) is None  # 7 full-read layers of 8 exceed half

@@ -47,15 +47,14 @@ def test_budget_covering_context_equals_full(arch, selection):
     assert r["read"] == r["full"]  # a covering budget reads everything
 
 
-@pytest.mark.parametrize("attend", ["full", "selected"])
 @pytest.mark.parametrize("selection", ["q_head", "kv_head"])
-def test_sparse_path_with_covering_selection_equals_full(selection, attend, monkeypatch):
+def test_sparse_path_with_covering_selection_equals_full(selection, monkeypatch):
     """The gather path itself (no dense shortcut) is exact when the selection covers every token."""
     monkeypatch.setattr(TidalStore, "decode", _decode_no_shortcut)
     model = _model()
     ids = _ids(30)
     ref_toks, ref_logits, _ = _run(model, ids, steps=6)
-    kvkit.patch(model, "tidal", budget=64, selection=selection, select_attention=attend)
+    kvkit.patch(model, "tidal", budget=64, selection=selection)
     toks, logits, cache = _run(model, ids, steps=6)
     kvkit.unpatch(model)
     assert cache.shared.idx is not None  # the selection really was shared
@@ -132,12 +131,11 @@ def test_reads_at_8k_with_budget_2048_formula():
         assert round(L * H * n / read, 2) == expected
 
 
-@pytest.mark.parametrize("attend", ["full", "selected"])
 @pytest.mark.parametrize("selection", ["q_head", "kv_head"])
-def test_multi_token_forward_equals_single_steps_and_crop_is_exact(selection, attend):
+def test_multi_token_forward_equals_single_steps_and_crop_is_exact(selection):
     model = _model()
     ids = _ids(40)
-    kvkit.patch(model, "tidal", budget=6, selection=selection, select_attention=attend)
+    kvkit.patch(model, "tidal", budget=6, selection=selection)
     with torch.no_grad():
         # reference: 4 single-token steps
         c1 = kvkit.KVCache(model)
@@ -166,13 +164,12 @@ def test_multi_token_forward_equals_single_steps_and_crop_is_exact(selection, at
 
 
 @pytest.mark.parametrize("shares", [None, [1, 1, 1, 0.5, 1, 1.5]])  # layer_shares: smaller cuts, masked padding
-@pytest.mark.parametrize("attend", ["full", "selected"])
 @pytest.mark.parametrize("selection", ["q_head", "kv_head"])
-def test_left_padded_batch_equals_single(selection, attend, shares):
+def test_left_padded_batch_equals_single(selection, shares):
     model = _model()
     ids, mask, prompts = left_padded_batch([40, 27], seed=3)
     opts = {} if shares is None else dict(select_layers=[2], layer_shares=shares)
-    kvkit.patch(model, "tidal", budget=8, selection=selection, select_attention=attend, **opts)
+    kvkit.patch(model, "tidal", budget=8, selection=selection, **opts)
     toks, logits, _ = _run(model, ids, steps=8, mask=mask)
     for i, p in enumerate(prompts):
         t1, l1, _ = _run(model, p[None], steps=8)
@@ -211,7 +208,7 @@ def test_long_chunk_is_exact_full_attention():
     (dict(budget=1.5), "budget must be a positive integer"),
     (dict(selection="head"), "selection must be one of"),
     (dict(kv_reduce="mean"), "kv_reduce must be one of"),
-    (dict(select_attention="some"), "select_attention must be one of"),
+    (dict(select_attention="selected"), "select_attention"),  # removed: worse than the paper's (results/policies)
     (dict(reselect_layer=2), r"reselect_layer must be in \[3, 5\]"),
     (dict(reselect_layer=6), r"reselect_layer must be in \[3, 5\]"),
 ])
@@ -297,38 +294,6 @@ def test_gather_attend_triton_path_matches_torch(monkeypatch):
         got = gather_attend(q, keys, values, idx, valid, 0.25)
         monkeypatch.delenv("KVKIT_KERNELS")
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
-def test_selected_attention_at_selection_layers(selection, monkeypatch):
-    """select_attention="selected": a selection layer's output is attention over its own selection plus the current
-    token -- what a reuse layer computes from the same lists (gather_attend) -- and it reads every K row but only
-    the selected V rows."""
-    seen = []
-    orig = TidalStore._select
-
-    def spy(self, query, qpos, scaling):
-        out = orig(self, query, qpos, scaling)
-        sel = self.info.shared
-        seen.append((out, gather_attend(query, self.keys, self.values, sel.idx, sel.valid, scaling),
-                     self.read_nbytes(), sel.idx.numel()))
-        return out
-
-    monkeypatch.setattr(TidalStore, "_select", spy)
-    model = _model()
-    kvkit.patch(model, "tidal", budget=8, selection=selection, select_attention="selected")
-    _, logits, cache = _run(model, _ids(40), steps=3)
-    kvkit.unpatch(model)
-    assert len(seen) == 2 * 3  # two selection layers, three decode steps
-    for out, ref, _, _ in seen:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    n = 40 + 3  # held at the last step
-    out, ref, read, rows = seen[-1]
-    assert read == 2 * n * (ROW // 2) + rows * (ROW // 2)  # every key of the 2 KV heads, the selected values
-    kvkit.patch(model, "tidal", budget=8, selection=selection)
-    _, logits_full, _ = _run(model, _ids(40), steps=3)
-    kvkit.unpatch(model)
-    assert not torch.allclose(logits[:, 1:], logits_full[:, 1:], atol=1e-5)  # the selection layers really changed
 
 
 # ---- layer_shares: per-layer budgets of the reuse layers (kvkit) ----------------------------------------------
