@@ -8,14 +8,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-if TYPE_CHECKING:
-    from kvkit.calibrate.duo import DuoCalibration
+from kvkit.calibrate.duo_data import DuoCalibration
 
 CHECKPOINT_FORMAT = "kvkit-duo-calibration-checkpoint"
 CHECKPOINT_VERSION = 2  # 1: a torch pickle (no longer read: unpickling a planted file runs its code)

@@ -30,11 +30,11 @@ from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
 from kvkit.kernels import paged_quant_cpu as PQ
-from kvkit.vllm.plans.quant import QuantPlan
+from kvkit.vllm.plans.base import Plan
 from kvkit.vllm.stats import STATS, StepRecord
 
 
-def quant_spec(spec, policy: QuantPlan):
+def quant_spec(spec, policy: Plan):
     """The packed page spec (idempotent: vLLM may customise a spec twice)."""
     if spec.state_content_bytes is not None:
         return spec
