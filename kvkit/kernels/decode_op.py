@@ -15,7 +15,7 @@ The operator takes a :class:`~kvkit.kernels.view.DecodeView` without parts as it
 
 (the slot rule and shapes of :mod:`kvkit.kernels.view`). A :class:`~kvkit.kernels.view.PackedPart` is a second operator,
 ``packed_decode`` (its :class:`~kvkit.kernels.Packed` keys and values as tensors plus their bit widths, group sizes and
-axes), read by ``quant_attn``'s Triton kernel or the torch reference; :func:`compiled_decode` reads a view with parts
+axes), read by :func:`kvkit.kernels.quant_decode` (Triton, the C kernel or the torch reference); :func:`compiled_decode` reads a view with parts
 as one operator per part, merged by log-sum-exp in the graph. Each implementation picks the path at run time like
 :func:`kvkit.kernels.decode` (Triton where :func:`kvkit.kernels.use_triton` says so, else the torch reference); its
 fake implementation gives the output shapes, so Dynamo traces a step around it with ``fullgraph=True`` and CUDA
@@ -73,18 +73,14 @@ def packed_decode(q: torch.Tensor, kdata: torch.Tensor, kscale: torch.Tensor, kz
                   vprescale: Optional[torch.Tensor], length: Optional[torch.Tensor], kbits: int, kgroup: int,
                   kaxis: int, vbits: int, vgroup: int, vaxis: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One query token ``q [B, Hq, D]`` over a packed part (codes ``[B, H, N, D*bits/8]`` with their statistics,
-    ``length [B]`` or None) -> ``(out [B, Hq, D] in q's dtype, lse [B, Hq] fp32)``."""
-    from . import _on_device, use_triton
+    ``length [B]`` or None) -> ``(out [B, Hq, D] in q's dtype, lse [B, Hq] fp32)``, read by
+    :func:`kvkit.kernels.quant_decode` (quant_attn's Triton kernel on CUDA, the packed-code C kernel on the CPU, the
+    reference elsewhere)."""
+    from . import quant_decode
 
-    part = PackedPart(_packed(kdata, kscale, kzero, kprescale, kbits, kgroup, kaxis, q.dtype),
-                      _packed(vdata, vscale, vzero, vprescale, vbits, vgroup, vaxis, q.dtype), length)
-    if use_triton(q, *part.tensors()):
-        from .fused_decode import packed_part_triton
-
-        with _on_device(q):
-            out, lse = packed_part_triton(q, part, scale=scale)
-    else:
-        out, lse = _ref.packed_part_ref(q, part, scale=scale)
+    k = _packed(kdata, kscale, kzero, kprescale, kbits, kgroup, kaxis, q.dtype)
+    v = _packed(vdata, vscale, vzero, vprescale, vbits, vgroup, vaxis, q.dtype)
+    out, lse = quant_decode(q, k, v, scale=scale, valid=length, return_lse=True)
     return out.to(q.dtype), lse.float()
 
 
