@@ -172,8 +172,12 @@ class QuantizedSegmentStore(SlotStore):
         :meth:`allocated_nbytes` only)."""
         return tensor_bytes(self.keys, self.values, self.pos, self.first_pos) + self._segment_bytes(written=True)
 
+    def _slot_segments(self) -> list[Segment]:
+        """A static store's preallocated segments, oldest first (written ones before the others)."""
+        return [s for s in self.segments if s.slot]
+
     def _segment_bytes(self, written: bool) -> int:
-        slots = [s for s in self.segments if s.slot]
+        slots = self._slot_segments()
         skip = {id(s) for s in slots[self._slots_used:]} if written else set()
         return sum(packed_nbytes(k) + packed_nbytes(v) + tensor_bytes(length)
                    for seg in self.segments if id(seg) not in skip for k, v, length in seg.parts)
@@ -246,12 +250,12 @@ class QuantizedSegmentStore(SlotStore):
         """Write ``seg`` into the next unwritten slot segment in place (same tensors: a compiled step's graph reads
         them without re-tracing), doubling the slot segments when none is left. False (the caller appends it) for
         a store that is not static or a block whose layout is not a full tail's."""
-        slots = [s for s in self.segments if s.slot]
+        slots = self._slot_segments()
         if not slots or not _same_layout(slots[0], seg):
             return False
         if self._slots_used == len(slots):
             self.reserve_segments(len(slots))
-            slots = [s for s in self.segments if s.slot]
+            slots = self._slot_segments()
         for (kd, vd, nd), (k, v, n) in zip(slots[self._slots_used].parts, seg.parts):
             for d, src in ((kd, k), (vd, v)):
                 for name in ("data", "scale", "zero", "prescale"):
