@@ -7,11 +7,12 @@
 #      T_TESTS seconds;
 #   2. "compiled": the rows that can beat the full cache on a GPU (CUDA graphs take the host out of the step):
 #        kvkit bench --shape llama-3.2-1b --device cuda --batch 16 --lengths 16384 \
-#          --policies full hf-static streaming snapkv duo cake tidal kvzip chelsea zipcache
+#          --policies full hf-static streaming snapkv duo cake tidal kvzip chelsea zipcache shadowkv
 #      = full, full static+compile, hf-static (StaticCache + torch.compile reduce-overhead), streaming, streaming
 #      static+compile, snapkv, snapkv static+compile, ... as far as T_COMPILED allows (a compile: 7.5-19 s on an H100);
-#   3. "eager": the policies without a static store, eager, at the same workload:
-#        kvkit bench ... --no-compiled --policies full shadowkv
+#      every policy has a static store (shadowkv's compiled row keeps its values on the device: offload=False);
+#   3. (T_EAGER > 0) "eager": EAGER_ROWS eager only, at the same workload:
+#        kvkit bench ... --no-compiled --policies $EAGER_ROWS
 #   4. "profile" (T_PROFILE > 0): benchmarks/gpu/profile_step.py, every policy eager: wall vs device time per step,
 #      kernels per step, the top device / host operators -> $OUT/profile.txt;
 #   5. (T_SMALL > 0) batch 1 x 8192, default rows.
@@ -24,8 +25,8 @@
 # fused split-K kernel); its compile (first call + CUDA-graph warm-up and recording) is the "compile s" column, not
 # in step ms, and counts against --time-limit.
 #
-# Time: install + checks ~15 s; CUDA tests <= T_TESTS=90 s; compiled run T_COMPILED=240 s (a compiled row ~25-30
-# s, an eager row ~7-10 s at 16 x 16K); eager run T_EAGER=100 s; T_PROFILE=0; T_SMALL=0. A row starts only if its
+# Time: install + checks ~15 s; CUDA tests <= T_TESTS=90 s; compiled run T_COMPILED=340 s (a compiled row ~25-30
+# s, an eager row ~7-10 s at 16 x 16K); T_EAGER=0; T_PROFILE=0; T_SMALL=0. A row starts only if its
 # estimate (compile included) fits the limit, so a run may overrun its limit by one misestimated row: ~445 s
 # planned; timeout_s=540 leaves ~95 s of overrun, and with the machine's start (~1-1.5 min) the call takes ~10-11
 # minutes of the 15-minute device budget.
@@ -37,7 +38,7 @@
 #   run(command="KVKIT_GIT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/device_bench.sh",
 #       carry=["wheels"], timeout_s=540)
 # Knobs (environment): SHAPE (llama-3.2-1b), DEVICE (cuda), BATCH (16), LENGTH (16384), T_TESTS / T_COMPILED /
-# T_EAGER / T_PROFILE / T_SMALL (seconds: 90 / 240 / 100 / 0 / 0; 0 skips that step), KERNEL_TESTS (1),
+# T_EAGER / T_PROFILE / T_SMALL (seconds: 90 / 340 / 0 / 0 / 0; 0 skips that step), KERNEL_TESTS (1),
 # COMPILED_ROWS, EAGER_ROWS (the --policies lists above), EXTRA (more `kvkit bench` arguments for every run, e.g.
 # "--no-cudnn-sdpa"), SITE (where the wheel goes: /tmp/site), OUT, PY (python3).
 # A dry run on a CPU machine (tiny shape; aot_eager keeps the compiles to seconds; ~1 minute on 2 busy cores):
@@ -58,13 +59,13 @@ SITE=${SITE:-/tmp/site}
 BATCH=${BATCH:-16}
 LENGTH=${LENGTH:-16384}
 T_TESTS=${T_TESTS:-90}
-T_COMPILED=${T_COMPILED:-240}
-T_EAGER=${T_EAGER:-100}
+T_COMPILED=${T_COMPILED:-340}
+T_EAGER=${T_EAGER:-0}
 T_PROFILE=${T_PROFILE:-0}
 T_SMALL=${T_SMALL:-0}
 KERNEL_TESTS=${KERNEL_TESTS:-1}
-COMPILED_ROWS=${COMPILED_ROWS:-full hf-static streaming snapkv duo cake tidal kvzip chelsea zipcache}
-EAGER_ROWS=${EAGER_ROWS:-full shadowkv}
+COMPILED_ROWS=${COMPILED_ROWS:-full hf-static streaming snapkv duo cake tidal kvzip chelsea zipcache shadowkv}
+EAGER_ROWS=${EAGER_ROWS:-full shadowkv:offload=False}
 EXTRA=${EXTRA:-}
 
 main() {

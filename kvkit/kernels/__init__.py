@@ -258,6 +258,10 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     fn = "lowrank_decode"
     check_tensor(fn, "q", q, (3, 4), (torch.float16, torch.bfloat16, torch.float32, torch.float64))
     q4 = q.unsqueeze(2) if q.dim() == 3 else q
+    if torch.compiler.is_compiling():  # one opaque operator that picks its path when the graph runs
+        return _lowrank_traced(q, q4, U, SV, v, chunk_ids, chunk_size, inv_freq, positions, position_offset,
+                               attention_scaling, v_gathered, extra_k, extra_v, extra_valid, scale, valid,
+                               return_lse, rope_table)
     B, Hq, Tq, D = q4.shape
     check_tensor(fn, "U", U, 3, None, q.device)
     check_tensor(fn, "SV", SV, 4, None, q.device)
@@ -287,6 +291,29 @@ def lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, *, positions=No
     if extra_k is not None or extra_v is not None:
         if extra_k is None or extra_v is None:
             fail(fn, "extra_k and extra_v go together")
+        o2, l2 = weighted_decode(q4, extra_k, extra_v, None, scale=scale, valid=extra_valid, return_lse=True)
+        out, lse = merge_attn(out, lse, o2, l2)
+    return _finish(out, lse, q.dim() == 3, return_lse)
+
+
+def _lowrank_traced(q, q4, U, SV, v, chunk_ids, chunk_size, inv_freq, positions, position_offset, attention_scaling,
+                    v_gathered, extra_k, extra_v, extra_valid, scale, valid, return_lse, rope_table):
+    """:func:`lowrank_decode` while ``torch.compile`` traces: ``torch.ops.kvkit.lowrank_decode`` (the eager function
+    behind an operator, so the graph launches the Triton kernel on CUDA and needs no host value); the rope table is
+    made here only when there is no ``inv_freq`` (the reference then reads it)."""
+    if valid is not None:
+        fail("lowrank_decode", "valid is not supported in a compiled step (mark the chunks -1 in chunk_ids)")
+    table = None
+    if inv_freq is None:
+        table = rope_table() if callable(rope_table) else rope_table
+        if table is None:
+            fail("lowrank_decode", "needs inv_freq or rope_table")
+    scale = default_scale(scale, q4.shape[-1])
+    out, lse = torch.ops.kvkit.lowrank_decode(q4, U, SV, v, chunk_ids, int(chunk_size), inv_freq,
+                                              positions, position_offset, float(attention_scaling), bool(v_gathered),
+                                              None if table is None else table[0],
+                                              None if table is None else table[1], float(scale))
+    if extra_k is not None or extra_v is not None:
         o2, l2 = weighted_decode(q4, extra_k, extra_v, None, scale=scale, valid=extra_valid, return_lse=True)
         out, lse = merge_attn(out, lse, o2, l2)
     return _finish(out, lse, q.dim() == 3, return_lse)

@@ -20,6 +20,8 @@ as one operator per part, merged by log-sum-exp in the graph. Each implementatio
 :func:`kvkit.kernels.decode` (Triton where :func:`kvkit.kernels.use_triton` says so, else the torch reference); its
 fake implementation gives the output shapes, so Dynamo traces a step around it with ``fullgraph=True`` and CUDA
 graphs capture its launches (no host synchronisation, splits from shapes only). Outputs never alias inputs.
+ShadowKV's low-rank chunks are a third operator, ``lowrank_decode`` (:func:`lowrank_op`), which
+:func:`kvkit.kernels.lowrank_decode` calls when traced.
 
 This module has no ``from __future__ import annotations``: ``torch.library.custom_op`` reads the annotations.
 """
@@ -89,6 +91,31 @@ def _packed_decode_fake(q, kdata, kscale, kzero, kprescale, vdata, vscale, vzero
                         kaxis, vbits, vgroup, vaxis, scale):
     B, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq), dtype=torch.float32)
+
+
+@torch.library.custom_op("kvkit::lowrank_decode", mutates_args=())
+def lowrank_op(q: torch.Tensor, U: torch.Tensor, SV: torch.Tensor, v: torch.Tensor, chunk_ids: torch.Tensor,
+               chunk_size: int, inv_freq: Optional[torch.Tensor], positions: Optional[torch.Tensor],
+               position_offset: Optional[torch.Tensor], attention_scaling: float, v_gathered: bool,
+               rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ShadowKV's read of the selected chunks as one operator: ``q [B, Hq, T, D]`` and the arguments of
+    :func:`kvkit.kernels.lowrank_decode` (``rope_cos``/``rope_sin`` its ``rope_table``, both or neither) ->
+    ``(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] fp32)``; the Triton kernel on CUDA, the torch reference
+    elsewhere, chosen when the graph runs."""
+    from . import lowrank_decode
+
+    table = None if rope_cos is None else (rope_cos, rope_sin)
+    out, lse = lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, positions=positions,
+                              position_offset=position_offset, attention_scaling=attention_scaling,
+                              v_gathered=v_gathered, scale=scale, return_lse=True, rope_table=table)
+    return out.to(q.dtype), lse.float()
+
+
+@lowrank_op.register_fake
+def _lowrank_op_fake(q, U, SV, v, chunk_ids, chunk_size, inv_freq, positions, position_offset, attention_scaling,
+                     v_gathered, rope_cos, rope_sin, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _packed_op(q3: torch.Tensor, part: PackedPart, scale: float):

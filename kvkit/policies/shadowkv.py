@@ -11,9 +11,11 @@ exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size``
   (lowest min-cosine-similarity) stay exact on the device (keys and values) and leave the landmark set;
 * **local window**: the last ``local_chunks`` chunks plus ``S mod chunk_size`` tokens, exact; every
   generated token is appended exactly after it (so ``crop`` of generated tokens is exact);
-* **values** of the chunks go to an offload store: CPU pinned memory when the model is on CUDA; on
-  CPU-only runs a separate tensor. ``nbytes()`` reports only device-resident bytes (U, S*V^T,
-  landmarks, outlier/local/generated K/V, index metadata); ``offloaded_nbytes()`` the value store.
+* **values** of the chunks go to an offload store (``offload=True``, the paper): CPU pinned memory when the
+  model is on CUDA; on CPU-only runs a separate tensor. ``nbytes()`` reports only device-resident bytes (U,
+  S*V^T, landmarks, outlier/local/generated K/V, index metadata); ``offloaded_nbytes()`` the value store.
+  ``offload=False`` keeps the chunk values on the device (counted in ``nbytes()``): the same reads, no
+  transfer per step, and what a CUDA graph needs.
 
 Decode (per layer): :func:`kvkit.kernels.chunk_scores` -- per KV head and query token,
 ``softmax(q . landmark / sqrt(D))`` in fp32, max over the query heads of the group -- and
@@ -54,6 +56,14 @@ Chunked prefill (``kvkit.prefill``): the prompt is compressed at the first singl
 (or at the end of the first forward when that forward alone exceeds ``min_prompt``; later chunks of
 such a prompt then stay exact). Value chunks fetched at one step are not reused at the next.
 
+Static (``KVCache(..., static=True)``, ``static_store(ShadowKVStore)``): the exact local window and the generated
+tokens are the static slots (written in place at index tensors; the prompt's compression rewrites their prefix),
+the factors, landmarks, outliers and values are fixed at the compression. A compiled step selects its chunks with
+``torch.topk`` and reads them through ``torch.ops.kvkit.lowrank_decode`` (the Triton kernel on CUDA, the reference
+elsewhere), the outliers and slots through the decode seam, merged by log-sum-exp; no host read. The values must be
+on the device: on CUDA a static cache needs ``offload=False`` (a CUDA graph cannot gather from host memory; the
+cache says so at its first forward). Eager steps over a static store take the same paths as the ordinary store.
+
 The compression and decode steps are plain functions in :mod:`kvkit.stores.lowrank`; this module holds the options,
 the state of a layer (:class:`ShadowKVStore`) and the glue between them.
 """
@@ -84,6 +94,7 @@ from kvkit.stores.lowrank import (
     select_chunks,
     top_chunks,
 )
+from kvkit.stores.static import static_store
 
 PAPER_RANK, PAPER_WIDTH = 160, 1024  # ShadowKV: rank 160 for Llama-3-8B (8 KV heads x 128)
 PAPER_OUTLIERS, PAPER_BUDGET = 48, 2048  # ShadowKV: 48 outlier chunks at a 2048-token budget
@@ -114,6 +125,10 @@ class ShadowKV(Policy):
     calibrated : bool
         True (default): ``rank=None`` takes the model's calibrated rank if one is found from its config
         (:mod:`kvkit.calibration`). False: the paper's rank ``round(160 / 1024 * Hkv*D)``.
+    offload : bool
+        True (default, the paper): the chunks' values live in host memory (pinned, when the model is on CUDA) and
+        each step fetches the selected ones. False: they stay on the device (more device memory, no transfer per
+        step; a static cache on CUDA needs it).
     """
 
     budget: int = PAPER_BUDGET  # ShadowKV sparse budget, 2048 tokens
@@ -123,11 +138,14 @@ class ShadowKV(Policy):
     local_chunks: int = 4  # ShadowKV local window: 4 chunks (32 tokens)
     min_prompt: int = 4096  # ShadowKV applies to long contexts; shorter prompts behave as full
     calibrated: bool = True  # kvkit: rank=None uses the model's calibrated rank; False = paper's 160/1024 scaling
+    offload: bool = True  # ShadowKV offloads the values to the CPU; False keeps them on the device (kvkit)
 
     description = "ShadowKV: low-rank pre-RoPE keys + landmarks on device, values offloaded, top-k chunks (2410.21465)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("rank",)
     test_options: ClassVar[dict] = dict(budget=16, min_prompt=16)
+    static_capable: ClassVar[bool] = True
+    static_options: ClassVar[dict] = dict(offload=False)  # a CUDA graph reads no host memory
     covering_options: ClassVar[dict | None] = dict(min_prompt=100_000)
 
     def __post_init__(self):
@@ -140,6 +158,8 @@ class ShadowKV(Policy):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"shadowkv: {name} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"shadowkv: offload must be True or False, got {self.offload!r}")
         if self.budget < self.chunk_size:
             raise ValueError(
                 f"shadowkv: budget ({self.budget}) must be at least chunk_size ({self.chunk_size}) so that one "
@@ -177,7 +197,8 @@ class ShadowKV(Policy):
     def new_layer(self, info: LayerInfo):
 
         rank = resolve(self, info.config).rank_for(info.num_kv_heads * info.head_dim)
-        return ShadowKVStore(info, self, rank)
+        cls = static_store(ShadowKVStore) if info.static else ShadowKVStore
+        return cls(info, self, rank)
 
 
 class ShadowKVStore(SlotStore):
@@ -198,10 +219,11 @@ class ShadowKVStore(SlotStore):
         self.budget, self.chunk = policy.budget, policy.chunk_size
         self.rank, self.n_out = rank, policy.num_outliers()
         self.local_chunks, self.min_prompt = policy.local_chunks, policy.min_prompt
+        self.offload = policy.offload
         self._clear()
 
     def _clear(self) -> None:
-        self._rope_params = None  # (device, inv_freq, attention_scaling) of the rotary module
+        self._rope_params = None  # (inv_freq on the device or None, attention_scaling) of the rotary module
         self._rope_hi = 0  # 1 + the largest RoPE position of a chunk token
         self._lm_all_valid = False  # every landmark belongs to a real chunk (no row has fewer chunks)
         self.compressed = False
@@ -216,18 +238,34 @@ class ShadowKVStore(SlotStore):
         self._clear()
 
     # ---- transformers Cache API -------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.check_values_device(key_states.device)
+        super().lazy_initialization(key_states, value_states)
+
+    def check_values_device(self, device: torch.device) -> None:
+        """A static store on CUDA needs its values on the device (``offload=False``): raise ValueError otherwise."""
+        if self.static and self.offload and torch.device(device).type == "cuda":
+            raise ValueError("shadowkv static=True on CUDA needs offload=False: a compiled decode step (a CUDA graph) "
+                             "cannot gather values from host memory. Pass offload=False (values on the device) or "
+                             "drop static=True (eager steps fetch the selected values from the host)")
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        T = key_states.shape[-2]
-        if T == 1 and not self.decoding:
-            # first single-token step: everything held so far is the prompt (covers chunked prefill)
-            self.decoding = True
-            if not self.compressed and self.keys is not None and self.seen > self.min_prompt:
-                self.compress()
-                self.committed = self.seen
+        if key_states.shape[-2] == 1:
+            self.compress_if_due()
         self.append(key_states, value_states)
         return key_states, value_states
+
+    def compress_if_due(self) -> None:
+        """At the first single-token step (an eager one, or before a compiled one): everything held so far is the
+        prompt (covers chunked prefill), compressed when longer than ``min_prompt``."""
+        if self.decoding:
+            return
+        self.decoding = True
+        if not self.compressed and self.keys is not None and self.seen > self.min_prompt:
+            self.compress()
+            self.committed = self.seen
 
     def _drop_last(self, n: int) -> None:
         super()._drop_last(n)
@@ -235,13 +273,17 @@ class ShadowKVStore(SlotStore):
             self.rpos = self.rpos[:, :-n]
 
     def nbytes(self) -> int:
-        return super().nbytes() + _tensor_bytes(
-            self.rpos, self.U, self.SV, self.landmarks, self.lm_ids, self.n_chunks, self.out_k, self.out_v,
-            self.out_pos, self.rope_base, self.rope_pos, self.first_pos,
-        )
+        return super().nbytes() + self.off_slot_nbytes() + _tensor_bytes(self.first_pos)
+
+    def off_slot_nbytes(self) -> int:
+        """Device bytes outside the slots: the factors, landmarks, outliers, RoPE layout (and the values when not
+        offloaded)."""
+        return _tensor_bytes(self.rpos, self.U, self.SV, self.landmarks, self.lm_ids, self.n_chunks, self.out_k,
+                             self.out_v, self.out_pos, self.rope_base, self.rope_pos,
+                             None if self.offload else self.v_off)
 
     def offloaded_nbytes(self) -> int:
-        return _tensor_bytes(self.v_off)
+        return _tensor_bytes(self.v_off) if self.offload else 0
 
     def read_nbytes(self) -> int:
         """Bytes one decode step reads once compressed: all landmarks, the selected chunks' rows of U
@@ -319,8 +361,11 @@ class ShadowKVStore(SlotStore):
         self._lm_all_valid = bool((self.lm_ids < self.n_chunks.view(B, 1, 1)).all())
         self.out_k, self.out_v, self.out_pos = outlier_slots(kc, vc, out_ids, chunk_valid, tok, self.chunk)
 
-        # values: offload store (pinned CPU memory on CUDA, a separate tensor on CPU)
-        self.v_off = vc.to("cpu").pin_memory() if vc.is_cuda else vc.clone()
+        # values: offload store (pinned CPU memory on CUDA, a separate tensor on CPU), or on the device
+        self.v_off = vc.to("cpu").pin_memory() if vc.is_cuda and self.offload else vc
+        params = getattr(self.info.rope, "params", None)
+        params = params() if params is not None else None
+        self._rope_params = ((params[0].to(dev, torch.float32), params[1]) if params is not None else (None, 1.0))
         self._keep_local(first + n_chunks * self.chunk)
         self.rpos = None
         self.compressed = True
@@ -347,12 +392,7 @@ class ShadowKVStore(SlotStore):
     def _lowrank(self, query: torch.Tensor, ids: torch.Tensor, scaling: float):
         """``lowrank_decode`` over the chunks ``ids``: (out ``[B, Hq, T, D]``, lse ``[B, Hq, T]``)."""
         dev = query.device
-        if self._rope_params is None or self._rope_params[0] != dev:
-            params = getattr(self.info.rope, "params", None)
-            params = params() if params is not None else None
-            inv, a = (params[0].to(dev, torch.float32), params[1]) if params is not None else (None, 1.0)
-            self._rope_params = (dev, inv, a)
-        _, inv, a = self._rope_params
+        inv, a = self._rope_params  # made at the compression, on the store's device
         # built only where lowrank_decode takes its torch path (the kernels package picks)
         table = lambda: self.info.shared.rope_table(self.info.rope, self._rope_hi, dev)  # noqa: E731
         v, gathered = self.v_off, False
@@ -423,9 +463,12 @@ class ShadowKVStore(SlotStore):
     def decode(self, query: torch.Tensor, qpos: torch.Tensor, scaling: float) -> torch.Tensor:
         """Sparse attention for ``query [B, Hq, T, D]`` at positions ``qpos [T]``; returns ``[B, T, Hq, D]``:
         the selected low-rank chunks, the exact outliers and the exact local + generated slots, merged by LSE.
-        A single token on the CPU (values in the same memory) takes :meth:`_decode_one_cpu`."""
+        A single token on the CPU (values in the same memory) takes :meth:`_decode_one_cpu` (eager only). A compiled
+        step before any compression (a prompt of at most ``min_prompt`` tokens) reads the exact slots."""
+        if not self.compressed:
+            return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling)
         if (query.shape[2] == 1 and query.device.type == "cpu" and self.v_off.device == query.device
-                and self.fused_cpu_step):
+                and self.fused_cpu_step and not torch.compiler.is_compiling()):
             return self._decode_one_cpu(query, qpos, scaling).to(query.dtype)
         out = lse = None
         if self.lm_ids.shape[-1] > 0:

@@ -287,6 +287,12 @@ class StaticSlots:
     def allocated_nbytes(self) -> int:
         return tensor_bytes(*self._buffers()) + self.off_slot_nbytes()
 
+    def free_slot_nbytes(self) -> int:
+        """Bytes of the buffers' slots past the held ones: a compiled step reads them too (masked, fixed shapes)."""
+        self._sync()
+        return sum(b[:, :, self._len[name]:].numel() * b.element_size() for name, b in self._buf.items()
+                   if b is not None)
+
 
 _STATIC_CLASSES: dict = {}
 

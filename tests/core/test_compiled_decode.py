@@ -15,10 +15,11 @@ import torch
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
 import kvkit
-from kvkit.cache import STATIC_POLICIES
+from kvkit.cache import STATIC_POLICIES, static_policies
 from kvkit.compat import cache_kw, output_cache
 from kvkit.hostsync import HostSyncCounter
 from kvkit.testing import greedy, left_padded_batch, policy_test_options, random_ids, tiny_model
+from tests._nostatic import no_static_policy
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -197,7 +198,8 @@ def test_eager_static_steps_make_no_host_sync_beyond_transformers(policy):
     assert all(c is None or c <= b for c, b in zip(counts, base)), (counts, base)
 
 
-@pytest.mark.parametrize("policy,opts", [("streaming", dict(budget=16, sink=2, tail=4)), ("tidal", dict(budget=8))])
+@pytest.mark.parametrize("policy,opts", [("streaming", dict(budget=16, sink=2, tail=4)), ("tidal", dict(budget=8)),
+                                         ("shadowkv", dict(budget=16, min_prompt=16))])
 def test_speculative_decoding_over_a_static_cache_stays_lossless(policy, opts):
     """Verification forwards (eager, several tokens) and their rollbacks on static buffers: the self-speculative
     output is the policy's own greedy output."""
@@ -253,7 +255,7 @@ def test_plain_torch_compile_of_a_compressing_store_fails_loudly():
         kvkit.unpatch(model)
 
 
-@pytest.mark.parametrize("policy", ["streaming", "snapkv"])
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "shadowkv"])
 def test_crop_between_compiled_steps_is_exact(policy):
     model = tiny_model("llama")
     ids = random_ids(48, seed=2)
@@ -292,21 +294,25 @@ def test_generate_with_compile_config_equals_eager_generate(policy):
         kvkit.unpatch(model)
 
 
-@pytest.mark.parametrize("policy", kvkit.available_policies())
+@pytest.mark.parametrize("policy", [*kvkit.available_policies(), "nostatic"])
 def test_is_compileable_says_which_caches_compile(policy):
+    """Every built-in policy has a static store; ``nostatic`` (tests/_nostatic.py) stands for one that has none."""
     model = tiny_model("llama")
-    cache = kvkit.KVCache(model, policy, **policy_test_options(policy))
-    assert not cache.is_compileable  # the ordinary caches grow: transformers never auto-compiles them
-    assert isinstance(cache.compile_refusal, str) and cache.compile_refusal
-    if policy in STATIC_POLICIES:
-        static = kvkit.KVCache(model, policy, static=True, **policy_test_options(policy))
-        assert static.is_compileable and static.compile_refusal is None
-    else:
-        with pytest.raises(ValueError, match="static=True"):
-            kvkit.KVCache(model, policy, static=True, **policy_test_options(policy))
-        with pytest.raises(ValueError, match="static=True"):
-            kvkit.patch(model, policy, static=True, **policy_test_options(policy))
-        assert kvkit.patched_policy(model) is None
+    with no_static_policy():
+        cache = kvkit.KVCache(model, policy, **policy_test_options(policy))
+        assert not cache.is_compileable  # the ordinary caches grow: transformers never auto-compiles them
+        assert isinstance(cache.compile_refusal, str) and cache.compile_refusal
+        if policy != "nostatic":
+            assert policy in STATIC_POLICIES
+            static = kvkit.KVCache(model, policy, static=True, **policy_test_options(policy))
+            assert static.is_compileable and static.compile_refusal is None
+        else:
+            assert policy not in static_policies()
+            with pytest.raises(ValueError, match="static=True.*StreamingStore"):
+                kvkit.KVCache(model, policy, static=True, **policy_test_options(policy))
+            with pytest.raises(ValueError, match="static=True"):
+                kvkit.patch(model, policy, static=True, **policy_test_options(policy))
+            assert kvkit.patched_policy(model) is None
 
 
 class _StopNow(StoppingCriteria):

@@ -17,6 +17,7 @@ import kvkit
 from kvkit.compat import cache_kw, output_cache
 from kvkit.registry import policy_class
 from kvkit.testing import random_ids, tiny_model
+from tests._nostatic import no_static_policy
 
 STREAMING = dict(budget=16, sink=2, tail=4)
 
@@ -213,19 +214,20 @@ def test_defect6_cache_implementation_static_runs_the_policys_static_cache(how):
         kvkit.unpatch(model)
 
 
-@pytest.mark.parametrize("policy,impl", [("shadowkv", "static"), ("streaming", "offloaded"),
+@pytest.mark.parametrize("policy,impl", [("nostatic", "static"), ("streaming", "offloaded"),
                                          ("streaming", "quantized"), ("streaming", "offloaded_static")])
 def test_defect6_cache_implementation_refused_where_it_would_bypass_the_policy(policy, impl):
-    model = tiny_model("llama")
-    kvkit.patch(model, policy, **_opts(policy))
-    count = _Forwards(model)
-    try:
-        with pytest.raises(ValueError, match=rf"cache_implementation='{impl}'.*{policy}"):
-            model.generate(random_ids(30), max_new_tokens=4, do_sample=False, cache_implementation=impl)
-        assert count.n == 0
-    finally:
-        count.remove()
-        kvkit.unpatch(model)
+    with no_static_policy():  # "nostatic": a policy without a static store (every built-in one has one)
+        model = tiny_model("llama")
+        kvkit.patch(model, policy, **_opts(policy))
+        count = _Forwards(model)
+        try:
+            with pytest.raises(ValueError, match=rf"cache_implementation='{impl}'.*{policy}"):
+                model.generate(random_ids(30), max_new_tokens=4, do_sample=False, cache_implementation=impl)
+            assert count.n == 0
+        finally:
+            count.remove()
+            kvkit.unpatch(model)
 
 
 # ---- 13: every generate entry point goes through the context check ---------------------------------------------

@@ -12,9 +12,12 @@ import pytest
 
 from kvkit.cli import main
 from kvkit.evals import gpu
+from tests._nostatic import no_static_policy
 
 B, L, WARMUP, STEPS = 2, 48, 2, 4
-ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal", "shadowkv:budget=16,min_prompt=16"]
+ROWS = ["hf-dynamic", "hf-static", "full", "streaming:budget=16,sink=2,tail=4", "tidal", "shadowkv:budget=16,min_prompt=16",
+        "nostatic"]
+SHADOWC = "shadowkv static+compile"
 FULLC, STREAMC = "full static+compile", "streaming static+compile"
 
 
@@ -25,8 +28,10 @@ def _run(*argv) -> int:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_bench") / "tiny"
-    code = _run("--shape", "tiny", "--batch", B, "--lengths", L, "--steps", STEPS, "--warmup", WARMUP, "--rounds", 2,
-                "--no-compile", "--compile-backend", "aot_eager", "--time-limit", 120, "--out", d, "--policies", *ROWS)
+    with no_static_policy():  # "nostatic": a policy without a static store (every built-in one has one)
+        code = _run("--shape", "tiny", "--batch", B, "--lengths", L, "--steps", STEPS, "--warmup", WARMUP, "--rounds", 2,
+                    "--no-compile", "--compile-backend", "aot_eager", "--time-limit", 120, "--out", d, "--policies",
+                    *ROWS)
     assert code == 0
     return d
 
@@ -46,10 +51,10 @@ def test_files_and_rows(out):
     names = [r["name"] for r in rows]
     # full first (the reference), then each static policy's compiled row right after its eager one
     assert names == ["full", FULLC, "hf-dynamic", "hf-static", "streaming", STREAMC, "tidal", "tidal static+compile",
-                     "shadowkv"]
+                     "shadowkv", SHADOWC, "nostatic"]
     assert cfg["rows_planned"] == names and cfg["compiled_rows"] is True and cfg["compile_backend"] == "aot_eager"
     by = {r["name"]: r for r in rows}
-    for n in ("full", "hf-dynamic", "hf-static", "streaming", "shadowkv"):
+    for n in ("full", "hf-dynamic", "hf-static", "streaming", "shadowkv", "nostatic"):
         r = by[n]
         assert r["status"] == "ok", r
         assert r["steps"] == STEPS and r["step_ms_p10"] <= r["step_ms"] <= r["step_ms_p90"]
@@ -107,13 +112,22 @@ def test_compiled_rows(out):
 def test_policy_without_static_store_lists_its_reason(out):
     cfg = json.loads((out / "config.json").read_text())
     rows = {r["name"]: r for r in _rows(out)}
-    why = rows["shadowkv"]["compile_refusal"]
-    assert "ShadowKVStore" in why and "static" in why
-    assert list(cfg["no_static_store"].values()) == [why] and next(iter(cfg["no_static_store"])).startswith("shadowkv")
-    assert "shadowkv static+compile" not in rows
+    why = rows["nostatic"]["compile_refusal"]
+    assert "StreamingStore" in why and "static" in why
+    assert list(cfg["no_static_store"].values()) == [why] and next(iter(cfg["no_static_store"])).startswith("nostatic")
+    assert "nostatic static+compile" not in rows
     assert "compile_refusal" not in rows["streaming"] and "compile_refusal" not in rows["full"]
     top = (out / "summary.md").read_text().splitlines()[2]
-    assert "No static store, so no compiled row: shadowkv" in top and why in top
+    assert "No static store, so no compiled row: nostatic" in top and why in top
+
+
+def test_shadowkv_compiled_row_keeps_its_values_on_the_device(out):
+    """shadowkv's compiled row adds its ``static_options`` (``offload=False``: a CUDA graph reads no host memory),
+    shown in its label; its eager row keeps the paper's offload; both decode."""
+    rows = {r["name"]: r for r in _rows(out)}
+    assert rows[SHADOWC]["status"] == "ok" and rows["shadowkv"]["status"] == "ok"
+    assert "offload=False" in rows[SHADOWC]["row"] and "offload" not in rows["shadowkv"]["row"]
+    assert rows[SHADOWC]["compiled"] and rows[SHADOWC]["recompiles"] == 0
 
 
 def test_byte_counts_and_bound(out):
@@ -160,11 +174,15 @@ def test_parse_rows():
     assert rows == [("full", {}), ("streaming", {"budget": 8, "sink": 2}), ("hf-dynamic", {})]
     assert [n for n, _ in gpu.parse_rows(None)][:3] == ["full", "hf-dynamic", "hf-static"]
     plan = [gpu.compiled_name(n) if c else n for n, _, c in gpu.plan_rows(gpu.parse_rows(None))]
-    # the most wanted rows first; compiled rows only for the policies with static stores
+    # the most wanted rows first; compiled rows only for the policies with static stores (every built-in one)
     assert plan[:6] == ["full", "full static+compile", "hf-dynamic", "hf-static", "streaming",
                         "streaming static+compile"]
     assert {p for p in plan if p.endswith("static+compile")} == {
-        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake", "kvzip", "chelsea", "zipcache")}
+        f"{p} static+compile" for p in ("full", "streaming", "snapkv", "tidal", "duo", "cake", "kvzip", "chelsea",
+                                        "zipcache", "shadowkv")}
+    with no_static_policy():
+        plan = gpu.plan_rows(gpu.parse_rows(["full", "nostatic"]))
+    assert [(n, c) for n, _, c in plan] == [("full", False), ("full", True), ("nostatic", False)]
     assert [n for n, _, c in gpu.plan_rows(gpu.parse_rows(None), compiled=False)] == \
         [n for n, _ in gpu.parse_rows(None)]
     with pytest.raises(ValueError, match="takes no options"):
@@ -187,20 +205,22 @@ def test_unknown_shape_and_row(tmp_path, capsys):
 
 def test_time_limit_skips_rows(tmp_path):
     d = tmp_path / "skip"
-    assert _run("--shape", "tiny", "--batch", 1, "--lengths", 16, "--steps", 2, "--no-compile", "--time-limit", 0,
-                "--policies", "full", "hf-dynamic", "shadowkv", "--out", d) == 0
+    with no_static_policy():
+        assert _run("--shape", "tiny", "--batch", 1, "--lengths", 16, "--steps", 2, "--no-compile", "--time-limit", 0,
+                    "--policies", "full", "hf-dynamic", "nostatic", "--out", d) == 0
     rows = _rows(d)
-    assert [r["name"] for r in rows] == ["full", "full static+compile", "hf-dynamic", "shadowkv"]
+    assert [r["name"] for r in rows] == ["full", "full static+compile", "hf-dynamic", "nostatic"]
     assert all(r["status"] == "skipped" and "time limit" in r["error"] for r in rows)
     assert "its compile included" in rows[1]["error"] and "compile" not in rows[0]["error"]
-    assert "ShadowKVStore" in rows[3]["compile_refusal"]  # a skipped row still says why it has no compiled row
+    assert "StreamingStore" in rows[3]["compile_refusal"]  # a skipped row still says why it has no compiled row
     md = (d / "summary.md").read_text()
     assert "skipped: time limit" in md and "Compiled rows: full static+compile (skipped)" in md
     # --no-compiled: no compiled row, no refusal
-    assert _run("--shape", "tiny", "--batch", 1, "--lengths", 16, "--steps", 2, "--no-compile", "--no-compiled",
-                "--time-limit", 0, "--policies", "full", "shadowkv", "--out", d) == 0
+    with no_static_policy():
+        assert _run("--shape", "tiny", "--batch", 1, "--lengths", 16, "--steps", 2, "--no-compile", "--no-compiled",
+                    "--time-limit", 0, "--policies", "full", "nostatic", "--out", d) == 0
     rows = _rows(d)
-    assert [r["name"] for r in rows] == ["full", "shadowkv"] and "compile_refusal" not in rows[1]
+    assert [r["name"] for r in rows] == ["full", "nostatic"] and "compile_refusal" not in rows[1]
     md = (d / "summary.md").read_text()
     assert "Compiled rows: none. kvkit static+compile rows: off (--no-compiled)." in md
 
@@ -247,3 +267,28 @@ def test_git_state_sees_changes_under_the_checkouts_kvkit(tmp_path, monkeypatch)
     assert git_state(sub)[1] == ["M kvkit/a.py"]
     monkeypatch.setenv("KVKIT_GIT_COMMIT", "abc")  # the device machine has no checkout: the commit comes with the run
     assert git_state(sub)[0] == "abc"
+
+
+@pytest.mark.parametrize("policy", ["zipcache", "duo", "shadowkv"])
+def test_compiled_read_bytes_of_every_static_store_kind(policy):
+    """A compiled row's KV read: the whole static buffers of each store (zipcache's segments included, whose
+    ``parts`` is a method), duo's two halves summed (its ``parts`` a list); no store kind makes it fail."""
+    import kvkit
+    from kvkit.evals.gpu.compiled import compiled_read_bytes
+    from kvkit.testing import policy_test_options, random_ids, tiny_model
+
+    model = tiny_model("llama")
+    kvkit.patch(model, policy, static=True, max_length=64, **policy_test_options(policy))
+    try:
+        cache, _ = kvkit.prefill(model, random_ids(40, seed=2))
+        got = compiled_read_bytes(cache)
+        if policy == "duo":
+            want = sum(p[0].allocated_nbytes() for layer in cache.layers for p in layer.parts)
+        elif policy == "shadowkv":  # its own count (selected chunks, outliers, held slots) + the free slots
+            want = sum(layer.read_nbytes() + layer.free_slot_nbytes() for layer in cache.layers)
+            assert all(layer.free_slot_nbytes() > 0 and layer.compressed for layer in cache.layers)
+        else:
+            want = sum(layer.allocated_nbytes() for layer in cache.layers)
+        assert got == want > 0
+    finally:
+        kvkit.unpatch(model)

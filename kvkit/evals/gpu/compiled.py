@@ -55,14 +55,15 @@ def compiled_read_bytes(cache) -> int:
     """K/V bytes one *compiled* single-token step reads from a static ``KVCache``: a compiled step has fixed shapes,
     so every store reads its whole buffers (``allocated_nbytes``: the capacity, free slots masked) -- as
     transformers' ``StaticCache`` reads its whole ``max_cache_len``; a store that counts its own reads (TidalDecode's
-    selection; ``read_nbytes`` overridden) keeps its count; duo's two halves are summed."""
+    selection, ShadowKV's chunks; ``read_nbytes`` overridden) keeps its count plus its free slots
+    (``free_slot_nbytes``); duo's two halves are summed."""
 
     def one(store) -> int:
-        parts = getattr(store, "parts", None)
-        if parts:
+        parts = getattr(store, "parts", None)  # duo: a list of (store, ...) halves; zipcache's parts() is a method
+        if isinstance(parts, (list, tuple)) and parts:
             return sum(one(p[0]) for p in parts)
-        if type(store).read_nbytes is not StoreMixin.read_nbytes:
-            return int(store.read_nbytes())
+        if type(store).read_nbytes is not StoreMixin.read_nbytes:  # its own count + the free slots it reads
+            return int(store.read_nbytes()) + int(getattr(store, "free_slot_nbytes", lambda: 0)())
         return int(store.allocated_nbytes())
 
     return sum(one(layer) for layer in cache.layers)

@@ -50,6 +50,7 @@ from kvkit.evals.gpu.report import mib
 from kvkit.evals.gpu.rows import HFDynamic, HFStatic, Row
 from kvkit.evals.gpu.shapes import build_model, shape_config
 from kvkit.evals.gpu.timing import StepWatch, free_memory, measure_bandwidth, step_stats, sync, time_block
+from kvkit.registry import policy_class
 
 
 class Bench:
@@ -132,7 +133,10 @@ class Bench:
         if name == "hf-static":
             return HFStatic(self.model, name, {}, {}, self.length + self._extra(), self.compile_mode,
                             self.compile_backend)
-        if compiled:
+        if compiled:  # what a static cache needs (shadowkv: values on the device), unless the user said otherwise
+            need = {k: v for k, v in policy_class(name).static_options.items() if k not in user}
+            opts.update(need)
+            label.update(need)
             return KvkitCompiled(self.model, name, opts, label, self.length + self._extra(), self.cuda,
                                  self.compile_backend)
         return KvkitRow(self.model, name, opts, label)
