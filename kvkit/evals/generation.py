@@ -77,6 +77,9 @@ class Generation:
     seconds: float
     kv_bytes: int
     kv_offloaded: int
+    #: bytes one decode step read at the end (``KVCache.read_nbytes``; a peer's: its bytes held); None: not known.
+    #: A policy that held and read all of full's bytes did not compress (e.g. a prompt below its ``min_prompt``)
+    kv_read: int | None = None
 
 
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: int | None = None,
@@ -145,4 +148,5 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
         seconds=dt,
         kv_bytes=(peers.cache_nbytes(cache) if peer is not None else int(cache.nbytes())) if cache is not None else 0,
         kv_offloaded=int(cache.offloaded_nbytes()) if cache is not None and peer is None else 0,
+        kv_read=(None if cache is None else peers.cache_nbytes(cache) if peer is not None else int(cache.read_nbytes())),
     )

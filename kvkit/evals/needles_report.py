@@ -46,7 +46,7 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
     bkey = {k: v for k, v in bkey.items() if k in common}
     formats = sorted({r.get("task") for r in brows})
     header = ["run", "policy", "options", "accuracy", "x full", "kept (of full's)", *formats, "KV bytes x full",
-              "samples"]
+              "reads x full", "samples"]
     out, records = [], []
     for name, cfg, rows in runs:
         shared = [r for r in rows if (r["id"], r.get("sample_sha")) in bkey]
@@ -59,8 +59,12 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
         kept = sum(r["score"] for r in known) / len(known) if known else None
         per = {f: [r["score"] for r in shared if r.get("task") == f] for f in formats}
         kvb = sum(r["kv_bytes"] for r in shared) / max(1, sum(x["kv_bytes"] for x in b))
+        reads = None  # mean bytes read per step / full's (rows written before kvkit recorded kv_read have none)
+        if all("kv_read" in r for r in (*shared, *b)):
+            reads = sum(r["kv_read"] for r in shared) / max(1, sum(x["kv_read"] for x in b))
         rec = dict(run=name, policy=cfg.get("policy"), options=cfg.get("options") or {}, accuracy=acc,
-                   x_full=acc / bacc if bacc else None, kept=kept, kv_fraction=kvb, samples=len(shared),
+                   x_full=acc / bacc if bacc else None, kept=kept, kv_fraction=kvb, read_fraction=reads,
+                   samples=len(shared),
                    per_format={f: (sum(v) / len(v) if v else None) for f, v in per.items()})
         records.append(rec)
         opts = rec["options"]
@@ -69,8 +73,16 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
         out.append([name, rec["policy"], label or "-", round(acc, 3),
                     None if rec["x_full"] is None else round(rec["x_full"], 3), None if kept is None else round(kept, 3),
                     *[None if rec["per_format"][f] is None else round(rec["per_format"][f], 3) for f in formats],
-                    round(kvb, 3), len(shared)])
+                    round(kvb, 3), None if reads is None else round(reads, 3), len(shared)])
     return header, out, records
+
+
+def uncompressed(records: list[dict]) -> list[str]:
+    """The runs of a compressing policy that held and read (about) all of full's bytes and offloaded nothing: they
+    ran as ``full`` (e.g. every prompt was at most the policy's ``min_prompt``), so their accuracy says nothing of
+    the policy. Runs without read counts are not judged."""
+    return [r["run"] for r in records if r["policy"] not in ("full",) and r["read_fraction"] is not None
+            and r["kv_fraction"] >= 0.99 and r["read_fraction"] >= 0.99]
 
 
 def figure_png(records: list[dict], title: str) -> bytes:
@@ -122,7 +134,12 @@ def write_report(root: Path, folders: list[Path], title: str) -> str:
     md = (f"# {title}\n\nModel {cfg.get('model')}; protocol {cfg.get('protocol')}; lengths {cfg.get('lengths')}; "
           f"formats {cfg.get('formats')}; haystack {cfg.get('haystack')}; seed {cfg.get('seed')} (calibrations: "
           "seeds 0-99 of kvkit.calibrate.needles, other needles and text). `x full`: accuracy / full's on the same "
-          "samples; `kept`: accuracy on the samples full answers.\n\n" + markdown_table(header, rows) + "\n")
+          "samples; `kept`: accuracy on the samples full answers; `reads x full`: bytes a decode step reads at the "
+          "end / full's.\n\n" + markdown_table(header, rows) + "\n")
+    same = uncompressed(records)
+    if same:
+        md += (f"\n**Did not compress**: {', '.join(same)} held and read all of full's KV (e.g. every prompt at most "
+               "the policy's `min_prompt`): these rows measure `full`, not the policy.\n")
     atomic_write_text(root / "needles.md", md)
     atomic_write_bytes(root / "needles.png", figure_png(records, title))
     return md

@@ -67,6 +67,8 @@ def _row(s: dict, g: Generation, score: float) -> dict:
         kv_bytes=g.kv_bytes,
         kv_offloaded=g.kv_offloaded,
     )
+    if g.kv_read is not None:
+        row["kv_read"] = g.kv_read
     for k in ("length", "depth", "target_length", "source_id"):
         if k in s:
             row[k] = s[k]

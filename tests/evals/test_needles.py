@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvkit.evals import needles, peers
-from kvkit.evals.needles_report import table
+from kvkit.evals.needles_report import table, uncompressed, write_report
 from kvkit.models import load_tokenizer
 
 HAS_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
@@ -124,6 +124,34 @@ def test_needle_table_is_relative_to_full_on_the_same_samples():
     assert [r["samples"] for r in recs] == [2, 2, 2] and recs[1]["accuracy"] == 0.5 and recs[2]["x_full"] == 0.5
 
 
+def _with_reads(rows, reads):
+    return [dict(r, kv_read=k) for r, k in zip(rows, reads)]
+
+
+def test_needle_table_flags_a_run_that_did_not_compress(tmp_path):
+    """A shadowkv run whose prompts were all at most its ``min_prompt`` held and read full's bytes: the table's
+    ``reads x full`` says 1.0 and the report names it as not compressed; tidal (all bytes, fewer reads) and a run
+    without read counts are not flagged."""
+    full = ("full", dict(policy="full", options={}), _with_reads(_rows([1, 2], [1, 1], [100, 100]), [100, 100]))
+    same = ("sk", dict(policy="shadowkv", options={"budget": 8}),
+            _with_reads(_rows([1, 2], [1, 1], [100, 100]), [100, 100]))
+    tidal = ("td", dict(policy="tidal", options={"budget": 8}),
+             _with_reads(_rows([1, 2], [1, 0], [100, 100]), [40, 60]))
+    old = ("old", dict(policy="snapkv", options={}), _rows([1, 2], [1, 1], [100, 100]))
+    header, rows, recs = table([full, same, tidal, old])
+    by = {r["run"]: r for r in recs}
+    assert "reads x full" in header
+    assert by["sk"]["read_fraction"] == 1.0 and by["td"]["read_fraction"] == 0.5 and by["old"]["read_fraction"] is None
+    assert uncompressed(recs) == ["sk"]
+    for name, cfg, rows_ in (full, same, tidal):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(cfg, model="m", protocol="agnostic")))
+        (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    md = write_report(tmp_path, [tmp_path / n for n in ("full", "sk", "td")], "t")
+    assert "**Did not compress**: sk held and read all of full's KV" in md and "td" not in md.split("compress**")[1]
+
+
 @pytest.mark.skipif(not HAS_QUANTO, reason="needs optimum-quanto (the eval extra)")
 def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
     from kvkit.cli import main
@@ -138,6 +166,7 @@ def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
     assert (out / "needles.png").stat().st_size > 1000
     rows = [json.loads(x) for x in (out / "snap" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and {r["task"] for r in rows} == {"digits", "uuid", "words"}
+    assert all(0 < r["kv_read"] <= r["kv_bytes"] for r in rows)  # the bytes its last step read
     cfg = json.loads((out / "q4" / "config.json").read_text())
     assert cfg["protocol"] == "agnostic" and cfg["seed"] == needles.DEFAULT_SEED
     assert main(["eval", "needles", "--model", tiny_dir, "--run", "a=full", "--run", "a=streaming",
