@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvkit.cache import STATIC_POLICIES, KVCache
+from kvkit.cache import KVCache, static_policies
 from kvkit.compat import get_cache, set_cache
 from kvkit.patch.checks import check_context, check_foreign_cache
 from kvkit.state import PatchState, patch_state
@@ -117,11 +117,11 @@ def _wants_static(impl, state: PatchState) -> bool:
     caches; ValueError for any other implementation under a compressing policy (it would run without the policy)."""
     name = state.policy.name
     if impl == "static":
-        if name not in STATIC_POLICIES:
+        if not type(state.policy).static_capable:
             raise ValueError(
                 f"cache_implementation='static' on a model patched with {name!r}: transformers' StaticCache would "
                 f"run without {name!r}'s compression, and {name!r} has no static cache (kvkit's static caches: "
-                f"{', '.join(STATIC_POLICIES)}). Drop cache_implementation (kvkit's policy decides the cache)"
+                f"{', '.join(static_policies())}). Drop cache_implementation (kvkit's policy decides the cache)"
             )
         return True
     if impl not in _DEFAULT_CACHES and name != "full":
@@ -129,7 +129,7 @@ def _wants_static(impl, state: PatchState) -> bool:
             f"cache_implementation={impl!r} on a model patched with {name!r} asks transformers for its own cache, "
             f"which would run without {name!r}'s compression. Drop it (kvkit's policy decides the cache; "
             f"cache_implementation='static' gives the policy's static cache where it has one: "
-            f"{', '.join(STATIC_POLICIES)}), or kvkit.unpatch(model) first"
+            f"{', '.join(static_policies())}), or kvkit.unpatch(model) first"
         )
     return state.static
 
