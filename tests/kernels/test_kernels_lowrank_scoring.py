@@ -1,5 +1,7 @@
 """lowrank_decode (ShadowKV; its reference's key step reconstruct_keys) and the scoring helpers."""
 
+import operator
+
 import pytest
 import torch
 
@@ -157,3 +159,42 @@ def test_lowrank_decode_cuda(monkeypatch):
                                     scale=D**-0.5, upcast=False)
     r_out, _ = R.lowrank_decode_ref(q.unsqueeze(2), U, SV, v, tok, inv_freq, scale=D**-0.5, upcast=False)
     assert_flash_rule(out, r_out[:, :, 0], t_out[:, :, 0], atol=1e-4, name="cuda lowrank")
+
+
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("rope", ["inv_freq", "table"])
+def test_lowrank_decode_traced_is_one_operator_equal_to_eager(monkeypatch, kernels, rope):
+    """Traced by ``torch.compile(fullgraph=True)``, :func:`kvkit.kernels.lowrank_decode` is one
+    ``torch.ops.kvkit.lowrank_decode`` (Triton under the interpreter with KVKIT_KERNELS=triton, else the reference)
+    whose output and lse equal the eager call's; with a rope table instead of ``inv_freq`` too."""
+    monkeypatch.setenv("KVKIT_KERNELS", kernels)
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, N, D, r, cs = 2, 4, 2, 40, 16, 6, 8
+    U, SV, v = _factors(B, Hkv, N, D, r, torch.float32, g)
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    ids = torch.tensor([[[0, 3], [4, -1]], [[1, 2], [2, 0]]])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    off = torch.tensor([0, 5])
+    if rope == "table":
+        pos = torch.arange(N + 8).float()[:, None] * inv_freq
+        emb = torch.cat([pos, pos], -1)
+        kw = dict(rope_table=(emb.cos(), emb.sin()))
+        inv = None if kernels == "reference" else inv_freq
+    else:
+        kw, inv = {}, inv_freq
+    eager = K.lowrank_decode(q, U, SV, v, ids, cs, inv, position_offset=off, return_lse=True, **kw)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: K.lowrank_decode(*a, position_offset=off, return_lse=True, **kw),
+                       backend=backend, fullgraph=True)
+    out, lse = fn(q, U, SV, v, ids, cs, inv)
+    op = (torch.ops.kvkit.lowrank_decode, torch.ops.kvkit.lowrank_decode.default)
+    assert len(ops) == 1 and sum(t in op for t in ops[0]) == 1
+    assert all(t in op or t is operator.getitem for t in ops[0]), ops  # nothing else is traced
+    assert max_err(out, eager[0]) < 1e-5 and max_err(lse, eager[1]) < 1e-5
+    torch._dynamo.reset()
