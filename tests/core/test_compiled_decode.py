@@ -124,13 +124,15 @@ def test_compiled_step_launches_the_fused_decode_operator(monkeypatch, policy):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON and not INTERPRET),
                     reason="needs a CUDA GPU, triton and TRITON_INTERPRET=0")
-@pytest.mark.parametrize("policy", ["full", "snapkv"])
+@pytest.mark.parametrize("policy", ["full", "snapkv", "shadowkv"])
 def test_compiled_step_on_cuda_with_cuda_graphs_equals_eager(policy):
-    """On a GPU: inductor + CUDA graphs (transformers' default ``reduce-overhead``) over the fused-kernel operator
-    decode the eager static step's tokens, in one graph, without recompiling (fp32: no near-tie flips)."""
+    """On a GPU: inductor + CUDA graphs (transformers' default ``reduce-overhead``) over the fused-kernel operators
+    decode the eager static step's tokens, in one graph, without recompiling (fp32: no near-tie flips). ShadowKV
+    keeps its values on the device (``offload=False``, its ``static_options``: a CUDA graph reads no host memory)."""
     model = tiny_model("llama").cuda()
     ids = random_ids(40, seed=1).cuda()
-    kvkit.patch(model, policy, static=True, **policy_test_options(policy))
+    opts = {**policy_test_options(policy), **kvkit.registry.policy_class(policy).static_options}
+    kvkit.patch(model, policy, static=True, **opts)
     try:
         ref_toks, ref_logits, _ = _decode(model, ids, STEPS, model)
         compiled = model.get_compiled_call(CompileConfig(fullgraph=True, dynamic=False))
