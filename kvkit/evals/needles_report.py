@@ -96,15 +96,20 @@ def figure_png(records: list[dict], title: str) -> bytes:
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    placed: dict = {}
-    for r in records:
-        if r["x_full"] is None:
-            continue
+    shown = [r for r in records if r["x_full"] is not None]
+    for r in shown:
         peer = r["policy"] == "quantized"
         ax.scatter(r["kv_fraction"], r["x_full"], s=45, marker="s" if peer else "o",
                    color="tab:gray" if peer else ("black" if r["policy"] == "full" else "tab:blue"))
-        spot = (round(math.log10(max(r["kv_fraction"], 1e-9)) * 25), round(r["x_full"] * 25))  # ~4% apart
-        n = placed[spot] = placed.get(spot, -1) + 1  # labels of coinciding points stack downwards
+    # labels to the right of their points; a label whose box would cover an earlier one (same height, overlapping
+    # span; spans in decades of the log axis, ~0.012 decade per character at this size) moves one line down
+    boxes: list[tuple[float, float, float]] = []  # (x0, x1, y) of the placed labels
+    for r in sorted(shown, key=lambda r: (-r["x_full"], r["kv_fraction"])):
+        x0 = math.log10(max(r["kv_fraction"], 1e-9))
+        x1, y, n = x0 + 0.012 * len(r["run"]), r["x_full"], 0
+        while any(a < x1 and x0 < b and abs((y - 0.022 * n) - c) < 0.02 for a, b, c in boxes):
+            n += 1
+        boxes.append((x0, x1, y - 0.022 * n))
         ax.annotate(r["run"], (r["kv_fraction"], r["x_full"]), textcoords="offset points", xytext=(5, 4 - 11 * n),
                     fontsize=8)
     ax.set_xlabel("KV bytes held / full's (log scale)")
