@@ -52,6 +52,13 @@ def _steps(model, cache, last, steps, step):
     return torch.cat(toks, 1), logits
 
 
+def _assert_same(toks, logits, ref_toks, ref_logits):
+    """The reference tokens exactly, the logits of every step to 1e-4."""
+    assert torch.equal(toks, ref_toks)
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def _stores(cache):
     return [layer for layer in cache.layers if isinstance(layer, ShadowKVStore)]
 
@@ -76,9 +83,7 @@ def test_compiled_step_reads_the_chunks_through_the_lowrank_operator(prompt, com
         with torch._dynamo.config.patch(error_on_recompile=True):
             toks, logits = _steps(model, cache, last, 10, _compiled(model, _counting_backend(ops)))
         assert ops == [3 if compressed else 0]
-        assert torch.equal(toks, ref_toks)
-        for a, b in zip(logits, ref_logits):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        _assert_same(toks, logits, ref_toks, ref_logits)
     finally:
         kvkit.unpatch(model)
 
@@ -97,9 +102,7 @@ def test_chunked_prefill_compresses_before_the_first_compiled_step():
         with torch._dynamo.config.patch(error_on_recompile=True):
             toks, logits = _steps(model, cache, last, 6, _compiled(model, "aot_eager"))
         assert all(s.compressed for s in _stores(cache))
-        assert torch.equal(toks, ref_toks)
-        for a, b in zip(logits, ref_logits):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        _assert_same(toks, logits, ref_toks, ref_logits)
     finally:
         kvkit.unpatch(model)
 
