@@ -59,3 +59,13 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(eval_runs, "load", refuse)
     monkeypatch.setattr("kvkit.models.load", refuse)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean torch.compile state around a test (compiled graphs, recompile counters): compile tests use it
+    (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``) so their graph counts are their own."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -39,6 +39,7 @@ from typing import ClassVar
 import torch
 
 from kvkit.policies.base import Policy, check_positive_int
+from kvkit.policies.protect import check_protect, evicting_part, protected_heads, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.base import SlotStore, tensor_bytes
@@ -60,6 +61,7 @@ class Pending:
     ids: list = field(default_factory=list)  # [B, T] input ids of the multi-token forwards since the last one
     masks: list = field(default_factory=list)  # [B, T] their attention-mask columns (1 = real token)
     prompt: tuple | None = None  # instruct=True: the instruction / answer-header token ids, tokenized once
+    protected: torch.Tensor | None = None  # [L, H] bool: the KV heads kept whole (``protect``), or None
 
 
 @register("kvzip")
@@ -98,6 +100,13 @@ class KVzip(Policy):
         The softmax a slot's score is a probability of: ``"held"`` (default, kvkit) the model's own, over every held
         slot; ``"chunk"`` the reference's, renormalised over the first ``sink`` tokens, the chunk's own tokens and
         the repeat (causal).
+    protect : float
+        Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
+        :mod:`kvkit.policies.protect`: the fix for the question-agnostic needle losses, whose answer heads are not
+        the heads that copy the context); ``budget`` is then per evicted head, and the reconstruction scores only
+        those. 0 (default): the paper, every head evicted.
+    protect_pattern : str, path, values or None
+        The pattern ``protect`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
 
     budget: int = 1024
@@ -109,6 +118,8 @@ class KVzip(Policy):
     instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
     adaptive: bool = True  # the reference ranks all layers together: per-layer budgets (mean = budget)
     normalize: str = "held"  # "held": softmax over every held slot; "chunk": the reference's local softmax
+    protect: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_pattern: object = None  # kvkit: the pattern `protect` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
@@ -135,13 +146,17 @@ class KVzip(Policy):
             raise ValueError(f"kvzip: normalize must be 'held' or 'chunk', got {self.normalize!r}")
         if self.window + self.sink >= self.budget:
             raise ValueError(f"kvzip: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
+        check_protect("kvzip", self.protect)
 
     def new_shared(self, infos):
-        return Pending()
+        return Pending(protected=protected_heads("kvzip", infos[0].config, self.protect, self.protect_pattern))
+
+    def validate(self, config) -> None:
+        protected_heads("kvzip", config, self.protect, self.protect_pattern)
 
     def new_layer(self, info: LayerInfo):
         cls = static_store(KVzipStore) if info.static else KVzipStore
-        return cls(info, self)
+        return split_or_plain(info, lambda n: cls(info, self, num_heads=n), info.shared.protected)
 
     # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
     @torch.no_grad()
@@ -149,7 +164,9 @@ class KVzip(Policy):
         if torch.compiler.is_compiling():
             return  # a compiled step (static cache) decodes one token: nothing to repeat
         st: Pending = cache.shared
-        layers = [layer for layer in cache.layers if isinstance(layer, KVzipStore)]
+        parts = [(layer, evicting_part(layer, KVzipStore)) for layer in cache.layers]
+        layers = [part for _, part in parts if part is not None]  # the scored stores (a split layer's evicted part)
+        roll = [layer for layer, part in parts if part is not None]  # what a repeat forward rolls back
         if cache.scoring_pass or not layers or any(layer.verifying for layer in layers):
             return
         T, full_mask = forward_to_repeat(layers, input_ids, attention_mask, "kvzip")
@@ -169,7 +186,7 @@ class KVzip(Policy):
         ctx_mask = full_mask if full_mask is not None else torch.ones(ids.shape[0], seen, dtype=m.dtype,
                                                                       device=ids.device)
         reconstruct(base_model, cache, layers, ids, m, ctx_mask, self.chunk, self.overlap,
-                    self._instruction(base_model, st) if self.instruct else None)
+                    self._instruction(base_model, st) if self.instruct else None, roll=roll)
         for layer in layers:
             layer.finish_scoring()
         if self.adaptive:
@@ -231,8 +248,8 @@ INSTRUCTION_NEXT = "\n\nRepeat the part of the previous context exactly, startin
 class KVzipStore(ReconstructionScoring, ScoredStore):
     _batch_tensors = ScoredStore._batch_tensors + ("rscore", "row_budget")
 
-    def __init__(self, info: LayerInfo, p: KVzip):
-        super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
+    def __init__(self, info: LayerInfo, p: KVzip, num_heads: int | None = None):
+        super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window, num_heads=num_heads)
         self.rscore: torch.Tensor | None = None  # [B, H, n] reconstruction score per slot, -1 = not scored yet
         self.row_budget: torch.Tensor | None = None  # [B] adaptive: each row's share of this layer (budget = max)
         self.score_norm, self.score_sinks = p.normalize, p.sink

@@ -28,6 +28,7 @@ from typing import ClassVar
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
+from kvkit.policies.protect import check_protect, protected_heads, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
@@ -60,6 +61,12 @@ class SnapKV(Policy):
     calibrated : bool
         True (default): ``kernel`` / ``pooling`` / ``pool_window`` left at None take the model's calibration when
         one is found from its config. False: the paper's kernel 5, average pooling, centered.
+    protect : float
+        Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
+        :mod:`kvkit.policies.protect`); ``budget`` is then per evicted head. 0 (default): the paper, every head
+        evicted.
+    protect_pattern : str, path, values or None
+        The pattern ``protect`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
 
     budget: int = 1024  # SnapKV max_capacity_prompt (paper sweeps 1024-4096)
@@ -70,6 +77,8 @@ class SnapKV(Policy):
     sink: int = 0  # not in the paper
     tail: int = 32  # kvkit: bulk decode eviction
     calibrated: bool = True  # kvkit: the model's calibrated kernel / pooling; False = the paper's (5, avg)
+    protect: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_pattern: object = None  # kvkit: the pattern `protect` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "SnapKV: observation-window attention, pooled, per-head top-k of the prompt (2404.14469)"
@@ -97,6 +106,7 @@ class SnapKV(Policy):
             raise ValueError(f"snapkv: sink must be an integer >= 0, got {self.sink!r}")
         if self.window + self.sink >= self.budget:
             raise ValueError(f"snapkv: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
+        check_protect("snapkv", self.protect)
 
     def settings(self, config) -> tuple[int, str, str]:
         """``(kernel, pooling, pool_window)`` for a model: the options given, else its calibration, else the
@@ -105,14 +115,22 @@ class SnapKV(Policy):
         p = resolve(self, config)
         return (p.kernel if p.kernel is not None else 5), (p.pooling or "avg"), (p.pool_window or "centered")
 
+    def new_shared(self, infos):
+        return protected_heads("snapkv", infos[0].config, self.protect, self.protect_pattern)
+
+    def validate(self, config) -> None:
+        protected_heads("snapkv", config, self.protect, self.protect_pattern)
+
     def new_layer(self, info: LayerInfo):
         cls = static_store(SnapKVStore) if info.static else SnapKVStore
-        return cls(info, self, *self.settings(info.config))
+        settings = self.settings(info.config)
+        return split_or_plain(info, lambda n: cls(info, self, *settings, num_heads=n), info.shared)
 
 
 class SnapKVStore(ScoredStore):
-    def __init__(self, info: LayerInfo, p: SnapKV, kernel: int, pooling: str, pool_window: str = "centered"):
-        super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window)
+    def __init__(self, info: LayerInfo, p: SnapKV, kernel: int, pooling: str, pool_window: str = "centered",
+                 num_heads: int | None = None):
+        super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window, num_heads=num_heads)
         self.kernel, self.pooling, self.pool_window = kernel, pooling, pool_window
 
     def score(self):

@@ -222,7 +222,8 @@ def forward_to_repeat(layers, input_ids, attention_mask, who: str, hint: str = "
     return T, attention_mask if ok and attention_mask.shape[1] == layers[0].seen else None
 
 
-def reconstruct(base_model, cache, layers, ids, mask, ctx_mask, chunk: int, overlap: int, instruction=None) -> None:
+def reconstruct(base_model, cache, layers, ids, mask, ctx_mask, chunk: int, overlap: int, instruction=None,
+                roll=None) -> None:
     """Feed ``ids [B, N]`` (the newest ``N`` tokens the cache holds; ``mask`` their attention-mask columns) again on
     top of ``cache`` in chunks of ``chunk`` tokens, each rolled back exactly after its forward; the ``layers``
     (:class:`ReconstructionScoring` stores of the cache) record scores (``acc``; read them with ``finish_scoring``).
@@ -230,14 +231,17 @@ def reconstruct(base_model, cache, layers, ids, mask, ctx_mask, chunk: int, over
     ``ctx_mask [B, seen]``: the attention mask of everything the cache holds (1 = real token). ``instruction``:
     None, or the token ids ``(first, next, suffix)`` put before each chunk (KVzip's "Repeat the previous context
     exactly." for the first chunk, "... starting with" + the overlap for the others, then the chat's answer header).
+    ``roll``: the cache layers rolled back after each chunk, one per scored store (default ``layers``; a head-split
+    layer whose evicted part is the scored store rolls back both its parts).
     """
+    roll = layers if roll is None else roll
     seen = layers[0].seen
     real = ctx_mask.long().sum(-1, keepdim=True)  # [B, 1] real tokens of each row
     limit = context_limit(base_model)
     N = ids.shape[1]
     # chunks cut from the end: a left-padded row is cut at the same real tokens as the row alone
     ends = list(range(N, 0, -chunk))[::-1]
-    scored = {id(layer) for layer in layers}
+    scored = {id(layer) for layer in roll}
     # other layers (sliding windows) cannot always roll back: they are restored from a copy after each chunk
     others = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if id(layer) not in scored}
     cache.scoring_pass = True
@@ -271,7 +275,7 @@ def reconstruct(base_model, cache, layers, ids, mask, ctx_mask, chunk: int, over
                 pos = pos - (pos.amax(-1, keepdim=True) - (limit - 1)).clamp(min=0)
             base_model(input_ids=c_ids, attention_mask=torch.cat([ctx_mask, c_mask], dim=1),
                        position_ids=pos.clamp(min=0), use_cache=True, **cache_kw(cache))
-            for layer in layers:
+            for layer in roll:
                 layer.rollback(c_ids.shape[1], ends_round=False)
             for i, layer in others.items():
                 cache.layers[i] = copy.deepcopy(layer)

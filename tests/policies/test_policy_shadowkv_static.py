@@ -16,12 +16,7 @@ from kvkit.testing import greedy, random_ids, tiny_model
 OPTS = dict(budget=16, min_prompt=16, outliers=1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def _counting_backend(ops: list):

@@ -1,0 +1,65 @@
+"""``protect``: the eviction policies' protected heads -- the KV heads a DuoAttention pattern ranks as retrieval
+heads keep every token; the policy evicts only in the others (kvkit, after RazorAttention / HeadKV).
+
+Why (results/needles/README.md, "KVzip diagnosis"): question-agnostic, an eviction policy scores the context
+without the question, and on the default model the heads that read a needle's value when the question comes (two
+heads, attention on the value up to 0.99) rank those tokens low under every question-agnostic score tried (the
+context's last queries, its reconstruction): per-head eviction removes the value from exactly the heads that
+answer. DuoAttention's calibrated gate (alpha per KV head, ``kvkit calibrate duo``) names the heads that need the
+whole context; those two rank 4th and 6th of the default model's 90 KV heads.
+
+``protect = f`` (a fraction in [0, 1)): the ``round(f x N)`` KV heads (of the ``N`` heads of the model's
+full-attention layers) with the highest alpha keep every token (:class:`~kvkit.stores.split.HeadSplitStore`'s
+whole part); the others are the policy's usual store over those heads only (``num_heads``), with its own
+``budget`` per head. Memory: ``f`` of the full KV plus ``(1 - f) x budget`` per token slot; a policy at a target
+fraction ``t`` of the context ``S`` takes ``budget = (t - f) / (1 - f) x S``. The pattern is the one shipped for the
+model (:data:`~kvkit.policies.duo_patterns.SHIPPED_PATTERNS`) or ``protect_pattern`` (a file or values, as duo's
+``pattern``).
+"""
+
+from __future__ import annotations
+
+from kvkit.model_info import layer_types as _layer_types
+from kvkit.policies.duo import Duo  # the pattern loader and its checks are duo's
+from kvkit.stores.split import HeadSplitStore
+
+
+def check_protect(who: str, fraction) -> None:
+    """``protect`` must be a fraction in [0, 1)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+        raise ValueError(f"{who}: protect must be a fraction of the KV heads in [0, 1) (0: none protected), got "
+                         f"{fraction!r}")
+
+
+def protected_heads(who: str, config, fraction: float, pattern=None):
+    """``[L, H]`` bool: True for the KV heads kept whole (the top ``fraction`` by the DuoAttention pattern's alpha,
+    ranked over the full-attention layers), or None when ``fraction`` is 0. Raises ``ValueError`` (what to do)
+    when no pattern ships for the model and none is given."""
+    if not fraction:
+        return None
+    duo = Duo(pattern=pattern, sparsity=1.0 - float(fraction))
+    try:
+        return duo.retrieval_heads(config, _layer_types(config))
+    except ValueError as e:
+        raise ValueError(f"{who}: protect={fraction} ranks the KV heads by a DuoAttention pattern, and {e}. "
+                         f"Or run {who} with protect=0") from e
+
+
+def split_or_plain(info, make, heads):
+    """The layer's store: ``make(None)`` over all its KV heads when none of them is protected (``heads``: the
+    ``[L, H]`` mask of :func:`protected_heads`, or None), else a :class:`~kvkit.stores.split.HeadSplitStore` with
+    the protected heads whole and ``make(n)`` over the other ``n``."""
+    keep = None if heads is None else heads[info.layer_idx].tolist()
+    if keep is None or not any(keep):
+        return make(None)
+    return HeadSplitStore(info, keep, make, "protect")
+
+
+def evicting_part(layer, cls):
+    """The part of a cache layer that is a ``cls`` store: the layer itself, or a head-split layer's evicted part
+    (None when it has none: every head of the layer protected)."""
+    if isinstance(layer, cls):
+        return layer
+    if isinstance(layer, HeadSplitStore) and isinstance(layer.rest, cls):
+        return layer.rest
+    return None

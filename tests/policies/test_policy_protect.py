@@ -1,0 +1,176 @@
+"""``protect`` (kvkit.policies.protect): the KV heads a DuoAttention pattern ranks highest keep every token, the
+policy evicts in the others only -- for real, in a head-split layer (kvkit.stores.split.HeadSplitStore)."""
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+import kvkit
+from kvkit.compat import cache_kw
+from kvkit.policies.protect import protected_heads
+from kvkit.policies.snapkv import SnapKVStore
+from kvkit.stores.split import HeadSplitStore, WholeHeadsStore
+from kvkit.testing import greedy, random_ids, tiny_model
+
+OPTS = dict(budget=16, window=4, kernel=3, tail=4)
+
+
+def _pattern(model, top):
+    """A pattern ``[L][H]`` whose alpha is 1 on the (layer, KV head) pairs of ``top``, else a small distinct value."""
+    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+    return [[1.0 if (layer, h) in top else 0.01 * (layer * H + h) for h in range(H)] for layer in range(L)]
+
+
+def test_protected_heads_are_the_patterns_top_fraction():
+    model = tiny_model("llama")  # 3 layers x 2 KV heads
+    keep = protected_heads("snapkv", model.config, 0.5, _pattern(model, {(0, 1), (2, 0)}))
+    # 3 of 6 heads: the two alpha = 1 pairs, then the largest of the rest (layer 2 head 1: 0.05)
+    assert keep.tolist() == [[False, True], [False, False], [True, True]]
+    assert protected_heads("snapkv", model.config, 0.0) is None
+
+
+@torch.no_grad()
+def test_protected_heads_keep_every_token_and_the_others_are_evicted_by_snapkv():
+    model = tiny_model("llama")
+    ids = random_ids(60, seed=3)
+    kvkit.patch(model, "full")
+    try:
+        _, _, full = greedy(model, ids, 9)
+    finally:
+        kvkit.unpatch(model)
+    kvkit.patch(model, "snapkv", protect=0.5, protect_pattern=_pattern(model, {(0, 1), (2, 0)}), **OPTS)
+    try:
+        _, _, cache = greedy(model, ids, 9)
+    finally:
+        kvkit.unpatch(model)
+    n = ids.shape[1] + 9  # 60 prompt tokens + 9 fed back (the last generated token is never fed)
+    assert [type(layer) for layer in cache.layers] == [HeadSplitStore, SnapKVStore, HeadSplitStore]
+    assert cache.layers[0].head_slots()[1] == n and cache.layers[2].head_slots() == [n, n]
+    assert cache.layers[0].head_slots()[0] <= OPTS["budget"] + OPTS["tail"]
+    assert cache.layers[1].num_slots() <= OPTS["budget"] + OPTS["tail"]
+    # the whole heads hold every prompt token's K/V exactly as the full cache does, in order (the decoded tokens
+    # differ once snapkv's eviction changes the output)
+    P = ids.shape[1]
+    for layer, heads in ((0, [1]), (2, [0, 1])):
+        whole = cache.layers[layer].whole
+        assert isinstance(whole, WholeHeadsStore)
+        assert torch.equal(whole.pos[0, 0, :n], torch.arange(n, dtype=whole.pos.dtype))
+        torch.testing.assert_close(whole.keys[:, :, :P], full.layers[layer].keys[:, heads, :P], rtol=0, atol=0)
+        torch.testing.assert_close(whole.values[:, :, :P], full.layers[layer].values[:, heads, :P], rtol=0, atol=0)
+    # memory: the whole heads' tokens plus the evicted heads' budget, between plain snapkv's and full's
+    kvkit.patch(model, "snapkv", **OPTS)
+    try:
+        _, _, plain = greedy(model, ids, 9)
+    finally:
+        kvkit.unpatch(model)
+    assert plain.nbytes() < cache.nbytes() < full.nbytes() + plain.nbytes()
+    assert all(isinstance(layer, SnapKVStore) for layer in plain.layers)  # protect=0: the paper, unchanged
+
+
+@torch.no_grad()
+def test_a_layer_without_protected_heads_is_plain_snapkv():
+    model = tiny_model("llama")
+    ids = random_ids(50, seed=5)
+    kvkit.patch(model, "snapkv", protect=0.1, protect_pattern=_pattern(model, {(1, 0)}), **OPTS)  # 1 of 6 heads
+    try:
+        _, _, cache = greedy(model, ids, 1)
+    finally:
+        kvkit.unpatch(model)
+    assert [type(layer) for layer in cache.layers] == [SnapKVStore, HeadSplitStore, SnapKVStore]
+    kvkit.patch(model, "snapkv", **OPTS)
+    try:
+        _, _, plain = greedy(model, ids, 1)
+    finally:
+        kvkit.unpatch(model)
+    # layer 0 sees the same inputs (the prompt), so its prefill keeps what plain snapkv keeps
+    assert torch.equal(cache.layers[0].pos, plain.layers[0].pos)
+    kept = OPTS["budget"]  # the prefill's survivors (the fed-back token after them may differ)
+    assert torch.equal(cache.layers[0].keys[:, :, :kept], plain.layers[0].keys[:, :, :kept])
+    assert cache.layers[1].head_slots() == [51, plain.layers[1].num_slots()]
+
+
+def test_protect_without_a_pattern_for_the_model_says_what_to_do():
+    model = tiny_model("llama")  # no shipped pattern matches a tiny random config
+    with pytest.raises(ValueError, match=r"snapkv: protect=0.2 .*calibrate duo.*protect=0"):
+        kvkit.patch(model, "snapkv", protect=0.2, **OPTS)
+    kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, True, "half"])
+def test_protect_must_be_a_fraction_below_one(bad):
+    with pytest.raises(ValueError, match="protect must be a fraction"):
+        kvkit.get_policy("snapkv", protect=bad)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@torch.no_grad()
+def test_protected_snapkv_static_step_compiles_whole_and_equals_eager():
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=1)
+    opts = dict(OPTS, protect=0.5, protect_pattern=_pattern(model, {(0, 1), (2, 0)}))
+    kvkit.patch(model, "snapkv", **opts)
+    ref, _, _ = greedy(model, ids, 12)
+    kvkit.patch(model, "snapkv", static=True, **opts)
+    try:
+        cc = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager", mode=None)
+        cc._compile_all_devices = True
+        step = model.get_compiled_call(cc)
+        cache = kvkit.KVCache(model)
+        assert cache.is_compileable
+        out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
+        toks = []
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(12):  # tail 4: three compressions of the evicted heads
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                toks.append(nxt)
+                out = step(input_ids=nxt, **cache_kw(cache), use_cache=True)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        assert torch.equal(torch.cat(toks, 1), ref)
+    finally:
+        kvkit.unpatch(model)
+
+
+KVZIP = dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4, adaptive=False)
+
+
+@torch.no_grad()
+def test_protected_kvzip_scores_only_the_evicted_heads_and_rolls_the_whole_heads_back_exactly():
+    model = tiny_model("llama")
+    ids = random_ids(60, seed=3)
+    pattern = _pattern(model, {(0, 1), (2, 0)})
+    kvkit.patch(model, "full")
+    try:
+        _, _, full = greedy(model, ids, 1)
+    finally:
+        kvkit.unpatch(model)
+    kvkit.patch(model, "kvzip", **KVZIP)
+    try:
+        _, _, plain = greedy(model, ids, 1)
+    finally:
+        kvkit.unpatch(model)
+    kvkit.patch(model, "kvzip", protect=0.5, protect_pattern=pattern, **KVZIP)
+    try:
+        _, _, cache = greedy(model, ids, 1)
+    finally:
+        kvkit.unpatch(model)
+    P = ids.shape[1]
+    assert [type(layer) for layer in cache.layers] == [HeadSplitStore, type(plain.layers[1]), HeadSplitStore]
+    # the reconstruction's repeat forwards were rolled back from the whole heads: they hold the prompt + 1 token
+    for layer, heads in ((0, [1]), (2, [0, 1])):
+        whole = cache.layers[layer].whole
+        assert whole.num_slots() == P + 1
+        torch.testing.assert_close(whole.keys[:, :, :P], full.layers[layer].keys[:, heads, :P], rtol=0, atol=0)
+    # layer 0's evicted head saw the same prefill and the same repeat as plain kvzip's head 0: it keeps the same slots
+    rest = cache.layers[0].rest
+    assert rest.keys.shape[1] == 1 and rest.num_slots() <= KVZIP["budget"] + KVZIP["tail"]
+    kept = KVZIP["budget"]
+    assert torch.equal(rest.pos[:, :, :kept], plain.layers[0].pos[:, :1, :kept])
+    torch.testing.assert_close(rest.keys[:, :, :kept], plain.layers[0].keys[:, :1, :kept], rtol=0, atol=0)
+    assert (rest.rscore[..., :kept] >= 0).all()  # scored by the reconstruction
+
+
+def test_kvzip_protect_without_a_pattern_says_what_to_do():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"kvzip: protect=0.3 .*calibrate duo"):
+        kvkit.patch(model, "kvzip", protect=0.3, **KVZIP)
+    kvkit.unpatch(model)
