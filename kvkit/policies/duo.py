@@ -247,7 +247,18 @@ class DuoStore(HeadSplitStore):
 
     @property
     def retrieval(self) -> list[bool]:
+        """Per KV head: True = retrieval head (in ``full``), False = streaming head (in ``stream``)."""
         return self.keep
+
+    @property
+    def full(self):
+        """The retrieval heads' store (every token), or None."""
+        return self.whole
+
+    @property
+    def stream(self):
+        """The streaming heads' :class:`StreamingStore`, or None."""
+        return self.rest
 
 
 def kv_fraction_kept(context: int, retrieval_fraction: float, sink: int = 64, recent: int = 256) -> float:
