@@ -39,7 +39,13 @@ from typing import ClassVar
 import torch
 
 from kvkit.policies.base import Policy, check_positive_int
-from kvkit.policies.protect import check_protect, evicting_part, protected_heads, split_or_plain
+from kvkit.policies.protect import (
+    check_protect,
+    evicting_part,
+    pattern_hashes,
+    protected_heads,
+    split_or_plain,
+)
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.base import SlotStore, tensor_bytes
@@ -146,13 +152,16 @@ class KVzip(Policy):
             raise ValueError(f"kvzip: normalize must be 'held' or 'chunk', got {self.normalize!r}")
         if self.window + self.sink >= self.budget:
             raise ValueError(f"kvzip: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
-        check_protect("kvzip", self.protect)
+        check_protect(self)
 
     def new_shared(self, infos):
         return Pending(protected=protected_heads("kvzip", infos[0].config, self.protect, self.protect_pattern))
 
     def validate(self, config) -> None:
         protected_heads("kvzip", config, self.protect, self.protect_pattern)
+
+    def content_hashes(self) -> dict:
+        return pattern_hashes(self)
 
     def new_layer(self, info: LayerInfo):
         cls = static_store(KVzipStore) if info.static else KVzipStore

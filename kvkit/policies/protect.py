@@ -21,14 +21,34 @@ from __future__ import annotations
 
 from kvkit.model_info import layer_types as _layer_types
 from kvkit.policies.duo import Duo  # the pattern loader and its checks are duo's
+from kvkit.policies.duo_patterns import PatternFile
 from kvkit.stores.split import HeadSplitStore
 
 
-def check_protect(who: str, fraction) -> None:
-    """``protect`` must be a fraction in [0, 1)."""
+def check_protect(policy) -> None:
+    """A policy's ``protect`` / ``protect_pattern`` options, checked (ValueError) and frozen: ``protect`` a fraction
+    in [0, 1); ``protect_pattern`` (only with ``protect`` > 0) read and checked now, once, as duo reads its
+    ``pattern`` (a file's content and sha256 kept, values made a tuple): later caches never re-read the file."""
+    who, fraction, pattern = policy.name, policy.protect, policy.protect_pattern
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
         raise ValueError(f"{who}: protect must be a fraction of the KV heads in [0, 1) (0: none protected), got "
                          f"{fraction!r}")
+    if pattern is None:
+        return
+    if not fraction:
+        raise ValueError(f"{who}: protect_pattern ranks the heads that protect keeps whole; give protect > 0 too "
+                         "(e.g. protect=0.2), or leave protect_pattern out")
+    try:
+        frozen = Duo(pattern=pattern).pattern
+    except ValueError as e:
+        raise ValueError(f"{who}: protect_pattern: {e}") from e
+    object.__setattr__(policy, "protect_pattern", frozen)
+
+
+def pattern_hashes(policy) -> dict:
+    """``{"protect_pattern": sha256}`` when the policy read a pattern file (``Policy.content_hashes``), else {}."""
+    p = policy.protect_pattern
+    return {"protect_pattern": p.sha256} if isinstance(p, PatternFile) else {}
 
 
 def protected_heads(who: str, config, fraction: float, pattern=None):

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
-from kvkit.policies.protect import check_protect, protected_heads, split_or_plain
+from kvkit.policies.protect import check_protect, pattern_hashes, protected_heads, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
@@ -106,7 +106,7 @@ class SnapKV(Policy):
             raise ValueError(f"snapkv: sink must be an integer >= 0, got {self.sink!r}")
         if self.window + self.sink >= self.budget:
             raise ValueError(f"snapkv: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
-        check_protect("snapkv", self.protect)
+        check_protect(self)
 
     def settings(self, config) -> tuple[int, str, str]:
         """``(kernel, pooling, pool_window)`` for a model: the options given, else its calibration, else the
@@ -120,6 +120,9 @@ class SnapKV(Policy):
 
     def validate(self, config) -> None:
         protected_heads("snapkv", config, self.protect, self.protect_pattern)
+
+    def content_hashes(self) -> dict:
+        return pattern_hashes(self)
 
     def new_layer(self, info: LayerInfo):
         cls = static_store(SnapKVStore) if info.static else SnapKVStore

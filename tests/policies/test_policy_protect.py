@@ -174,3 +174,21 @@ def test_kvzip_protect_without_a_pattern_says_what_to_do():
     with pytest.raises(ValueError, match=r"kvzip: protect=0.3 .*calibrate duo"):
         kvkit.patch(model, "kvzip", protect=0.3, **KVZIP)
     kvkit.unpatch(model)
+
+
+def test_protect_pattern_is_read_once_checked_and_named_by_its_content(tmp_path):
+    from kvkit.policies.duo_patterns import model_identity, save_pattern
+
+    model = tiny_model("llama")
+    path = tmp_path / "pattern.json"
+    save_pattern(path, torch.tensor(_pattern(model, {(0, 1), (2, 0)})), model_identity(model.config))
+    p = kvkit.get_policy("snapkv", protect=0.5, protect_pattern=str(path), **OPTS)
+    sha = p.content_hashes()["protect_pattern"]
+    path.write_text("not a pattern")  # the policy kept the content it read
+    keep = protected_heads("snapkv", model.config, p.protect, p.protect_pattern)
+    assert keep.tolist() == [[False, True], [False, False], [True, True]]
+    assert len(sha) == 64 and kvkit.get_policy("snapkv", **OPTS).content_hashes() == {}
+    with pytest.raises(ValueError, match="kvzip: protect_pattern: .*not a valid DuoAttention pattern"):
+        kvkit.get_policy("kvzip", protect=0.5, protect_pattern=str(path))
+    with pytest.raises(ValueError, match="give protect > 0 too"):
+        kvkit.get_policy("snapkv", protect_pattern=[[1.0, 0.0]])
