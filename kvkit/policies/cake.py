@@ -46,6 +46,7 @@ import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
+from kvkit.policies.protect_heads import check_protect, pattern_hashes, protected_heads, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -123,6 +124,12 @@ class Cake(Policy):
         True (default): with tau1/tau2/pool_kernel left at None, the model's calibrated taus and kernel
         (``kvkit calibrate cake``; found from the config by :mod:`kvkit.calibration`) before the paper's
         table and kernel 5. False: the paper's table / (1.0, 1.0) and kernel 5.
+    protect_heads : float
+        Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
+        :mod:`kvkit.policies.protect_heads`); the cascade then shares ``budget`` per layer among the evicted heads'
+        layers, and a layer's preference is computed over its evicted heads. 0 (default): the paper.
+    protect_pattern : str, path, values or None
+        The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
 
     budget: int = 1024  # CAKE cache_size (per-layer average, window included)
@@ -134,6 +141,8 @@ class Cake(Policy):
     tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
     calibrated: bool = True  # kvkit: the model's calibrated taus when none given; False = the paper's table
+    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
@@ -170,19 +179,26 @@ class Cake(Policy):
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
             if not ok or v < 0 or (name != "gamma" and v == 0):
                 raise ValueError(f"cake: {name} must be a {'non-negative' if name == 'gamma' else 'positive'} number, got {v!r}")
+        check_protect(self)
 
     def taus(self, config) -> tuple[float, float]:
         (t1, t2), _ = model_taus(config) if config is not None else (DEFAULT_TAU, "default")
         return (self.tau1 if self.tau1 is not None else t1, self.tau2 if self.tau2 is not None else t2)
 
     def new_shared(self, infos):
-        return CakeCascade()
+        return CakeCascade(protected=protected_heads("cake", infos[0].config, self.protect_heads, self.protect_pattern))
+
+    def validate(self, config) -> None:
+        protected_heads("cake", config, self.protect_heads, self.protect_pattern)
+
+    def content_hashes(self) -> dict:
+        return pattern_hashes(self)
 
     def new_layer(self, info: LayerInfo):
-
         p = resolve(self, info.config)
         cls = static_store(CakeStore) if info.static else CakeStore
-        return cls(info, p, *p.taus(info.config))
+        taus = p.taus(info.config)
+        return split_or_plain(info, lambda n: cls(info, p, *taus, num_heads=n), info.shared.protected)
 
 
 @dataclass
@@ -193,6 +209,7 @@ class CakeCascade:
     pref: dict = field(default_factory=dict)  # layer -> [B] preference
     budgets: dict = field(default_factory=dict)  # layer -> [B] evictable budget
     history: list = field(default_factory=list)  # budgets after each layer's prefill
+    protected: torch.Tensor | None = None  # [L, H] bool: the KV heads kept whole (``protect_heads``), or None
 
 
 def allocate(pref: torch.Tensor, total: int, cap: torch.Tensor) -> torch.Tensor:
@@ -224,8 +241,8 @@ class CakeStore(SlotStore):
 
     _batch_tensors = SlotStore._batch_tensors + ("score", "size", "qbuf")
 
-    def __init__(self, info: LayerInfo, policy: Cake, tau1: float, tau2: float):
-        super().__init__(info)
+    def __init__(self, info: LayerInfo, policy: Cake, tau1: float, tau2: float, num_heads: int | None = None):
+        super().__init__(info, num_heads)
         self.budget, self.window, self.gamma = policy.budget, policy.window, policy.gamma
         self.kernel = policy.pool_kernel if policy.pool_kernel is not None else 5
         self.pool_window = policy.pool_window or "centered"
@@ -256,7 +273,7 @@ class CakeStore(SlotStore):
             self._fit()
             if self.qbuf is None:  # the decode-query ring exists before the first compiled step (fixed inputs)
                 B, _, _, D = self.keys.shape
-                self.qbuf, self.qbuf_pos = new_ring(B, self.info.num_heads, self.tail + QUERY_SLACK, D,
+                self.qbuf, self.qbuf_pos = new_ring(B, self.num_store_heads * self.info.groups, self.tail + QUERY_SLACK, D,
                                                     self.keys.dtype, self.keys.device)
 
     def slots_bound(self) -> int | None:

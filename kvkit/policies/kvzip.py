@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 
 from kvkit.policies.base import Policy, check_positive_int
-from kvkit.policies.protect import (
+from kvkit.policies.protect_heads import (
     check_protect,
     evicting_part,
     pattern_hashes,
@@ -67,7 +67,7 @@ class Pending:
     ids: list = field(default_factory=list)  # [B, T] input ids of the multi-token forwards since the last one
     masks: list = field(default_factory=list)  # [B, T] their attention-mask columns (1 = real token)
     prompt: tuple | None = None  # instruct=True: the instruction / answer-header token ids, tokenized once
-    protected: torch.Tensor | None = None  # [L, H] bool: the KV heads kept whole (``protect``), or None
+    protected: torch.Tensor | None = None  # [L, H] bool: the KV heads kept whole (``protect_heads``), or None
 
 
 @register("kvzip")
@@ -106,13 +106,13 @@ class KVzip(Policy):
         The softmax a slot's score is a probability of: ``"held"`` (default, kvkit) the model's own, over every held
         slot; ``"chunk"`` the reference's, renormalised over the first ``sink`` tokens, the chunk's own tokens and
         the repeat (causal).
-    protect : float
+    protect_heads : float
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
-        :mod:`kvkit.policies.protect`: the fix for the question-agnostic needle losses, whose answer heads are not
+        :mod:`kvkit.policies.protect_heads`: the fix for the question-agnostic needle losses, whose answer heads are not
         the heads that copy the context); ``budget`` is then per evicted head, and the reconstruction scores only
         those. 0 (default): the paper, every head evicted.
     protect_pattern : str, path, values or None
-        The pattern ``protect`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
+        The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
 
     budget: int = 1024
@@ -124,8 +124,8 @@ class KVzip(Policy):
     instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
     adaptive: bool = True  # the reference ranks all layers together: per-layer budgets (mean = budget)
     normalize: str = "held"  # "held": softmax over every held slot; "chunk": the reference's local softmax
-    protect: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
-    protect_pattern: object = None  # kvkit: the pattern `protect` ranks by; None = the model's shipped one
+    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
@@ -155,10 +155,10 @@ class KVzip(Policy):
         check_protect(self)
 
     def new_shared(self, infos):
-        return Pending(protected=protected_heads("kvzip", infos[0].config, self.protect, self.protect_pattern))
+        return Pending(protected=protected_heads("kvzip", infos[0].config, self.protect_heads, self.protect_pattern))
 
     def validate(self, config) -> None:
-        protected_heads("kvzip", config, self.protect, self.protect_pattern)
+        protected_heads("kvzip", config, self.protect_heads, self.protect_pattern)
 
     def content_hashes(self) -> dict:
         return pattern_hashes(self)

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
-from kvkit.policies.protect import check_protect, pattern_hashes, protected_heads, split_or_plain
+from kvkit.policies.protect_heads import check_protect, pattern_hashes, protected_heads, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
@@ -61,12 +61,12 @@ class SnapKV(Policy):
     calibrated : bool
         True (default): ``kernel`` / ``pooling`` / ``pool_window`` left at None take the model's calibration when
         one is found from its config. False: the paper's kernel 5, average pooling, centered.
-    protect : float
+    protect_heads : float
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
-        :mod:`kvkit.policies.protect`); ``budget`` is then per evicted head. 0 (default): the paper, every head
+        :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head. 0 (default): the paper, every head
         evicted.
     protect_pattern : str, path, values or None
-        The pattern ``protect`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
+        The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
 
     budget: int = 1024  # SnapKV max_capacity_prompt (paper sweeps 1024-4096)
@@ -77,8 +77,8 @@ class SnapKV(Policy):
     sink: int = 0  # not in the paper
     tail: int = 32  # kvkit: bulk decode eviction
     calibrated: bool = True  # kvkit: the model's calibrated kernel / pooling; False = the paper's (5, avg)
-    protect: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
-    protect_pattern: object = None  # kvkit: the pattern `protect` ranks by; None = the model's shipped one
+    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "SnapKV: observation-window attention, pooled, per-head top-k of the prompt (2404.14469)"
@@ -116,10 +116,10 @@ class SnapKV(Policy):
         return (p.kernel if p.kernel is not None else 5), (p.pooling or "avg"), (p.pool_window or "centered")
 
     def new_shared(self, infos):
-        return protected_heads("snapkv", infos[0].config, self.protect, self.protect_pattern)
+        return protected_heads("snapkv", infos[0].config, self.protect_heads, self.protect_pattern)
 
     def validate(self, config) -> None:
-        protected_heads("snapkv", config, self.protect, self.protect_pattern)
+        protected_heads("snapkv", config, self.protect_heads, self.protect_pattern)
 
     def content_hashes(self) -> dict:
         return pattern_hashes(self)

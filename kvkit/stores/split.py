@@ -2,7 +2,7 @@
 
 :class:`HeadSplitStore` holds two stores per layer over disjoint KV heads and routes each query head group to its
 KV head's store. It is the layer of DuoAttention (``duo``: retrieval heads whole, streaming heads sinks + recent)
-and of the eviction policies' ``protect`` option (:mod:`kvkit.policies.protect`).
+and of the eviction policies' ``protect_heads`` option (:mod:`kvkit.policies.protect_heads`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class HeadSplitStore(SeenLength, StoreMixin, CacheLayerMixin):
     of the layer's KV heads, e.g. a :class:`~kvkit.stores.scored.ScoredStore` with ``num_heads``).
 
     DuoAttention's layer (retrieval heads whole, streaming heads sinks + recent) and the eviction policies'
-    ``protect`` option (the heads a DuoAttention pattern ranks highest keep every token, the rest are evicted by
+    ``protect_heads`` option (the heads a DuoAttention pattern ranks highest keep every token, the rest are evicted by
     the policy's score) are this store.
 
     ``update`` splits the new keys/values ``[B, H, T, D]`` by KV head; ``attend`` routes each group of

@@ -1,4 +1,4 @@
-"""``protect`` (kvkit.policies.protect): the KV heads a DuoAttention pattern ranks highest keep every token, the
+"""``protect_heads`` (kvkit.policies.protect_heads): the KV heads a DuoAttention pattern ranks highest keep every token, the
 policy evicts in the others only -- for real, in a head-split layer (kvkit.stores.split.HeadSplitStore)."""
 
 import pytest
@@ -7,7 +7,7 @@ from transformers import CompileConfig
 
 import kvkit
 from kvkit.compat import cache_kw
-from kvkit.policies.protect import protected_heads
+from kvkit.policies.protect_heads import protected_heads
 from kvkit.policies.snapkv import SnapKVStore
 from kvkit.stores.split import HeadSplitStore, WholeHeadsStore
 from kvkit.testing import greedy, random_ids, tiny_model
@@ -38,7 +38,7 @@ def test_protected_heads_keep_every_token_and_the_others_are_evicted_by_snapkv()
         _, _, full = greedy(model, ids, 9)
     finally:
         kvkit.unpatch(model)
-    kvkit.patch(model, "snapkv", protect=0.5, protect_pattern=_pattern(model, {(0, 1), (2, 0)}), **OPTS)
+    kvkit.patch(model, "snapkv", protect_heads=0.5, protect_pattern=_pattern(model, {(0, 1), (2, 0)}), **OPTS)
     try:
         _, _, cache = greedy(model, ids, 9)
     finally:
@@ -64,14 +64,14 @@ def test_protected_heads_keep_every_token_and_the_others_are_evicted_by_snapkv()
     finally:
         kvkit.unpatch(model)
     assert plain.nbytes() < cache.nbytes() < full.nbytes() + plain.nbytes()
-    assert all(isinstance(layer, SnapKVStore) for layer in plain.layers)  # protect=0: the paper, unchanged
+    assert all(isinstance(layer, SnapKVStore) for layer in plain.layers)  # protect_heads=0: the paper, unchanged
 
 
 @torch.no_grad()
 def test_a_layer_without_protected_heads_is_plain_snapkv():
     model = tiny_model("llama")
     ids = random_ids(50, seed=5)
-    kvkit.patch(model, "snapkv", protect=0.1, protect_pattern=_pattern(model, {(1, 0)}), **OPTS)  # 1 of 6 heads
+    kvkit.patch(model, "snapkv", protect_heads=0.1, protect_pattern=_pattern(model, {(1, 0)}), **OPTS)  # 1 of 6 heads
     try:
         _, _, cache = greedy(model, ids, 1)
     finally:
@@ -91,26 +91,28 @@ def test_a_layer_without_protected_heads_is_plain_snapkv():
 
 def test_protect_without_a_pattern_for_the_model_says_what_to_do():
     model = tiny_model("llama")  # no shipped pattern matches a tiny random config
-    with pytest.raises(ValueError, match=r"snapkv: protect=0.2 .*calibrate duo.*protect=0"):
-        kvkit.patch(model, "snapkv", protect=0.2, **OPTS)
+    with pytest.raises(ValueError, match=r"snapkv: protect_heads=0.2 .*calibrate duo.*protect_heads=0"):
+        kvkit.patch(model, "snapkv", protect_heads=0.2, **OPTS)
     kvkit.unpatch(model)
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, True, "half"])
 def test_protect_must_be_a_fraction_below_one(bad):
-    with pytest.raises(ValueError, match="protect must be a fraction"):
-        kvkit.get_policy("snapkv", protect=bad)
+    with pytest.raises(ValueError, match="protect_heads must be a fraction"):
+        kvkit.get_policy("snapkv", protect_heads=bad)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("policy,opts", [("snapkv", OPTS), ("cake", dict(budget=16, window=4)),
+                                         ("kvzip", dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4))])
 @torch.no_grad()
-def test_protected_snapkv_static_step_compiles_whole_and_equals_eager():
+def test_protected_static_step_compiles_whole_and_equals_eager(policy, opts):
     model = tiny_model("llama")
     ids = random_ids(40, seed=1)
-    opts = dict(OPTS, protect=0.5, protect_pattern=_pattern(model, {(0, 1), (2, 0)}))
-    kvkit.patch(model, "snapkv", **opts)
+    opts = dict(opts, protect_heads=0.5, protect_pattern=_pattern(model, {(0, 1), (2, 0)}))
+    kvkit.patch(model, policy, **opts)
     ref, _, _ = greedy(model, ids, 12)
-    kvkit.patch(model, "snapkv", static=True, **opts)
+    kvkit.patch(model, policy, static=True, **opts)
     try:
         cc = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager", mode=None)
         cc._compile_all_devices = True
@@ -120,7 +122,7 @@ def test_protected_snapkv_static_step_compiles_whole_and_equals_eager():
         out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
         toks = []
         with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(12):  # tail 4: three compressions of the evicted heads
+            for _ in range(12):  # tail 4: compressions of the evicted heads between compiled steps
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 toks.append(nxt)
                 out = step(input_ids=nxt, **cache_kw(cache), use_cache=True)
@@ -148,7 +150,7 @@ def test_protected_kvzip_scores_only_the_evicted_heads_and_rolls_the_whole_heads
         _, _, plain = greedy(model, ids, 1)
     finally:
         kvkit.unpatch(model)
-    kvkit.patch(model, "kvzip", protect=0.5, protect_pattern=pattern, **KVZIP)
+    kvkit.patch(model, "kvzip", protect_heads=0.5, protect_pattern=pattern, **KVZIP)
     try:
         _, _, cache = greedy(model, ids, 1)
     finally:
@@ -171,8 +173,8 @@ def test_protected_kvzip_scores_only_the_evicted_heads_and_rolls_the_whole_heads
 
 def test_kvzip_protect_without_a_pattern_says_what_to_do():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"kvzip: protect=0.3 .*calibrate duo"):
-        kvkit.patch(model, "kvzip", protect=0.3, **KVZIP)
+    with pytest.raises(ValueError, match=r"kvzip: protect_heads=0.3 .*calibrate duo"):
+        kvkit.patch(model, "kvzip", protect_heads=0.3, **KVZIP)
     kvkit.unpatch(model)
 
 
@@ -182,13 +184,36 @@ def test_protect_pattern_is_read_once_checked_and_named_by_its_content(tmp_path)
     model = tiny_model("llama")
     path = tmp_path / "pattern.json"
     save_pattern(path, torch.tensor(_pattern(model, {(0, 1), (2, 0)})), model_identity(model.config))
-    p = kvkit.get_policy("snapkv", protect=0.5, protect_pattern=str(path), **OPTS)
+    p = kvkit.get_policy("snapkv", protect_heads=0.5, protect_pattern=str(path), **OPTS)
     sha = p.content_hashes()["protect_pattern"]
     path.write_text("not a pattern")  # the policy kept the content it read
-    keep = protected_heads("snapkv", model.config, p.protect, p.protect_pattern)
+    keep = protected_heads("snapkv", model.config, p.protect_heads, p.protect_pattern)
     assert keep.tolist() == [[False, True], [False, False], [True, True]]
     assert len(sha) == 64 and kvkit.get_policy("snapkv", **OPTS).content_hashes() == {}
     with pytest.raises(ValueError, match="kvzip: protect_pattern: .*not a valid DuoAttention pattern"):
-        kvkit.get_policy("kvzip", protect=0.5, protect_pattern=str(path))
-    with pytest.raises(ValueError, match="give protect > 0 too"):
+        kvkit.get_policy("kvzip", protect_heads=0.5, protect_pattern=str(path))
+    with pytest.raises(ValueError, match="give protect_heads > 0 too"):
         kvkit.get_policy("snapkv", protect_pattern=[[1.0, 0.0]])
+
+
+@torch.no_grad()
+def test_protected_cake_cascades_over_the_layers_with_evicted_heads_only():
+    from kvkit.policies.cake import cascade_history
+
+    model = tiny_model("llama")
+    ids = random_ids(60, seed=3)
+    pattern = _pattern(model, {(0, 1), (2, 0)})  # protect_heads 0.5: layer 0 head 1, layer 2 both heads
+    kvkit.patch(model, "cake", budget=16, window=4, protect_heads=0.5, protect_pattern=pattern)
+    try:
+        _, _, cache = greedy(model, ids, 1)
+    finally:
+        kvkit.unpatch(model)
+    P = ids.shape[1]
+    assert cache.layers[0].head_slots()[1] == P + 1 and cache.layers[2].head_slots() == [P + 1, P + 1]
+    assert cache.layers[2].rest is None  # nothing evicted there: no CAKE store, no share of the cascade
+    final = cascade_history(cache)[-1]
+    assert sorted(final) == [0, 1]
+    # the two evicting layers share (budget - window) x 2 evictable slots per row, as CAKE's cascade does
+    assert int(sum(b for b in final.values())) == (16 - 4) * 2
+    live = [cache.layers[0].rest.live(), cache.layers[1].live()]
+    assert [int(x.max()) for x in live] == [int(final[0]) + 4 + 1, int(final[1]) + 4 + 1]  # + window + new token

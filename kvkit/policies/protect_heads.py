@@ -1,4 +1,4 @@
-"""``protect``: the eviction policies' protected heads -- the KV heads a DuoAttention pattern ranks as retrieval
+"""``protect_heads``: the eviction policies' protected heads -- the KV heads a DuoAttention pattern ranks as retrieval
 heads keep every token; the policy evicts only in the others (kvkit, after RazorAttention / HeadKV).
 
 Why (results/needles/README.md, "KVzip diagnosis"): question-agnostic, an eviction policy scores the context
@@ -8,7 +8,7 @@ context's last queries, its reconstruction): per-head eviction removes the value
 answer. DuoAttention's calibrated gate (alpha per KV head, ``kvkit calibrate duo``) names the heads that need the
 whole context; those two rank 4th and 6th of the default model's 90 KV heads.
 
-``protect = f`` (a fraction in [0, 1)): the ``round(f x N)`` KV heads (of the ``N`` heads of the model's
+``protect_heads = f`` (a fraction in [0, 1)): the ``round(f x N)`` KV heads (of the ``N`` heads of the model's
 full-attention layers) with the highest alpha keep every token (:class:`~kvkit.stores.split.HeadSplitStore`'s
 whole part); the others are the policy's usual store over those heads only (``num_heads``), with its own
 ``budget`` per head. Memory: ``f`` of the full KV plus ``(1 - f) x budget`` per token slot; a policy at a target
@@ -26,18 +26,18 @@ from kvkit.stores.split import HeadSplitStore
 
 
 def check_protect(policy) -> None:
-    """A policy's ``protect`` / ``protect_pattern`` options, checked (ValueError) and frozen: ``protect`` a fraction
-    in [0, 1); ``protect_pattern`` (only with ``protect`` > 0) read and checked now, once, as duo reads its
+    """A policy's ``protect_heads`` / ``protect_pattern`` options, checked (ValueError) and frozen: ``protect_heads`` a fraction
+    in [0, 1); ``protect_pattern`` (only with ``protect_heads`` > 0) read and checked now, once, as duo reads its
     ``pattern`` (a file's content and sha256 kept, values made a tuple): later caches never re-read the file."""
-    who, fraction, pattern = policy.name, policy.protect, policy.protect_pattern
+    who, fraction, pattern = policy.name, policy.protect_heads, policy.protect_pattern
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
-        raise ValueError(f"{who}: protect must be a fraction of the KV heads in [0, 1) (0: none protected), got "
+        raise ValueError(f"{who}: protect_heads must be a fraction of the KV heads in [0, 1) (0: none protected), got "
                          f"{fraction!r}")
     if pattern is None:
         return
     if not fraction:
-        raise ValueError(f"{who}: protect_pattern ranks the heads that protect keeps whole; give protect > 0 too "
-                         "(e.g. protect=0.2), or leave protect_pattern out")
+        raise ValueError(f"{who}: protect_pattern ranks the heads that protect_heads keeps whole; give protect_heads > 0 too "
+                         "(e.g. protect_heads=0.2), or leave protect_pattern out")
     try:
         frozen = Duo(pattern=pattern).pattern
     except ValueError as e:
@@ -61,8 +61,8 @@ def protected_heads(who: str, config, fraction: float, pattern=None):
     try:
         return duo.retrieval_heads(config, _layer_types(config))
     except ValueError as e:
-        raise ValueError(f"{who}: protect={fraction} ranks the KV heads by a DuoAttention pattern, and {e}. "
-                         f"Or run {who} with protect=0") from e
+        raise ValueError(f"{who}: protect_heads={fraction} ranks the KV heads by a DuoAttention pattern, and {e}. "
+                         f"Or run {who} with protect_heads=0") from e
 
 
 def split_or_plain(info, make, heads):
@@ -72,7 +72,7 @@ def split_or_plain(info, make, heads):
     keep = None if heads is None else heads[info.layer_idx].tolist()
     if keep is None or not any(keep):
         return make(None)
-    return HeadSplitStore(info, keep, make, "protect")
+    return HeadSplitStore(info, keep, make, "protect_heads")
 
 
 def evicting_part(layer, cls):
