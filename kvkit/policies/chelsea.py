@@ -70,6 +70,13 @@ import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_kernel, check_positive_int
+from kvkit.policies.protect_heads import (
+    check_protect,
+    evicting_part,
+    pattern_hashes,
+    protected_heads,
+    split_or_plain,
+)
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -141,6 +148,12 @@ class Chelsea(Policy):
         model's calibration (``kvkit calibrate chelsea``, :mod:`kvkit.calibration`: chosen on needles with the
         question in the prefill), else the fallbacks above. False: the fallbacks, and ``protect`` left at None is 0
         (the paper's matching), so ``calibrated=False`` alone is the paper's setting.
+    protect_heads : float
+        Fraction of the KV heads kept whole, unmerged: the ones the model's DuoAttention pattern ranks highest
+        (kvkit, :mod:`kvkit.policies.protect_heads`; not the same as ``protect``, which keeps tokens of a chunk
+        exact); the other heads merge as above. 0 (default): the paper, every head merged.
+    protect_pattern : str, path, values or None
+        The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
 
     ratio: float = 0.2  # Chelsea: up to 80% KV memory reduction
@@ -157,6 +170,8 @@ class Chelsea(Policy):
     recon_chunk: int = 512  # kvkit: reconstruction chunk (KVzip's chunked repeat)
     protect_scope: str = "chunk"  # kvkit: "chunk" (P per chunk) or "context" (P x chunks per KV head, KVzip-like)
     calibrated: bool = True  # kvkit: the model's calibrated chunk_size / protect_*; False = the fallbacks
+    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     CHUNK: ClassVar[int] = 64  # fallback chunk_size
     PROTECT_POOL: ClassVar[tuple] = (7, "max", "centered")  # fallback protect_kernel / pooling / window
@@ -193,6 +208,7 @@ class Chelsea(Policy):
         check_choice("chelsea", "protect_scope", self.protect_scope, PROTECT_SCOPES, allow_none=False)
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"chelsea: calibrated must be true or false, got {self.calibrated!r}")
+        check_protect(self)
         # with chunk_size None the chunk is the model's calibration (or the fallback): checked at patch time
         # (``settings`` fills it in), so a protect that fits the calibrated chunk is not refused here
         if (self.chunk_size is not None and self.protect is not None and self.protect
@@ -241,6 +257,13 @@ class Chelsea(Policy):
 
     def validate(self, config) -> None:
         self.settings(config)  # a calibration that does not combine with the options fails at patch time
+        protected_heads("chelsea", config, self.protect_heads, self.protect_pattern)
+
+    def content_hashes(self) -> dict:
+        return pattern_hashes(self)
+
+    def new_shared(self, infos):
+        return protected_heads("chelsea", infos[0].config, self.protect_heads, self.protect_pattern)
 
     def reconstructs(self) -> bool:
         """The protection is scored by a reconstruction pass (``protect_score="reconstruct"`` with slots to protect)."""
@@ -252,7 +275,8 @@ class Chelsea(Policy):
 
     def new_layer(self, info: LayerInfo):
         cls = static_store(ChelseaStore) if info.static else ChelseaStore
-        return cls(info, self.settings(info.config))
+        p = self.settings(info.config)
+        return split_or_plain(info, lambda n: cls(info, p, num_heads=n), info.shared)
 
     # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
     @torch.no_grad()
@@ -262,7 +286,9 @@ class Chelsea(Policy):
         the scores as its protection score and merges."""
         if torch.compiler.is_compiling():
             return  # a compiled step (static cache) decodes one token: nothing to repeat
-        layers = [layer for layer in cache.layers if isinstance(layer, ChelseaStore)]
+        parts = [(layer, evicting_part(layer, ChelseaStore)) for layer in cache.layers]
+        layers = [part for _, part in parts if part is not None]  # the merging stores (a split layer's merged part)
+        roll = [layer for layer, part in parts if part is not None]  # what a repeat forward rolls back
         if (cache.scoring_pass or not layers or not layers[0].by_reconstruction
                 or any(layer.verifying for layer in layers)):
             return
@@ -273,7 +299,7 @@ class Chelsea(Policy):
         if mask is None:
             mask = torch.ones(input_ids.shape[0], layers[0].seen, dtype=torch.long, device=input_ids.device)
         reconstruct(base_model, cache, layers, input_ids[:, -T:], mask[:, -T:], mask, self.recon_chunk,
-                    self.RECON_OVERLAP)
+                    self.RECON_OVERLAP, roll=roll)
         for layer in layers:
             layer.take_scores()
             layer.compress()
@@ -288,8 +314,8 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
     _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto", "score")
     static_slot_tensors = {"size": 1}  # a static variant's free slots: a new token is a cluster of one
 
-    def __init__(self, info: LayerInfo, policy: Chelsea):
-        super().__init__(info)
+    def __init__(self, info: LayerInfo, policy: Chelsea, num_heads: int | None = None):
+        super().__init__(info, num_heads)
         self.p = policy
         self.size: torch.Tensor | None = None  # [B, H, n] int32 cluster sizes
         self.merged_upto: torch.Tensor | None = None  # [B] tokens (from the first real one) already merged

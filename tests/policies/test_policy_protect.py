@@ -13,6 +13,7 @@ from kvkit.stores.split import HeadSplitStore, WholeHeadsStore
 from kvkit.testing import greedy, random_ids, tiny_model
 
 OPTS = dict(budget=16, window=4, kernel=3, tail=4)
+CHELSEA = dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8, protect_score="reconstruct", recon_chunk=16)
 
 
 def _pattern(model, top):
@@ -104,7 +105,8 @@ def test_protect_must_be_a_fraction_below_one(bad):
 
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("policy,opts", [("snapkv", OPTS), ("cake", dict(budget=16, window=4)),
-                                         ("kvzip", dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4))])
+                                         ("kvzip", dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4)),
+                                         ("chelsea", CHELSEA)])
 @torch.no_grad()
 def test_protected_static_step_compiles_whole_and_equals_eager(policy, opts):
     model = tiny_model("llama")
@@ -217,3 +219,20 @@ def test_protected_cake_cascades_over_the_layers_with_evicted_heads_only():
     assert int(sum(b for b in final.values())) == (16 - 4) * 2
     live = [cache.layers[0].rest.live(), cache.layers[1].live()]
     assert [int(x.max()) for x in live] == [int(final[0]) + 4 + 1, int(final[1]) + 4 + 1]  # + window + new token
+
+
+@torch.no_grad()
+def test_protected_chelsea_merges_only_the_other_heads_and_counts_every_token_once():
+    model = tiny_model("llama")
+    ids = random_ids(60, seed=3)
+    kvkit.patch(model, "chelsea", protect_heads=0.5, protect_pattern=_pattern(model, {(0, 1), (2, 0)}), **CHELSEA)
+    try:
+        _, _, cache = greedy(model, ids, 9)
+    finally:
+        kvkit.unpatch(model)
+    n = ids.shape[1] + 9
+    assert cache.layers[0].head_slots()[1] == n and cache.layers[2].head_slots() == [n, n]
+    assert cache.layers[2].rest is None
+    for merged in (cache.layers[0].rest, cache.layers[1]):
+        assert merged.num_slots() < n  # merged into centroids
+        assert (merged.size.sum(-1) == n).all()  # every token in exactly one cluster, per (row, KV head)
