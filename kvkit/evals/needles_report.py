@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from kvkit.evals.files import atomic_write_bytes, atomic_write_text, read_rows
-from kvkit.evals.report import budget_of, markdown_table
+from kvkit.evals.report import markdown_table
 
 
 def load_runs(folders: list[Path]) -> list[tuple[str, dict, list[dict]]]:
@@ -69,12 +69,18 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
         records.append(rec)
         opts = rec["options"]
         label = (f"{opts.get('nbits')}-bit {opts.get('backend')}, groups {opts.get('q_group_size')}, "
-                 f"{opts.get('residual_length')} recent exact") if rec["policy"] == "quantized" else budget_of(opts)
+                 f"{opts.get('residual_length')} recent exact") if rec["policy"] == "quantized" else options_label(opts)
         out.append([name, rec["policy"], label or "-", round(acc, 3),
                     None if rec["x_full"] is None else round(rec["x_full"], 3), None if kept is None else round(kept, 3),
                     *[None if rec["per_format"][f] is None else round(rec["per_format"][f], 3) for f in formats],
                     round(kvb, 3), None if reads is None else round(reads, 3), len(shared)])
     return header, out, records
+
+
+def options_label(options: dict) -> str:
+    """Every option a run set, ``budget`` first (``budget=1526,protect_heads=0.2``): a row names its whole setting."""
+    keys = sorted(options, key=lambda k: (k != "budget", k))
+    return ",".join(f"{k}={options[k]}" for k in keys) or "-"
 
 
 def uncompressed(records: list[dict]) -> list[str]:

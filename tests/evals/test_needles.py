@@ -114,6 +114,9 @@ def test_needle_table_is_relative_to_full_on_the_same_samples():
     assert by["snap"]["accuracy"] == 0.75 and by["snap"]["x_full"] == 1.0
     assert by["snap"]["kept"] == pytest.approx(2 / 3) and by["snap"]["kv_fraction"] == 0.5
     assert by["q4"]["kv_fraction"] == 0.2 and "4-bit quanto" in rows[2][2]
+    assert rows[1][2] == "budget=8"  # every option a run set is named
+    prot = ("p", dict(policy="snapkv", options={"protect_heads": 0.2, "budget": 6}), half[2])
+    assert table([full, prot])[1][1][2] == "budget=6,protect_heads=0.2"
     with pytest.raises(ValueError, match="exactly one run of policy 'full'"):
         table([half, q])
     other = ("x", dict(policy="streaming", options={}), _rows([9], [1], [1]))
@@ -162,7 +165,7 @@ def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
                "--depths", "3"])
     assert rc == 0
     md = (out / "needles.md").read_text()
-    assert "| q4 | quantized |" in md and "| snap | snapkv | 128 |" in md
+    assert "| q4 | quantized |" in md and "| snap | snapkv | budget=128 |" in md
     assert (out / "needles.png").stat().st_size > 1000
     rows = [json.loads(x) for x in (out / "snap" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and {r["task"] for r in rows} == {"digits", "uuid", "words"}
