@@ -72,7 +72,7 @@ from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_kernel, check_positive_int
 from kvkit.policies.protect_heads import (
     check_protect,
-    evicting_part,
+    evicting_parts,
     pattern_hashes,
     protected_heads,
     split_or_plain,
@@ -286,9 +286,7 @@ class Chelsea(Policy):
         the scores as its protection score and merges."""
         if torch.compiler.is_compiling():
             return  # a compiled step (static cache) decodes one token: nothing to repeat
-        parts = [(layer, evicting_part(layer, ChelseaStore)) for layer in cache.layers]
-        layers = [part for _, part in parts if part is not None]  # the merging stores (a split layer's merged part)
-        roll = [layer for layer, part in parts if part is not None]  # what a repeat forward rolls back
+        layers, roll = evicting_parts(cache, ChelseaStore)  # the stores a repeat scores, the cache layers it rolls back
         if (cache.scoring_pass or not layers or not layers[0].by_reconstruction
                 or any(layer.verifying for layer in layers)):
             return

@@ -41,7 +41,7 @@ import torch
 from kvkit.policies.base import Policy, check_positive_int
 from kvkit.policies.protect_heads import (
     check_protect,
-    evicting_part,
+    evicting_parts,
     pattern_hashes,
     protected_heads,
     split_or_plain,
@@ -173,9 +173,7 @@ class KVzip(Policy):
         if torch.compiler.is_compiling():
             return  # a compiled step (static cache) decodes one token: nothing to repeat
         st: Pending = cache.shared
-        parts = [(layer, evicting_part(layer, KVzipStore)) for layer in cache.layers]
-        layers = [part for _, part in parts if part is not None]  # the scored stores (a split layer's evicted part)
-        roll = [layer for layer, part in parts if part is not None]  # what a repeat forward rolls back
+        layers, roll = evicting_parts(cache, KVzipStore)  # the stores a repeat scores, the cache layers it rolls back
         if cache.scoring_pass or not layers or any(layer.verifying for layer in layers):
             return
         T, full_mask = forward_to_repeat(layers, input_ids, attention_mask, "kvzip")

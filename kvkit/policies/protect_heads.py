@@ -75,11 +75,15 @@ def split_or_plain(info, make, heads):
     return HeadSplitStore(info, keep, make, "protect_heads")
 
 
-def evicting_part(layer, cls):
-    """The part of a cache layer that is a ``cls`` store: the layer itself, or a head-split layer's evicted part
-    (None when it has none: every head of the layer protected)."""
-    if isinstance(layer, cls):
-        return layer
-    if isinstance(layer, HeadSplitStore) and isinstance(layer.rest, cls):
-        return layer.rest
-    return None
+def evicting_parts(cache, cls) -> tuple[list, list]:
+    """``(stores, layers)``: the cache's ``cls`` stores (a layer itself, or a head-split layer's evicted part; a layer
+    whose heads are all protected has none) and, one per store, the cache layer holding it (what a reconstruction's
+    repeat forward rolls back: a split layer rolls both its parts back)."""
+    stores, layers = [], []
+    for layer in cache.layers:
+        part = layer if isinstance(layer, cls) else (
+            layer.rest if isinstance(layer, HeadSplitStore) and isinstance(layer.rest, cls) else None)
+        if part is not None:
+            stores.append(part)
+            layers.append(layer)
+    return stores, layers
