@@ -91,6 +91,44 @@ def uncompressed(records: list[dict]) -> list[str]:
             and r["kv_fraction"] >= 0.99 and r["read_fraction"] >= 0.99]
 
 
+#: one 8-pt text line in y units of the figure's axis (~290 pt tall, spanning ~1.05), and one character in decades of
+#: its log x axis (~0.0095 measured; the estimate errs long)
+LABEL_LINE, LABEL_CHAR = 0.036, 0.012
+
+
+def label_spots(shown: list[dict]) -> list[tuple]:
+    """Where the figure's labels go, in data units (x in decades of the log axis), so that the overlap test and the
+    placement agree: runs at the same point share one label (``"a, b"``); a label goes right of its point, else
+    left of it, else a line lower (then with a leader line), never over another label or a marker. Returns one
+    ``(text, point, text_xy, left, moved)`` per label: ``text_xy`` is where the label starts (its end when
+    ``left``), ``moved`` when it sits below its point's line."""
+    shown = [{**r, "kv_fraction": max(r["kv_fraction"], 1e-9)} for r in shown]  # log axis
+    groups: list[list[dict]] = []
+    for r in sorted(shown, key=lambda r: (-r["x_full"], r["kv_fraction"])):
+        same = [g for g in groups if abs(g[0]["x_full"] - r["x_full"]) < 0.005
+                and abs(math.log10(g[0]["kv_fraction"] / r["kv_fraction"])) < 0.005]
+        (same[0].append(r) if same else groups.append([r]))
+    taken = [(math.log10(r["kv_fraction"]) - 0.012, math.log10(r["kv_fraction"]) + 0.012, r["x_full"] - 0.015,
+              r["x_full"] + 0.015) for r in shown]  # the markers, then each placed label's box
+    out = []
+    for g in groups:
+        x, y0 = math.log10(g[0]["kv_fraction"]), g[0]["x_full"]
+        text = ", ".join(r["run"] for r in g)
+        w = LABEL_CHAR * len(text)
+        for n in range(40):
+            y = y0 + 0.005 - n * LABEL_LINE
+            spots = [(x + 0.014, x + 0.014 + w), (x - 0.014 - w, x - 0.014)]
+            free = [sp for sp in spots if not any(a < sp[1] and sp[0] < b and c < y + 0.9 * LABEL_LINE and y < d
+                                                  for a, b, c, d in taken)]
+            if free:
+                break
+        spot = free[0] if free else spots[0]
+        left = spot == spots[1]
+        taken.append((*spot, y, y + 0.9 * LABEL_LINE))
+        out.append((text, (10 ** x, y0), (10 ** (spot[1] if left else spot[0]), y), left, n > 0))
+    return out
+
+
 def figure_png(records: list[dict], title: str) -> bytes:
     """Accuracy x full vs KV bytes x full, one point per run, labelled (matplotlib, Agg)."""
     import io
@@ -107,17 +145,11 @@ def figure_png(records: list[dict], title: str) -> bytes:
         peer = r["policy"] == "quantized"
         ax.scatter(r["kv_fraction"], r["x_full"], s=45, marker="s" if peer else "o",
                    color="tab:gray" if peer else ("black" if r["policy"] == "full" else "tab:blue"))
-    # labels to the right of their points; a label whose box would cover an earlier one (same height, overlapping
-    # span; spans in decades of the log axis, ~0.012 decade per character at this size) moves one line down
-    boxes: list[tuple[float, float, float]] = []  # (x0, x1, y) of the placed labels
-    for r in sorted(shown, key=lambda r: (-r["x_full"], r["kv_fraction"])):
-        x0 = math.log10(max(r["kv_fraction"], 1e-9))
-        x1, y, n = x0 + 0.012 * len(r["run"]), r["x_full"], 0
-        while any(a < x1 and x0 < b and abs((y - 0.022 * n) - c) < 0.02 for a, b, c in boxes):
-            n += 1
-        boxes.append((x0, x1, y - 0.022 * n))
-        ax.annotate(r["run"], (r["kv_fraction"], r["x_full"]), textcoords="offset points", xytext=(5, 4 - 11 * n),
-                    fontsize=8)
+    for text, (px, py), (tx, ty), left, moved in label_spots(shown):
+        ax.annotate(text, (px, py), xytext=(tx, ty), textcoords="data", fontsize=8, va="bottom",
+                    ha="right" if left else "left",
+                    arrowprops=dict(arrowstyle="-", lw=0.5, color="0.45", shrinkA=0, shrinkB=4) if moved else None)
+    top = max(1.05, max((r["x_full"] for r in shown), default=1.0) + 0.05)
     ax.set_xlabel("KV bytes held / full's (log scale)")
     ax.set_xscale("log")
     ticks = [t for t in (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
@@ -127,7 +159,7 @@ def figure_png(records: list[dict], title: str) -> bytes:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("needles answered / full's (same samples)")
     ax.axhline(1.0, color="black", lw=0.6, ls=":")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, top)
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()

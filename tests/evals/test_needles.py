@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvkit.evals import needles, peers
-from kvkit.evals.needles_report import table, uncompressed, write_report
+from kvkit.evals.needles_report import LABEL_CHAR, LABEL_LINE, label_spots, table, uncompressed, write_report
 from kvkit.models import load_tokenizer
 
 HAS_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
@@ -153,6 +153,39 @@ def test_needle_table_flags_a_run_that_did_not_compress(tmp_path):
         (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
     md = write_report(tmp_path, [tmp_path / n for n in ("full", "sk", "td")], "t")
     assert "**Did not compress**: sk held and read all of full's KV" in md and "td" not in md.split("compress**")[1]
+
+
+def test_figure_labels_share_a_point_and_never_overlap():
+    """The accuracy-vs-bytes labels: runs at one point get one label; a crowd of points gets labels that cover no
+    other label and no marker (the session-23 figure had cake-p0.2 drawn over shadowkv-2048's label)."""
+    import math
+
+    def rec(run, kv, x):
+        return dict(run=run, kv_fraction=kv, x_full=x)
+
+    shown = [rec("full", 1.0, 1.0), rec("chelsea-p0.2", 0.52, 0.87), rec("cake-p0.2", 0.521, 0.8705),
+             rec("shadowkv-2048", 0.49, 0.826), rec("duo", 0.54, 0.826), rec("snapkv-p0.2", 0.54, 0.91),
+             rec("kvzip-p0.2", 0.54, 1.0), rec("tidal-2048", 1.0, 0.78), rec("zero", 0.0, 0.5)]
+    def check(shown):
+        spots = label_spots(shown)
+        boxes = []
+        for text, (px, py), (tx, ty), left, moved in spots:
+            end = math.log10(tx)
+            x0, x1 = (end - LABEL_CHAR * len(text), end) if left else (end, end + LABEL_CHAR * len(text))
+            assert not any(a < x1 and x0 < b and c < ty + 0.9 * LABEL_LINE and ty < d for a, b, c, d in boxes), text
+            for r in shown:  # no label covers a marker
+                lx, ly = math.log10(max(r["kv_fraction"], 1e-9)), r["x_full"]
+                assert not (x0 < lx + 0.012 and lx - 0.012 < x1 and ty < ly + 0.015
+                            and ly - 0.015 < ty + 0.9 * LABEL_LINE), (text, r["run"])
+            assert moved == (ty < py)
+            boxes.append((x0, x1, ty, ty + 0.9 * LABEL_LINE))
+        return spots
+
+    texts = [t for t, *_ in check(shown)]
+    assert "cake-p0.2, chelsea-p0.2" in texts and len(texts) == len(shown) - 1
+    # a crowd at one x, 0.01 apart: right, left, then a line lower with a leader line
+    crowd = check([rec(f"run-{i}", 0.5, 0.8 + 0.01 * i) for i in range(4)])
+    assert len(crowd) == 4 and [c[3] for c in crowd[:2]] == [False, True] and crowd[2][4] and crowd[3][4]
 
 
 @pytest.mark.skipif(not HAS_QUANTO, reason="needs optimum-quanto (the eval extra)")
