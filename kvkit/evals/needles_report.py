@@ -91,33 +91,35 @@ def uncompressed(records: list[dict]) -> list[str]:
             and r["kv_fraction"] >= 0.99 and r["read_fraction"] >= 0.99]
 
 
-#: one 8-pt text line in y units of the figure's axis (~290 pt tall, spanning ~1.05), and one character in decades of
-#: its log x axis (~0.0095 measured; the estimate errs long)
-LABEL_LINE, LABEL_CHAR = 0.036, 0.012
+#: one 8-pt text line in y units of the figure's axis (~290 pt tall, spanning ~1.05), and one 8-pt character as a
+#: fraction of the axis width (~470 pt; the estimate errs long): times the x span in decades
+LABEL_LINE, LABEL_CHAR = 0.036, 0.0115
 
 
-def label_spots(shown: list[dict]) -> list[tuple]:
+def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     """Where the figure's labels go, in data units (x in decades of the log axis), so that the overlap test and the
     placement agree: runs at the same point share one label (``"a, b"``); a label goes right of its point, else
     left of it, else a line lower (then with a leader line), never over another label or a marker. Returns one
     ``(text, point, text_xy, left, moved)`` per label: ``text_xy`` is where the label starts (its end when
-    ``left``), ``moved`` when it sits below its point's line."""
+    ``left``), ``moved`` when it sits below its point's line. ``decades``: the x axis' span (a character is
+    ``LABEL_CHAR x decades`` wide, a marker ~0.75 of one)."""
     shown = [{**r, "kv_fraction": max(r["kv_fraction"], 1e-9)} for r in shown]  # log axis
     groups: list[list[dict]] = []
     for r in sorted(shown, key=lambda r: (-r["x_full"], r["kv_fraction"])):
         same = [g for g in groups if abs(g[0]["x_full"] - r["x_full"]) < 0.005
                 and abs(math.log10(g[0]["kv_fraction"] / r["kv_fraction"])) < 0.005]
         (same[0].append(r) if same else groups.append([r]))
-    taken = [(math.log10(r["kv_fraction"]) - 0.012, math.log10(r["kv_fraction"]) + 0.012, r["x_full"] - 0.015,
-              r["x_full"] + 0.015) for r in shown]  # the markers, then each placed label's box
+    char = LABEL_CHAR * decades
+    taken = [(math.log10(r["kv_fraction"]) - 0.75 * char, math.log10(r["kv_fraction"]) + 0.75 * char,
+              r["x_full"] - 0.015, r["x_full"] + 0.015) for r in shown]  # the markers, then each placed label's box
     out = []
     for g in groups:
         x, y0 = math.log10(g[0]["kv_fraction"]), g[0]["x_full"]
         text = ", ".join(r["run"] for r in g)
-        w = LABEL_CHAR * len(text)
+        w = char * len(text)
         for n in range(40):
             y = y0 + 0.005 - n * LABEL_LINE
-            spots = [(x + 0.014, x + 0.014 + w), (x - 0.014 - w, x - 0.014)]
+            spots = [(x + char, x + char + w), (x - char - w, x - char)]
             free = [sp for sp in spots if not any(a < sp[1] and sp[0] < b and c < y + 0.9 * LABEL_LINE and y < d
                                                   for a, b, c, d in taken)]
             if free:
@@ -145,13 +147,21 @@ def figure_png(records: list[dict], title: str) -> bytes:
         peer = r["policy"] == "quantized"
         ax.scatter(r["kv_fraction"], r["x_full"], s=45, marker="s" if peer else "o",
                    color="tab:gray" if peer else ("black" if r["policy"] == "full" else "tab:blue"))
-    for text, (px, py), (tx, ty), left, moved in label_spots(shown):
+    lo = math.log10(max(min(r["kv_fraction"] for r in records), 1e-9))
+    hi = math.log10(max(max(r["kv_fraction"] for r in records), 1e-9))
+    decades = max(hi - lo, 0.05) * 1.25  # the data plus the margins and the labels' reach
+    spots = label_spots(shown, decades)
+    for text, (px, py), (tx, ty), left, moved in spots:
         ax.annotate(text, (px, py), xytext=(tx, ty), textcoords="data", fontsize=8, va="bottom",
                     ha="right" if left else "left",
                     arrowprops=dict(arrowstyle="-", lw=0.5, color="0.45", shrinkA=0, shrinkB=4) if moved else None)
     top = max(1.05, max((r["x_full"] for r in shown), default=1.0) + 0.05)
     ax.set_xlabel("KV bytes held / full's (log scale)")
     ax.set_xscale("log")
+    ends = [math.log10(tx) + (0 if left else LABEL_CHAR * decades * len(text)) for text, _, (tx, _), left, _ in spots]
+    starts = [math.log10(tx) - (LABEL_CHAR * decades * len(text) if left else 0) for text, _, (tx, _), left, _ in spots]
+    pad = 0.04 * decades
+    ax.set_xlim(10 ** (min([lo, *starts]) - pad), 10 ** (max([hi, *ends]) + pad))
     ticks = [t for t in (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
              if min(r["kv_fraction"] for r in records) / 1.2 <= t <= 1.2 * max(r["kv_fraction"] for r in records)]
     ax.xaxis.set_major_locator(FixedLocator(ticks))

@@ -175,7 +175,7 @@ def test_figure_labels_share_a_point_and_never_overlap():
             assert not any(a < x1 and x0 < b and c < ty + 0.9 * LABEL_LINE and ty < d for a, b, c, d in boxes), text
             for r in shown:  # no label covers a marker
                 lx, ly = math.log10(max(r["kv_fraction"], 1e-9)), r["x_full"]
-                assert not (x0 < lx + 0.012 and lx - 0.012 < x1 and ty < ly + 0.015
+                assert not (x0 < lx + 0.75 * LABEL_CHAR and lx - 0.75 * LABEL_CHAR < x1 and ty < ly + 0.015
                             and ly - 0.015 < ty + 0.9 * LABEL_LINE), (text, r["run"])
             assert moved == (ty < py)
             boxes.append((x0, x1, ty, ty + 0.9 * LABEL_LINE))
