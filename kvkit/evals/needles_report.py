@@ -100,8 +100,8 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     """Where the figure's labels go, in data units (x in decades of the log axis), so that the overlap test and the
     placement agree: runs at the same point share one label (``"a, b"``); a label goes right of its point, else
     left of it, else a line lower (then with a leader line), never over another label or a marker. Returns one
-    ``(text, point, text_xy, left, moved)`` per label: ``text_xy`` is where the label starts (its end when
-    ``left``), ``moved`` when it sits below its point's line. ``decades``: the x axis' span (a character is
+    ``(text, point, text_xy, left, moved, span)`` per label: ``text_xy`` is where the label starts (its end when
+    ``left``), ``moved`` when it sits below its point's line, ``span`` its ``(x0, x1)`` in decades. ``decades``: the x axis' span (a character is
     ``LABEL_CHAR x decades`` wide, a marker ~0.75 of one)."""
     shown = [{**r, "kv_fraction": max(r["kv_fraction"], 1e-9)} for r in shown]  # log axis
     groups: list[list[dict]] = []
@@ -127,7 +127,7 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
         spot = free[0] if free else spots[0]
         left = spot == spots[1]
         taken.append((*spot, y, y + 0.9 * LABEL_LINE))
-        out.append((text, (10 ** x, y0), (10 ** (spot[1] if left else spot[0]), y), left, n > 0))
+        out.append((text, (10 ** x, y0), (10 ** (spot[1] if left else spot[0]), y), left, n > 0, spot))
     return out
 
 
@@ -151,19 +151,17 @@ def figure_png(records: list[dict], title: str) -> bytes:
     hi = math.log10(max(max(r["kv_fraction"] for r in records), 1e-9))
     decades = max(hi - lo, 0.05) * 1.25  # the data plus the margins and the labels' reach
     spots = label_spots(shown, decades)
-    for text, (px, py), (tx, ty), left, moved in spots:
+    for text, (px, py), (tx, ty), left, moved, _ in spots:
         ax.annotate(text, (px, py), xytext=(tx, ty), textcoords="data", fontsize=8, va="bottom",
                     ha="right" if left else "left",
                     arrowprops=dict(arrowstyle="-", lw=0.5, color="0.45", shrinkA=0, shrinkB=4) if moved else None)
     top = max(1.05, max((r["x_full"] for r in shown), default=1.0) + 0.05)
     ax.set_xlabel("KV bytes held / full's (log scale)")
     ax.set_xscale("log")
-    ends = [math.log10(tx) + (0 if left else LABEL_CHAR * decades * len(text)) for text, _, (tx, _), left, _ in spots]
-    starts = [math.log10(tx) - (LABEL_CHAR * decades * len(text) if left else 0) for text, _, (tx, _), left, _ in spots]
-    pad = 0.04 * decades
-    ax.set_xlim(10 ** (min([lo, *starts]) - pad), 10 ** (max([hi, *ends]) + pad))
-    ticks = [t for t in (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
-             if min(r["kv_fraction"] for r in records) / 1.2 <= t <= 1.2 * max(r["kv_fraction"] for r in records)]
+    pad = 0.04 * decades  # the axis holds every point and every label's span
+    left_end, right_end = min([lo, *(sp[0] for *_, sp in spots)]), max([hi, *(sp[1] for *_, sp in spots)])
+    ax.set_xlim(10 ** (left_end - pad), 10 ** (right_end + pad))
+    ticks = [t for t in (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0) if 10 ** lo / 1.2 <= t <= 1.2 * 10 ** hi]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))

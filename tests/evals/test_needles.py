@@ -166,12 +166,14 @@ def test_figure_labels_share_a_point_and_never_overlap():
     shown = [rec("full", 1.0, 1.0), rec("chelsea-p0.2", 0.52, 0.87), rec("cake-p0.2", 0.521, 0.8705),
              rec("shadowkv-2048", 0.49, 0.826), rec("duo", 0.54, 0.826), rec("snapkv-p0.2", 0.54, 0.91),
              rec("kvzip-p0.2", 0.54, 1.0), rec("tidal-2048", 1.0, 0.78), rec("zero", 0.0, 0.5)]
+
     def check(shown):
         spots = label_spots(shown)
         boxes = []
-        for text, (px, py), (tx, ty), left, moved in spots:
+        for text, (_px, py), (tx, ty), left, moved, span in spots:
             end = math.log10(tx)
             x0, x1 = (end - LABEL_CHAR * len(text), end) if left else (end, end + LABEL_CHAR * len(text))
+            assert span == pytest.approx((x0, x1))  # the span the figure's x limits hold
             assert not any(a < x1 and x0 < b and c < ty + 0.9 * LABEL_LINE and ty < d for a, b, c, d in boxes), text
             for r in shown:  # no label covers a marker
                 lx, ly = math.log10(max(r["kv_fraction"], 1e-9)), r["x_full"]
