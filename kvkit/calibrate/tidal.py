@@ -72,7 +72,7 @@ def tidal_budget_for(layout, num_layers: int, held: int, read_fraction: float) -
 
 # ---- the layout sweep -----------------------------------------------------------------------------------------
 def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, budget_fraction: float | None = None,
-                    read_fraction: float | None = 0.5, selection: str = "kv_head", seed: int = 0,
+                    read_fraction: float | None = 0.5, selection: str = "shared", seed: int = 0,
                     values: str = "mixed", log=print, layout=None, shares: bool = True) -> tuple[dict, dict]:
     """The selection layers that answer the most calibration needles, then (``shares``, with ``read_fraction``) the
     reuse layers' ``layer_shares`` for them (:func:`calibrate_tidal_shares`, on the same samples). ``layout``: skip
@@ -87,9 +87,13 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
     t0 = time.perf_counter()
     L = model.config.get_text_config(decoder=True).num_hidden_layers
     _check_fractions(L, budget_fraction, read_fraction)
+    if shares and read_fraction is not None and selection not in SHARE_SELECTIONS:
+        raise ValueError(f"tidal calibration: layer shares are measured for selection {' or '.join(SHARE_SELECTIONS)} "
+                         f"(one ranking per KV head); got selection={selection!r}: pass --no-shares, or another "
+                         "--selection")
     kw = dict(length=length, samples=samples, seed=seed, values=values, log=log)
     if layout is not None:
-        return _given_layout(model, tokenizer, tuple(layout), L, read_fraction, shares, **kw)
+        return _given_layout(model, tokenizer, tuple(layout), L, read_fraction, shares, selection=selection, **kw)
     data = needles.make_samples(tokenizer, samples, length, seed=seed, values=values)
     held = length  # the calibration prompts' length (within 3%)
     specs = _layout_specs(L, held, length, budget_fraction, read_fraction, selection)
@@ -113,7 +117,7 @@ def calibrate_tidal(model, tokenizer, length: int = 4096, samples: int = 12, bud
     opts = {"select_layers": list(chosen["select_layers"])}
     if shares and read_fraction is not None:
         opts, evidence["shares"] = calibrate_tidal_shares(model, tokenizer, chosen["select_layers"],
-                                                          read_fraction=read_fraction, **kw)
+                                                          read_fraction=read_fraction, selection=selection, **kw)
         evidence["seconds"] = round(time.perf_counter() - t0, 1)
     return opts, evidence
 
@@ -181,22 +185,28 @@ def _criterion(read_fraction, length: int, selection: str, specs: list) -> str:
 
 # ---- the reuse layers' shares ---------------------------------------------------------------------------------
 TIDAL_SHARE_GRID = 64  # budget fractions 1/64 .. 64/64 of the held tokens for the per-layer shares
+SHARE_SELECTIONS = ("shared", "kv_head")  # selections with one ranking per KV head, whose reads shares can size
 
 
 @torch.no_grad()
-def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE_GRID, kv_reduce: str = "max"):
+def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE_GRID, kv_reduce: str = "max",
+                         selection: str = "shared"):
     """Per layer, the attention mass a reuse layer's read would capture at each budget fraction ``j / grid``.
 
     Each sample's context is prefilled exactly, then its question and answer are fed one token per forward (decode
-    steps); at each step a selection layer ranks the tokens before the current one as tidal's ``kv_head`` selection
-    does (softmax over its query group, reduced by ``kv_reduce``) and every reuse layer after it records how much of
+    steps); at each step a selection layer ranks the tokens before the current one as tidal's ``selection`` does
+    ("shared": the round-robin union of its query heads' rankings, one list for every head; "kv_head": softmax over
+    each query group, reduced by ``kv_reduce``) and every reuse layer after it records how much of
     its own exact attention probability falls on the top ``ceil(j / grid * (n - 1))`` of that ranking plus the
     current token (averaged over its query heads). The model runs exact attention throughout (the reads are only
     measured). Returns ``{layer: [captured mass at fraction 1/grid, ..., 1]}`` for the reuse layers."""
     import kvkit
     from kvkit.compat import cache_kw
     from kvkit.evals.generation import encode
-    from kvkit.policies.tidal import TidalStore, group_score
+    from kvkit.policies.tidal import TidalStore, group_score, union_ranks
+
+    if selection not in SHARE_SELECTIONS:
+        raise ValueError(f"tidal capture curves: selection must be one of {SHARE_SELECTIONS}, got {selection!r}")
     from kvkit.stores import attend_slots
 
     sums: dict[int, torch.Tensor] = {}
@@ -211,8 +221,12 @@ def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE
             s = torch.matmul(query.float().reshape(B, H, G, D), self.keys.float().transpose(-1, -2)) * scaling
             p = torch.softmax(s, dim=-1)  # [B, H, G, n]; the last slot is the current token
             if self.role == "select":
-                score = group_score(p[..., : n - 1], kv_reduce)
-                ranking["order"], ranking["seen"] = score.argsort(dim=-1, descending=True), self.seen
+                if selection == "shared":
+                    heads = s[..., : n - 1].reshape(B, Hq, 1, n - 1).argsort(dim=-1, descending=True)
+                    order = union_ranks(heads, None, n - 1, H)[0][:, :, 0]  # [B, H, n-1], the same for every head
+                else:
+                    order = group_score(p[..., : n - 1], kv_reduce).argsort(dim=-1, descending=True)
+                ranking["order"], ranking["seen"] = order, self.seen
             elif ranking.get("seen") == self.seen:
                 order = ranking["order"].unsqueeze(2).expand(B, H, G, n - 1)
                 cum = p[..., : n - 1].gather(-1, order).cumsum(dim=-1) + p[..., n - 1 :]
@@ -226,7 +240,7 @@ def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE
     orig = TidalStore.decode
     TidalStore.decode = measure
     try:
-        kvkit.patch(model, "tidal", budget=1, selection="kv_head", select_layers=list(layout), calibrated=False)
+        kvkit.patch(model, "tidal", budget=1, selection=selection, select_layers=list(layout), calibrated=False)
         try:
             for smp in data:
                 ctx = encode(tokenizer, smp.prompt[: smp.context_end])
@@ -272,8 +286,9 @@ def _shares_from_steps(at: dict, num_layers: int) -> list:
 
 
 def calibrate_tidal_shares(model, tokenizer, layout, length: int = 4096, samples: int = 6, read_fraction: float = 0.5,
-                           seed: int = 0, values: str = "number", log=print) -> tuple[dict, dict]:
-    """``layer_shares`` for selection layers ``layout``: the reuse layers' budgets that equalise the attention mass
+                           seed: int = 0, values: str = "number", log=print,
+                           selection: str = "shared") -> tuple[dict, dict]:
+    """``layer_shares`` for selection layers ``layout`` and tidal's ``selection`` ("shared" or "kv_head"): the reuse layers' budgets that equalise the attention mass
     their reads capture (:func:`tidal_capture_curves` on kvkit's needle samples) at the budget whose decode reads are
     ``read_fraction`` of full attention's; their mean budget is unchanged, so are the reads."""
     t0 = time.perf_counter()
@@ -284,7 +299,7 @@ def calibrate_tidal_shares(model, tokenizer, layout, length: int = 4096, samples
         raise ValueError(f"tidal calibration: layout {list(layout)} leaves no budget at read fraction {read_fraction}")
     frac = (b + 1) / length
     data = needles.make_samples(tokenizer, samples, length, seed=seed, values=values)
-    curves = tidal_capture_curves(model, tokenizer, layout, data)
+    curves = tidal_capture_curves(model, tokenizer, layout, data, selection=selection)
     at = tidal_share_steps(curves, frac)
     shares = _shares_from_steps(at, L)
     g = TIDAL_SHARE_GRID
@@ -296,7 +311,8 @@ def calibrate_tidal_shares(model, tokenizer, layout, length: int = 4096, samples
     evidence = {
         "criterion": (f"reuse-layer budgets that equalise the attention mass their reads capture (max-min water-filling "
                       f"in steps of 1/{g} of the held tokens) with their mean held at budget {b} of ~{length} tokens "
-                      f"(decode reads {read_fraction} of full attention's); the selection as tidal's kv_head max; "
+                      f"(decode reads {read_fraction} of full attention's); the selection as tidal's {selection}"
+                      f"{' max' if selection == 'kv_head' else ''}; "
                       "teacher-forced question and answer tokens as the decode queries"),
         "budget_at_read_fraction": b,
         "captured_uniform": {str(i): round(v, 4) for i, v in uni.items()},
@@ -333,7 +349,9 @@ def _command(sub):
                         "(default 0.5)")
     t.add_argument("--budget-fraction", type=float, default=None,
                    help="instead: one tidal budget for every layout, as a fraction of --length")
-    t.add_argument("--selection", default="kv_head", choices=["kv_head", "q_head"])
+    t.add_argument("--selection", default="shared", choices=["shared", "kv_head", "q_head"],
+                   help="tidal's selection while calibrating (default shared, tidal's default; q_head needs "
+                        "--no-shares)")
     t.add_argument("--select-layers", type=parse_layers, default=None,
                    help="skip the layout sweep: these selection layers (comma-separated, e.g. 2,6,10), only their "
                         "layer shares are calibrated (an earlier calibration's evidence for the same layers is kept)")

@@ -59,9 +59,11 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
         kept = sum(r["score"] for r in known) / len(known) if known else None
         per = {f: [r["score"] for r in shared if r.get("task") == f] for f in formats}
         kvb = sum(r["kv_bytes"] for r in shared) / max(1, sum(x["kv_bytes"] for x in b))
-        reads = None  # mean bytes read per step / full's (rows written before kvkit recorded kv_read have none)
-        if all("kv_read" in r for r in (*shared, *b)):
-            reads = sum(r["kv_read"] for r in shared) / max(1, sum(x["kv_read"] for x in b))
+        # mean bytes read per step / full's. Rows written before kvkit recorded kv_read have none; the full cache reads
+        # every byte it holds, so full's own rows stand in with their kv_bytes
+        reads = None
+        if all("kv_read" in r for r in shared):
+            reads = sum(r["kv_read"] for r in shared) / max(1, sum(x.get("kv_read", x["kv_bytes"]) for x in b))
         rec = dict(run=name, policy=cfg.get("policy"), options=cfg.get("options") or {}, accuracy=acc,
                    x_full=acc / bacc if bacc else None, kept=kept, kv_fraction=kvb, read_fraction=reads,
                    samples=len(shared),

@@ -30,7 +30,15 @@ stores hold every token in the same slot order, so a slot index means the same t
 Selection is redone at every step. Prefill is exact full attention.
 
 Selection modes
-    ``selection="q_head"`` (the paper): top-k per query head; with GQA a KV head then reads
+    ``selection="shared"`` (kvkit's default): one list per query token for every head, the union of the query
+    heads' rankings taken rank by rank (every head's first choice, then every head's second, ...; duplicates
+    dropped, the first ``budget``: :func:`union_ranks`); each KV head reads ``budget`` rows. Why not per head: a
+    head index names no particular head from one layer to the next, so a per-head list hands a reuse layer's
+    head the tokens an unrelated head of the selection layer wanted. On the default model at half the reads a
+    reuse layer's copy head put 0.9-1.0 of its attention on the needle token its namesake in the selection layer
+    had not selected (and previous-token heads their last tokens), and the per-head modes lost 5-6 of 7 held-out
+    needles the shared list keeps (results/needles/README.md, "Session 24").
+    ``selection="q_head"`` (the paper's code): top-k per query head; with GQA a KV head then reads
     ``group x budget`` rows (one list per query head). ``selection="kv_head"`` (the paper's future
     work): one top-k per KV head from the softmax probabilities of its query group, combined by
     ``kv_reduce`` ("max" or "sum"); each KV head reads ``budget`` rows. Within one head, ranking by
@@ -75,7 +83,7 @@ FULL_LAYERS = 2  # TidalDecode: layers 0 and 1 use full attention
 SELECT_LAYER = 2  # TidalDecode: the first token-selection layer
 RESELECT_FRACTION = 0.4  # TidalDecode: re-selection at layer 13 of 32 (Llama-3-8B), about 0.4 of depth
 MAX_SPARSE_CHUNK = 16  # longer multi-token forwards (chunked prefill) run exact full attention
-SELECTIONS = ("q_head", "kv_head")
+SELECTIONS = ("q_head", "kv_head", "shared")
 REDUCTIONS = ("max", "sum")
 
 
@@ -94,7 +102,8 @@ class Tidal(Policy):
         The re-selection layer r (3 <= r < num_layers); None: ``round(0.4 * num_layers)`` (paper: 13 of 32),
         and no re-selection for models with fewer than 5 layers.
     selection : str
-        "q_head" (top-k per query head, the paper) or "kv_head" (one top-k per KV head, GQA-friendly).
+        "shared" (default: one list for all heads, the round-robin union of the query heads' rankings), "q_head"
+        (top-k per query head, the paper) or "kv_head" (one top-k per KV head, GQA-friendly).
     kv_reduce : str
         How "kv_head" combines the softmax probabilities of a query group: "max" or "sum".
     select_layers : sequence of int or None
@@ -115,7 +124,7 @@ class Tidal(Policy):
 
     budget: int = 2048  # TidalDecode default token budget (128 for needle tests, 4096 for LongBench)
     reselect_layer: int | None = None  # TidalDecode: layer 13 of 32 for Llama-3-8B; None = round(0.4 * L)
-    selection: str = "q_head"  # TidalDecode selects per query head; "kv_head" is the GQA variant
+    selection: str = "shared"  # kvkit: one list for all heads; "q_head" is the paper's, "kv_head" its GQA variant
     kv_reduce: str = "max"  # kvkit: group reduction for selection="kv_head"
     select_layers: tuple | None = None  # kvkit: explicit selection layers (per-model tuning)
     layer_shares: tuple | None = None  # kvkit: per-layer budget weights of the reuse layers (None: uniform, the paper)
@@ -312,6 +321,7 @@ class TidalStore(SlotStore):
         L, i = info.num_layers, info.layer_idx
         self.budget = policy.layer_budgets(L)[i]  # tokens this layer reads from a selection (reuse layers)
         self.per_kv_head = policy.selection == "kv_head"
+        self.shared = policy.selection == "shared"
         self.kv_reduce = policy.kv_reduce
         layers = policy.selection_layers(L)
         self.role = "full" if i < layers[0] else "select" if i in layers else "reuse"
@@ -380,7 +390,9 @@ class TidalStore(SlotStore):
             else:
                 score = s5[..., : n - 1].reshape(B, Hq, T, n - 1)
             top = score.topk(min(k, n - 1), dim=-1)  # decreasing score
-            ranked_ok = None
+            ranked, ranked_ok = top.indices, None
+            if self.shared:  # every per-head list holds k real tokens: the union has at least k
+                ranked, _ = union_ranks(ranked, None, n - 1, H)
         else:  # candidates: real tokens before each query's own position
             cand = (pos < qpos.view(1, 1, 1, T, 1)) & (pos >= 0)  # [B, 1, 1, T, n]
             if self.per_kv_head:
@@ -389,8 +401,10 @@ class TidalStore(SlotStore):
             else:
                 score = s5.masked_fill(~cand, float("-inf")).view(B, Hq, T, n)
             top = score.topk(k, dim=-1)
-            ranked_ok = top.values > float("-inf")
-        Hs = top.indices.shape[1]
+            ranked, ranked_ok = top.indices, top.values > float("-inf")
+            if self.shared:
+                ranked, ranked_ok = union_ranks(ranked, ranked_ok, n, H)
+        Hs = ranked.shape[1]
         if torch.compiler.is_compiling():  # static buffers: the tokens sit at the device count, not at the end
             cur_slot = self.nslots - T + torch.arange(T, device=query.device)
         else:
@@ -398,7 +412,7 @@ class TidalStore(SlotStore):
         cur = cur_slot.view(1, 1, T, 1).expand(B, Hs, T, 1)
         cur_ok = None if plain else (self.pos[:, 0].index_select(-1, cur_slot) >= 0).view(B, 1, T, 1).expand(B, Hs, T, 1)
         sel = self.info.shared
-        sel.set(self.seen, T, top.indices, ranked_ok, n, cur, cur_ok, slot_order=not self.shared_budgets)
+        sel.set(self.seen, T, ranked, ranked_ok, n, cur, cur_ok, slot_order=not self.shared_budgets)
         self.last_read = self.last_full_read
         out = torch.matmul(p, self.values.float())  # [B, H, G*T, Dv]
         return out.view(B, H, G, T, -1).reshape(B, Hq, T, -1).transpose(1, 2).to(query.dtype)
@@ -409,6 +423,33 @@ class TidalStore(SlotStore):
         out = gather_attend(query, self.keys, self.values, idx, valid, scaling, bufs=sel.bufs)
         self.last_read = idx.numel() * self._row_bytes()
         return out
+
+
+def union_ranks(indices: torch.Tensor, ok: torch.Tensor | None, m: int, H: int) -> tuple:
+    """``selection="shared"``: one list per query token, the union of the query heads' rankings taken rank by rank.
+
+    ``indices [B, Hq, T, k]`` each query head's top-k candidates (decreasing score), ``ok`` their validity (None:
+    all real), ``m`` the candidates. A token's key is ``rank * Hq + head`` of its best place in any head's list; the
+    ``k`` smallest keys are every head's first choice, then every head's second, ... (the order a round-robin
+    merge of the lists with duplicates dropped gives). Returns ``(ranked, ranked_ok)``: ``ranked [B, H, T, k]``
+    the shared list repeated for the ``H`` KV heads (so the reuse layers read it as one list per KV
+    head), ``ranked_ok`` its validity or None when ``ok`` is None (the union of ``Hq`` lists of ``k`` real tokens
+    holds at least ``k``)."""
+    B, Hq, T, k = indices.shape
+    big = Hq * (k + 1)
+    key = (torch.arange(k, device=indices.device) * Hq).view(1, 1, 1, k) + torch.arange(
+        Hq, device=indices.device).view(1, Hq, 1, 1)
+    key = key.expand(B, Hq, T, k)
+    if ok is not None:
+        key = torch.where(ok, key, big)
+    best = torch.full((B, T, m), big, dtype=torch.long, device=indices.device)
+    best.scatter_reduce_(-1, indices.transpose(1, 2).reshape(B, T, Hq * k), key.transpose(1, 2).reshape(B, T, Hq * k),
+                         reduce="amin")
+    r = best.topk(k, dim=-1, largest=False)  # increasing key: round-robin order
+    ranked = r.indices.view(B, 1, T, k).expand(B, H, T, k).contiguous()
+    if ok is None:
+        return ranked, None
+    return ranked, (r.values < big).view(B, 1, T, k).expand(B, H, T, k).contiguous()
 
 
 def group_score(p: torch.Tensor, kv_reduce: str) -> torch.Tensor:

@@ -667,10 +667,14 @@ def test_calibrate_tidal_shares_on_a_tiny_model(caldir):
     ctx = "the code of the amber vault is 4711 . and then some words of filler text follow here . " * 5
     data = [NeedleSample(f"n/{i}", ctx + "\n\nwhat is the code? The code is", len(ctx), "4711", 0.5, 1)
             for i in range(2)]
-    curves = cal.tidal_capture_curves(model, tok, (2, 5), data, grid=16)
-    assert sorted(curves) == [3, 4, 6, 7]  # the reuse layers
-    for c in curves.values():
-        assert len(c) == 16 and all(b >= a - 1e-9 for a, b in zip(c, c[1:])) and c[-1] == pytest.approx(1.0, abs=1e-5)
+    for selection in ("shared", "kv_head"):  # tidal's two selections with one ranking per KV head
+        curves = cal.tidal_capture_curves(model, tok, (2, 5), data, grid=16, selection=selection)
+        assert sorted(curves) == [3, 4, 6, 7]  # the reuse layers
+        for c in curves.values():
+            assert len(c) == 16 and all(b >= a - 1e-9 for a, b in zip(c, c[1:]))
+            assert c[-1] == pytest.approx(1.0, abs=1e-5)
+    with pytest.raises(ValueError, match="--no-shares"):  # per-query-head lists: no per-layer read to size
+        cal.calibrate_tidal(model, tok, length=64, samples=1, read_fraction=0.7, layout=(2, 5), selection="q_head")
     orig = needles.make_samples
     needles.make_samples = lambda tok, n, length, seed=0, values="mixed": data
     try:

@@ -143,7 +143,8 @@ def test_compiled_step_on_cuda_with_cuda_graphs_equals_eager(policy):
         kvkit.unpatch(model)
 
 
-@pytest.mark.parametrize("opts", [dict(selection="kv_head"), dict(selection="q_head")], ids=["kv_head", "q_head"])
+@pytest.mark.parametrize("opts", [dict(selection="kv_head"), dict(selection="q_head"), dict(selection="shared")],
+                         ids=["kv_head", "q_head", "shared"])
 def test_tidal_reuse_layers_compile(opts):
     """Five layers: full, full, selection, then reuse layers reading the selection (three layers have none)."""
     model = tiny_model("llama", num_hidden_layers=5)

@@ -146,6 +146,10 @@ def test_needle_table_flags_a_run_that_did_not_compress(tmp_path):
     assert "reads x full" in header
     assert by["sk"]["read_fraction"] == 1.0 and by["td"]["read_fraction"] == 0.5 and by["old"]["read_fraction"] is None
     assert uncompressed(recs) == ["sk"]
+    # a full run written before kv_read was recorded: it read what it held (its kv_bytes)
+    old_full = ("full", dict(policy="full", options={}), _rows([1, 2], [1, 1], [100, 100]))
+    by = {r["run"]: r for r in table([old_full, tidal, old])[2]}
+    assert by["td"]["read_fraction"] == 0.5 and by["old"]["read_fraction"] is None
     for name, cfg, rows_ in (full, same, tidal):
         d = tmp_path / name
         d.mkdir()

@@ -33,7 +33,7 @@ def test_roles_and_default_reselect():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+@pytest.mark.parametrize("selection", ["q_head", "kv_head", "shared"])
 def test_budget_covering_context_equals_full(arch, selection):
     model = _model(arch)
     ids = _ids(40)
@@ -47,7 +47,7 @@ def test_budget_covering_context_equals_full(arch, selection):
     assert r["read"] == r["full"]  # a covering budget reads everything
 
 
-@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+@pytest.mark.parametrize("selection", ["q_head", "kv_head", "shared"])
 def test_sparse_path_with_covering_selection_equals_full(selection, monkeypatch):
     """The gather path itself (no dense shortcut) is exact when the selection covers every token."""
     monkeypatch.setattr(TidalStore, "decode", _decode_no_shortcut)
@@ -99,7 +99,7 @@ def test_gather_attend_matches_masked_dense(c_kernel, D, monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("selection,rows_per_layer", [("q_head", 4), ("kv_head", 2)])
+@pytest.mark.parametrize("selection,rows_per_layer", [("q_head", 4), ("kv_head", 2), ("shared", 2)])
 def test_read_counter_formula(selection, rows_per_layer):
     model = _model()
     ids = _ids(40)
@@ -131,7 +131,7 @@ def test_reads_at_8k_with_budget_2048_formula():
         assert round(L * H * n / read, 2) == expected
 
 
-@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+@pytest.mark.parametrize("selection", ["q_head", "kv_head", "shared"])
 def test_multi_token_forward_equals_single_steps_and_crop_is_exact(selection):
     model = _model()
     ids = _ids(40)
@@ -164,7 +164,7 @@ def test_multi_token_forward_equals_single_steps_and_crop_is_exact(selection):
 
 
 @pytest.mark.parametrize("shares", [None, [1, 1, 1, 0.5, 1, 1.5]])  # layer_shares: smaller cuts, masked padding
-@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+@pytest.mark.parametrize("selection", ["q_head", "kv_head", "shared"])
 def test_left_padded_batch_equals_single(selection, shares):
     model = _model()
     ids, mask, prompts = left_padded_batch([40, 27], seed=3)
@@ -319,7 +319,7 @@ def test_bad_layer_shares(opts, match):
         kvkit.patch(_model(), "tidal", **opts)
 
 
-@pytest.mark.parametrize("selection", ["q_head", "kv_head"])
+@pytest.mark.parametrize("selection", ["q_head", "kv_head", "shared"])
 def test_layer_shares_each_reuse_layer_reads_its_top_k_of_the_ranking(selection, monkeypatch):
     """Layer 2 selects for reuse layers 3, 4, 5 with budgets 4, 8, 12 (budget 8, shares 0.5 / 1 / 1.5): it ranks 12
     tokens once; each reuse layer reads exactly the highest-scored k of that ranking plus the current token (the
@@ -341,7 +341,7 @@ def test_layer_shares_each_reuse_layer_reads_its_top_k_of_the_ranking(selection,
     kvkit.patch(model, "tidal", budget=8, selection=selection, select_layers=[2], layer_shares=[1, 1, 1, 0.5, 1, 1.5])
     _run(model, _ids(40), steps=2)
     kvkit.unpatch(model)
-    rows = 2 if selection == "kv_head" else 4  # lists per layer (KV heads or query heads)
+    rows = 4 if selection == "q_head" else 2  # lists per layer (query heads, or KV heads)
     for layer, k in ((3, 4), (4, 8), (5, 12)):
         idx, ranked, read, valid, same_out = seen[layer]
         assert valid is None and idx.shape[-1] == k + 1 and ranked.shape[-1] == 12
@@ -361,3 +361,57 @@ def test_equal_layer_shares_equal_uniform():
     kvkit.unpatch(model)
     assert torch.equal(outs[0][0], outs[1][0])  # the same rows read (in score order with shares: sums reordered)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
+def _round_robin(lists, oks, k):
+    """Reference for ``union_ranks``: every head's first choice, then every head's second, ... duplicates and
+    invalid entries skipped, the first ``k``."""
+    out = []
+    for r in range(len(lists[0])):
+        for h in range(len(lists)):
+            x = lists[h][r]
+            if oks[h][r] and x not in out:
+                out.append(x)
+    return out[:k]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_union_ranks_is_the_round_robin_merge_of_the_heads_lists(masked):
+    """selection="shared": one list per query token made of the query heads' rankings taken rank by rank (a token
+    only one head ranks first is in it), the same list for every KV head; with masked candidates only real ones."""
+    from kvkit.policies.tidal import union_ranks
+
+    g = torch.Generator().manual_seed(5)
+    B, Hq, T, m, k, H = 2, 6, 3, 30, 9, 2
+    idx = torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(B * Hq * T)]).view(B, Hq, T, k)
+    ok = None
+    if masked:  # a head's invalid entries sit at the end of its list (-inf scores rank last)
+        n_ok = torch.randint(0, k + 1, (B, Hq, T, 1), generator=g)
+        ok = torch.arange(k).view(1, 1, 1, k) < n_ok
+    ranked, ranked_ok = union_ranks(idx, ok, m, H)
+    assert ranked.shape == (B, H, T, k) and torch.equal(ranked[:, 0], ranked[:, 1])
+    assert (ranked_ok is None) == (not masked)
+    for b in range(B):
+        for t in range(T):
+            oks = ok[b, :, t].tolist() if masked else [[True] * k] * Hq
+            want = _round_robin(idx[b, :, t].tolist(), oks, k)
+            got = ranked[b, 0, t].tolist()
+            if masked:
+                real = ranked_ok[b, 0, t]
+                assert int(real.sum()) == len(want)
+                got = [x for x, r in zip(got, real.tolist()) if r]
+            assert got == want
+            if not masked:  # each head's top k // Hq tokens are in the shared list
+                for h in range(Hq):
+                    assert set(idx[b, h, t, : k // Hq].tolist()) <= set(got)
+
+
+def test_shared_selection_reads_one_list_for_every_head():
+    """selection="shared": every KV head of a reuse layer reads the same budget + 1 slots."""
+    model = _model()
+    kvkit.patch(model, "tidal", budget=8, selection="shared")
+    _, _, cache = _run(model, _ids(40), steps=2)
+    kvkit.unpatch(model)
+    idx = cache.shared.idx
+    assert idx.shape[1] == 2 and torch.equal(idx[:, 0], idx[:, 1]) and idx.shape[-1] == 9
+    assert len(set(idx[0, 0, 0, :-1].tolist())) == 8  # 8 distinct tokens before the current one
