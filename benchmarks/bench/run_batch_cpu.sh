@@ -19,14 +19,15 @@ CACHE=()
 export KVKIT_NO_PROGRESS=1
 for w in $WHICH; do
   case $w in
-    8x4096)  # budgets: streaming/cake T/2, tidal T/4, shadowkv T/8 (min_prompt below the context)
+    8x4096)  # budgets: streaming/cake T/2, tidal T/4, shadowkv T/8 (min_prompt below the context); tidal q_head: the
+      # default when the committed tables ran (now selection=shared, which reads what kv_head reads)
       $KVKIT bench --model default --policy zipcache --lengths 4096 --batch 8 \
-        --add tidal:budget=1024 --add tidal:budget=1024,selection=kv_head --add shadowkv:budget=512,min_prompt=1024 \
+        --add tidal:budget=1024,selection=q_head --add tidal:budget=1024,selection=kv_head --add shadowkv:budget=512,min_prompt=1024 \
         --add chelsea:ratio=0.5,protect=0 --add cake:budget=2048 --add duo --add streaming:budget=2048 \
         --threads "$THREADS" --rounds "$ROUNDS" --steps "$STEPS" --profile "${CACHE[@]}" --out "$OUT/batch-8x4096-$TAG" ;;
     1x1024)
       $KVKIT bench --model default --policy zipcache --lengths 1024 --batch 1 \
-        --add tidal:budget=256 --add tidal:budget=256,selection=kv_head --add shadowkv:budget=128,min_prompt=512 \
+        --add tidal:budget=256,selection=q_head --add tidal:budget=256,selection=kv_head --add shadowkv:budget=128,min_prompt=512 \
         --add chelsea:ratio=0.5,protect=0 --add cake:budget=512 --add duo --add streaming:budget=512 \
         --threads "$THREADS" --rounds "$ROUNDS" --steps "$STEPS" --profile --out "$OUT/batch-1x1024-$TAG" ;;
     memory)  # memory-saving policies (tidal saves reads, not memory)
