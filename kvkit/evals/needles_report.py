@@ -96,15 +96,30 @@ def uncompressed(records: list[dict]) -> list[str]:
 #: one 8-pt text line in y units of the figure's axis (~290 pt tall, spanning ~1.05), and one 8-pt character as a
 #: fraction of the axis width (~470 pt; the estimate errs long): times the x span in decades
 LABEL_LINE, LABEL_CHAR = 0.036, 0.0115
+LABEL_WRAP = 30  # characters per line of a shared label ("a, b, c" wraps after a comma)
+
+
+def wrap_names(names: list[str], width: int = LABEL_WRAP) -> list[str]:
+    """The lines of a shared label: ``names`` joined by ", ", a new line before a name that would pass ``width``
+    (a single longer name keeps its own line)."""
+    lines, cur = [], ""
+    for n in names:
+        if cur and len(cur) + 2 + len(n) > width:
+            lines.append(cur + ",")
+            cur = n
+        else:
+            cur = f"{cur}, {n}" if cur else n
+    return lines + [cur]
 
 
 def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     """Where the figure's labels go, in data units (x in decades of the log axis), so that the overlap test and the
-    placement agree: runs at the same point share one label (``"a, b"``); a label goes right of its point, else
-    left of it, else a line lower (then with a leader line), never over another label or a marker. Returns one
-    ``(text, point, text_xy, left, moved, span)`` per label: ``text_xy`` is where the label starts (its end when
-    ``left``), ``moved`` when it sits below its point's line, ``span`` its ``(x0, x1)`` in decades. ``decades``: the x axis' span (a character is
-    ``LABEL_CHAR x decades`` wide, a marker ~0.75 of one)."""
+    placement agree: runs at the same point share one label (``"a, b"``, wrapped into lines of ``LABEL_WRAP``
+    characters by :func:`wrap_names`); a label goes right of its point, else left of it, else a line lower (then with
+    a leader line), never over another label or a marker. Returns one ``(text, point, text_xy, left, moved, box)`` per
+    label: ``text_xy`` is where the label's bottom line starts (its end when ``left``), ``moved`` when it sits below
+    its point's line, ``box`` its ``(x0, x1, y0, y1)`` (x in decades). ``decades``: the x axis' span (a character is
+    ``LABEL_CHAR x decades`` wide, a marker ~0.75 of one; :func:`label_axis` makes the axis that span)."""
     shown = [{**r, "kv_fraction": max(r["kv_fraction"], 1e-9)} for r in shown]  # log axis
     groups: list[list[dict]] = []
     for r in sorted(shown, key=lambda r: (-r["x_full"], r["kv_fraction"])):
@@ -117,20 +132,39 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     out = []
     for g in groups:
         x, y0 = math.log10(g[0]["kv_fraction"]), g[0]["x_full"]
-        text = ", ".join(r["run"] for r in g)
-        w = char * len(text)
+        lines = wrap_names([r["run"] for r in g])
+        w = char * max(len(line) for line in lines)
+        h = LABEL_LINE * (len(lines) - 1) + 0.9 * LABEL_LINE  # lines stack upwards from the bottom one
         for n in range(40):
             y = y0 + 0.005 - n * LABEL_LINE
             spots = [(x + char, x + char + w), (x - char - w, x - char)]
-            free = [sp for sp in spots if not any(a < sp[1] and sp[0] < b and c < y + 0.9 * LABEL_LINE and y < d
+            free = [sp for sp in spots if not any(a < sp[1] and sp[0] < b and c < y + h and y < d
                                                   for a, b, c, d in taken)]
             if free:
                 break
         spot = free[0] if free else spots[0]
         left = spot == spots[1]
-        taken.append((*spot, y, y + 0.9 * LABEL_LINE))
-        out.append((text, (10 ** x, y0), (10 ** (spot[1] if left else spot[0]), y), left, n > 0, spot))
+        taken.append((*spot, y, y + h))
+        out.append(("\n".join(lines), (10 ** x, y0), (10 ** (spot[1] if left else spot[0]), y), left, n > 0,
+                    (*spot, y, y + h)))
     return out
+
+
+def label_axis(shown: list[dict], lo: float, hi: float) -> tuple[list[tuple], float, float]:
+    """The labels (:func:`label_spots`) and the x axis ``(x0, x1)`` in decades that holds every point (``lo`` .. ``hi``)
+    and every label, sized for the span it gets: labels are measured in fractions of the axis width, and an axis
+    widened for them makes them wider in decades, so the span is grown until it holds what was measured for it (a
+    few passes; wrapped labels keep the growth small). The axis is exactly the span the labels were sized for."""
+    decades = max(hi - lo, 0.05) * 1.25  # the data plus the margins and the labels' reach
+    for _ in range(8):
+        spots = label_spots(shown, decades)
+        pad = 0.04 * decades
+        x0 = min([lo, *(b[0] for *_, b in spots)]) - pad
+        x1 = max([hi, *(b[1] for *_, b in spots)]) + pad
+        if x1 - x0 <= decades:
+            break
+        decades = (x1 - x0) * 1.001
+    return spots, x0, max(x1, x0 + decades)  # (x1 beyond it only if the passes ran out: then every label still fits)
 
 
 def figure_png(records: list[dict], title: str) -> bytes:
@@ -151,18 +185,15 @@ def figure_png(records: list[dict], title: str) -> bytes:
                    color="tab:gray" if peer else ("black" if r["policy"] == "full" else "tab:blue"))
     lo = math.log10(max(min(r["kv_fraction"] for r in records), 1e-9))
     hi = math.log10(max(max(r["kv_fraction"] for r in records), 1e-9))
-    decades = max(hi - lo, 0.05) * 1.25  # the data plus the margins and the labels' reach
-    spots = label_spots(shown, decades)
+    spots, x0, x1 = label_axis(shown, lo, hi)
     for text, (px, py), (tx, ty), left, moved, _ in spots:
         ax.annotate(text, (px, py), xytext=(tx, ty), textcoords="data", fontsize=8, va="bottom",
                     ha="right" if left else "left",
                     arrowprops=dict(arrowstyle="-", lw=0.5, color="0.45", shrinkA=0, shrinkB=4) if moved else None)
-    top = max(1.05, max((r["x_full"] for r in shown), default=1.0) + 0.05)
+    top = max(1.05, max((r["x_full"] for r in shown), default=1.0) + 0.05, *(b[3] + 0.01 for *_, b in spots))
     ax.set_xlabel("KV bytes held / full's (log scale)")
     ax.set_xscale("log")
-    pad = 0.04 * decades  # the axis holds every point and every label's span
-    left_end, right_end = min([lo, *(sp[0] for *_, sp in spots)]), max([hi, *(sp[1] for *_, sp in spots)])
-    ax.set_xlim(10 ** (left_end - pad), 10 ** (right_end + pad))
+    ax.set_xlim(10 ** x0, 10 ** x1)
     ticks = [t for t in (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0) if 10 ** lo / 1.2 <= t <= 1.2 * 10 ** hi]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())

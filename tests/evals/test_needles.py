@@ -3,13 +3,23 @@
 
 import importlib.util
 import json
+import math
 import re
 
 import pytest
 import torch
 
 from kvkit.evals import needles, peers
-from kvkit.evals.needles_report import LABEL_CHAR, LABEL_LINE, label_spots, table, uncompressed, write_report
+from kvkit.evals.needles_report import (
+    LABEL_CHAR,
+    LABEL_LINE,
+    LABEL_WRAP,
+    label_axis,
+    label_spots,
+    table,
+    uncompressed,
+    write_report,
+)
 from kvkit.models import load_tokenizer
 
 HAS_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
@@ -174,17 +184,20 @@ def test_figure_labels_share_a_point_and_never_overlap():
     def check(shown):
         spots = label_spots(shown)
         boxes = []
-        for text, (_px, py), (tx, ty), left, moved, span in spots:
+        for text, (_px, py), (tx, ty), left, moved, box in spots:
             end = math.log10(tx)
-            x0, x1 = (end - LABEL_CHAR * len(text), end) if left else (end, end + LABEL_CHAR * len(text))
-            assert span == pytest.approx((x0, x1))  # the span the figure's x limits hold
-            assert not any(a < x1 and x0 < b and c < ty + 0.9 * LABEL_LINE and ty < d for a, b, c, d in boxes), text
+            lines = text.split("\n")
+            w = LABEL_CHAR * max(map(len, lines))
+            x0, x1 = (end - w, end) if left else (end, end + w)
+            top = ty + LABEL_LINE * (len(lines) - 1) + 0.9 * LABEL_LINE  # lines stack upwards
+            assert box == pytest.approx((x0, x1, ty, top))  # the box the figure's limits hold
+            assert not any(a < x1 and x0 < b and c < top and ty < d for a, b, c, d in boxes), text
             for r in shown:  # no label covers a marker
                 lx, ly = math.log10(max(r["kv_fraction"], 1e-9)), r["x_full"]
                 assert not (x0 < lx + 0.75 * LABEL_CHAR and lx - 0.75 * LABEL_CHAR < x1 and ty < ly + 0.015
-                            and ly - 0.015 < ty + 0.9 * LABEL_LINE), (text, r["run"])
+                            and ly - 0.015 < top), (text, r["run"])
             assert moved == (ty < py)
-            boxes.append((x0, x1, ty, ty + 0.9 * LABEL_LINE))
+            boxes.append((x0, x1, ty, top))
         return spots
 
     texts = [t for t, *_ in check(shown)]
@@ -192,6 +205,30 @@ def test_figure_labels_share_a_point_and_never_overlap():
     # a crowd at one x, 0.01 apart: right, left, then a line lower with a leader line
     crowd = check([rec(f"run-{i}", 0.5, 0.8 + 0.01 * i) for i in range(4)])
     assert len(crowd) == 4 and [c[3] for c in crowd[:2]] == [False, True] and crowd[2][4] and crowd[3][4]
+    # many runs at one point (the Qwen figure: full and four tidal runs at 1.0): the label wraps after a comma,
+    # its lines stack, and the neighbours' labels still keep clear of it
+    many = [rec(n, 1.0, 1.0) for n in ("full", "tidal-qhead-115", "tidal-1024", "tidal-shared-509", "tidal-shared-811")]
+    spots = check(many + [rec("kvzip-768", 0.58, 1.0), rec("duo", 0.59, 1.0), rec("zipcache", 0.16, 1.0)])
+    text = next(t for t, *_ in spots if t.startswith("full"))
+    assert text.split("\n") == ["full, tidal-qhead-115,", "tidal-1024, tidal-shared-509,", "tidal-shared-811"]
+    assert max(map(len, text.split("\n"))) <= LABEL_WRAP
+
+
+def test_figure_axis_is_the_span_its_labels_were_sized_for():
+    """Labels are measured in fractions of the axis width; the x axis label_axis returns is exactly the span they
+    were measured for (so a label ends where it was placed) and holds every point and every label."""
+    def rec(run, kv, x):
+        return dict(run=run, kv_fraction=kv, x_full=x)
+
+    shown = [rec("zipcache", 0.16, 1.0), rec("a-long-run-name-at-the-right-edge", 1.0, 0.8), rec("full", 1.0, 1.0),
+             rec("kvzip-768", 0.58, 1.0), rec("snapkv", 0.55, 0.3)]
+    lo, hi = math.log10(0.16), 0.0
+    spots, x0, x1 = label_axis(shown, lo, hi)
+    again = label_spots(shown, x1 - x0)  # sized for the axis it gets
+    assert [s[0] for s in again] == [s[0] for s in spots]
+    assert [s[5] for s in again] == [pytest.approx(s[5], abs=1e-9) for s in spots]
+    assert x0 < lo and hi < x1 and all(x0 <= b[0] and b[1] <= x1 for *_, b in spots)
+    assert x1 - x0 > (hi - lo) * 1.25  # widened for the long label at the right edge
 
 
 @pytest.mark.skipif(not HAS_QUANTO, reason="needs optimum-quanto (the eval extra)")
