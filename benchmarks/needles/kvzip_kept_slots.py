@@ -9,16 +9,19 @@ from kvkit.models import load_default
 
 model, tok = load_default()
 s = needles.generate_sample(tok, 4096, 0, depths=niah.depth_grid(11))
-ce = s["context_end"]; ctx = encode(tok, s["prompt"][:ce])
+ce = s["context_end"]
+ctx = encode(tok, s["prompt"][:ce])
 val = s["outputs"][0]
 # token positions of the value inside the context
 ids = ctx[0].tolist()
 vt = encode(tok, " " + val)[0].tolist()
 starts = [i for i in range(len(ids) - len(vt) + 1) if ids[i:i + len(vt)] == vt]
 if not starts:
-    vt = encode(tok, val)[0].tolist(); starts = [i for i in range(len(ids) - len(vt) + 1) if ids[i:i + len(vt)] == vt]
+    vt = encode(tok, val)[0].tolist()
+    starts = [i for i in range(len(ids) - len(vt) + 1) if ids[i:i + len(vt)] == vt]
 print("value", val, "tokens", [tok.decode([t]) for t in vt], "at", starts)
-p0 = starts[0]; span = list(range(p0 - 3, p0 + len(vt) + 1))
+p0 = starts[0]
+span = list(range(p0 - 3, p0 + len(vt) + 1))
 for opts in (dict(budget=2048), dict(budget=2048, adaptive=False)):
     kvkit.patch(model, "kvzip", **opts)
     with torch.no_grad():

@@ -21,11 +21,13 @@ samples = {s["id"]: s for s in needles.generate_samples(tok, [4096], 33, seed=ne
 variants = [json.loads(a) for a in sys.argv[2:]] or [dict(budget=2048, adaptive=False), dict(budget=2048, instruct=True), dict(budget=2048, chunk=2048)]
 for opts in variants[: int(sys.argv[1]) if len(sys.argv) > 1 else 3]:
     kvkit.patch(model, "kvzip", **opts)
-    t = time.time(); got = 0
+    t = time.time()
+    got = 0
     for i in lost:
         s = samples[i]
         g = generate(model, tok, s["prompt"], s["tokens_to_generate"], s["context_end"])
-        sc = score(s["metric"], g.text, s["outputs"]); got += sc
+        sc = score(s["metric"], g.text, s["outputs"])
+        got += sc
         print(opts, i, s["task"], repr(g.text[:40]), sc, flush=True)
     kvkit.unpatch(model)
     print("==", opts, f"{got}/{len(lost)} of the lost needles back", round(time.time() - t), "s", flush=True)
