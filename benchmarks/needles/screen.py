@@ -1,4 +1,4 @@
-"""Screen policy settings on chosen fresh needles, without a run folder (issue 36 diagnosis).
+r"""Screen policy settings on chosen fresh needles, without a run folder (issue 36 diagnosis).
 
     python benchmarks/needles/screen.py heldout 1,2,3,7,9,13,15 'ship=tidal:budget=2048,selection=q_head' \
         'shared1169=tidal:budget=1169,selection=shared,select_layers=[2,6,10,14,18,22,26]'
