@@ -3,7 +3,7 @@
 Teacher-forced: the needle prompt is prefilled with exact attention, then the reference answer is fed one token per
 forward (``output_attentions``, eager attention, nothing sparse). At every answer step it builds the selection that
 tidal would make at each selection layer from that layer's exact attention (``--selection``: ``q_head`` the paper's
-per-query-head top-k, ``kv_head`` per KV head from its query group's max probability, ``shared`` the round-robin
+per-query-head top-k, ``kv_head`` per KV head from its query group's probabilities reduced as tidal does, ``shared`` the round-robin
 union of every query head's ranking, :func:`kvkit.policies.tidal.union_ranks`). It then prints, per reuse layer, the
 attention mass each head's read would capture: the least-served heads and where their attention went. Offsets are
 from the current token (``-1``: the token itself); the needle sits about ``-2950`` back on held-out sample 3.
@@ -26,7 +26,7 @@ from kvkit import models
 from kvkit.calibration import resolve
 from kvkit.evals import needles
 from kvkit.evals.generation import encode
-from kvkit.policies.tidal import Tidal, union_ranks
+from kvkit.policies.tidal import Tidal, group_score, union_ranks
 
 
 def selection_masks(att, layer, pol, L, H, mode):
@@ -35,7 +35,7 @@ def selection_masks(att, layer, pol, L, H, mode):
     G = Hq // H
     k = min(pol.select_budget(L, layer), n - 1)
     if mode == "kv_head":
-        top = att.view(H, G, n)[..., : n - 1].amax(1).topk(k, -1).indices  # [H, k]
+        top = group_score(att.view(1, H, G, n)[..., : n - 1], pol.kv_reduce)[0].topk(k, -1).indices  # [H, k]
         return top.repeat_interleave(G, 0)
     top = att[:, : n - 1].topk(k, -1).indices  # [Hq, k]
     if mode == "shared":

@@ -390,9 +390,7 @@ class TidalStore(SlotStore):
             else:
                 score = s5[..., : n - 1].reshape(B, Hq, T, n - 1)
             top = score.topk(min(k, n - 1), dim=-1)  # decreasing score
-            ranked, ranked_ok = top.indices, None
-            if self.shared:  # every per-head list holds k real tokens: the union has at least k
-                ranked, _ = union_ranks(ranked, None, n - 1, H)
+            ranked, ranked_ok, m = top.indices, None, n - 1  # every list holds real tokens only
         else:  # candidates: real tokens before each query's own position
             cand = (pos < qpos.view(1, 1, 1, T, 1)) & (pos >= 0)  # [B, 1, 1, T, n]
             if self.per_kv_head:
@@ -401,9 +399,9 @@ class TidalStore(SlotStore):
             else:
                 score = s5.masked_fill(~cand, float("-inf")).view(B, Hq, T, n)
             top = score.topk(k, dim=-1)
-            ranked, ranked_ok = top.indices, top.values > float("-inf")
-            if self.shared:
-                ranked, ranked_ok = union_ranks(ranked, ranked_ok, n, H)
+            ranked, ranked_ok, m = top.indices, top.values > float("-inf"), n
+        if self.shared:  # the query heads' lists merged into one, repeated for every KV head
+            ranked, ranked_ok = union_ranks(ranked, ranked_ok, m, H)
         Hs = ranked.shape[1]
         if torch.compiler.is_compiling():  # static buffers: the tokens sit at the device count, not at the end
             cur_slot = self.nslots - T + torch.arange(T, device=query.device)
