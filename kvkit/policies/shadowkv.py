@@ -6,7 +6,9 @@ exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size``
 * **keys** as a truncated SVD of the prompt's *pre-RoPE* keys, heads concatenated (``[S, Hkv*D]``,
   fp32 SVD per batch row): ``U[:, :r]`` ``[B, S, r]`` shared by the heads and ``S*V^T`` split per KV
   head ``[B, Hkv, r, D]``;
-* **landmarks**: the mean post-RoPE key of every chunk, per KV head ``[B, Hkv, C, D]``;
+* **landmarks**: the mean post-RoPE key of every chunk, per KV head ``[B, Hkv, C, D]`` (``landmark="mean"``, the
+  paper); or its channel-wise max and min ``[B, Hkv, C, 2D]`` (``landmark="minmax"``, kvkit's, as Quest bounds a
+  page), whose score is the largest ``q . k`` any key of the chunk can have;
 * **outliers**: per KV head the ``outliers`` chunks whose keys are least similar to their chunk mean
   (lowest min-cosine-similarity) stay exact on the device (keys and values) and leave the landmark set;
 * **local window**: the last ``local_chunks`` chunks plus ``S mod chunk_size`` tokens, exact; every
@@ -18,7 +20,8 @@ exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size``
   transfer per step, and what a CUDA graph needs.
 
 Decode (per layer): :func:`kvkit.kernels.chunk_scores` -- per KV head and query token,
-``softmax(q . landmark / sqrt(D))`` in fp32, max over the query heads of the group -- and
+``softmax(q . landmark / sqrt(D))`` in fp32 (min-max: the bound ``relu(q) . max + min(q, 0) . min`` in place of ``q .
+landmark``), max over the query heads of the group -- and
 :func:`kvkit.kernels.topk_indices` pick the top ``budget // chunk_size`` chunks; the selected chunks' keys are
 rebuilt (``U[rows] @ (S*V^T)[head]``, RoPE at the original positions) and attended with their values together
 with the exact outliers and the local + generated slots, one softmax over the union:
@@ -82,6 +85,7 @@ from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots, hf_sdpa
 from kvkit.stores import tensor_bytes as _tensor_bytes
 from kvkit.stores.lowrank import (
+    LANDMARKS,
     RopeTables,
     attend_parts,
     chunk_layout,
@@ -125,6 +129,11 @@ class ShadowKV(Policy):
     calibrated : bool
         True (default): ``rank=None`` takes the model's calibrated rank if one is found from its config
         (:mod:`kvkit.calibration`). False: the paper's rank ``round(160 / 1024 * Hkv*D)``.
+    landmark : str
+        How a chunk is ranked. ``"mean"`` (the paper): by its mean key, ``q . mean``. ``"minmax"`` (kvkit): by the
+        channel-wise max and min of its keys, ``relu(q) . max + min(q, 0) . min`` -- the largest ``q . k`` any of its
+        keys can have, so one key that a head attends to (a needle's token, a copy head's target) is not averaged
+        away by its chunk's other keys; twice the landmark bytes (``2D`` per chunk and KV head).
     offload : bool
         True (default, the paper): the chunks' values live in host memory (pinned, when the model is on CUDA) and
         each step fetches the selected ones. False: they stay on the device (more device memory, no transfer per
@@ -139,6 +148,7 @@ class ShadowKV(Policy):
     min_prompt: int = 4096  # ShadowKV applies to long contexts; shorter prompts behave as full
     calibrated: bool = True  # kvkit: rank=None uses the model's calibrated rank; False = paper's 160/1024 scaling
     offload: bool = True  # ShadowKV offloads the values to the CPU; False keeps them on the device (kvkit)
+    landmark: str = "mean"  # ShadowKV ranks chunks by their mean key; "minmax" by the bound of their keys (kvkit)
 
     description = "ShadowKV: low-rank pre-RoPE keys + landmarks on device, values offloaded, top-k chunks (2410.21465)"
     saves = "memory+reads"
@@ -158,6 +168,9 @@ class ShadowKV(Policy):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"shadowkv: {name} must be an integer >= 0, got {v!r}")
+        if self.landmark not in LANDMARKS:
+            raise ValueError(f"shadowkv: landmark must be one of {LANDMARKS} ('mean': the paper's mean key per chunk; "
+                             f"'minmax': the channel-wise max and min of its keys), got {self.landmark!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"shadowkv: offload must be True or False, got {self.offload!r}")
         if self.budget < self.chunk_size:
@@ -219,7 +232,7 @@ class ShadowKVStore(SlotStore):
         self.budget, self.chunk = policy.budget, policy.chunk_size
         self.rank, self.n_out = rank, policy.num_outliers()
         self.local_chunks, self.min_prompt = policy.local_chunks, policy.min_prompt
-        self.offload = policy.offload
+        self.offload, self.landmark = policy.offload, policy.landmark
         self._clear()
 
     def _clear(self) -> None:
@@ -356,7 +369,7 @@ class ShadowKVStore(SlotStore):
 
         # landmarks and outliers (post-RoPE keys, per KV head)
         self.landmarks, self.lm_ids, out_ids, chunk_valid = landmarks_and_outliers(kc, n_chunks, self.chunk,
-                                                                                   self.n_out)
+                                                                                   self.n_out, self.landmark)
         self.n_chunks = n_chunks.to(torch.int32)
         self._lm_all_valid = bool((self.lm_ids < self.n_chunks.view(B, 1, 1)).all())
         self.out_k, self.out_v, self.out_pos = outlier_slots(kc, vc, out_ids, chunk_valid, tok, self.chunk)

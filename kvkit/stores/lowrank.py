@@ -11,13 +11,16 @@ Compression of a held prompt (keys post-RoPE, as the cache receives them):
 * :func:`factorize_keys`: truncated SVD of the chunk tokens' pre-RoPE keys, heads concatenated (``[N, H x D]`` per
   row): ``U [B, N, r]`` shared by the heads and ``S V^T`` split per KV head ``[B, H, r, D]``;
 * :func:`rope_layout`: the chunk tokens' RoPE positions, one offset per row when they are contiguous;
-* :func:`landmarks_and_outliers` / :func:`outlier_slots`: the mean post-RoPE key of every chunk (landmark), and per
-  KV head the chunks least similar to their mean (lowest min-cosine-similarity), kept exact and out of the landmarks.
+* :func:`landmarks_and_outliers` / :func:`outlier_slots`: the landmark of every chunk -- the mean post-RoPE key (the
+  paper) or its channel-wise max and min side by side (``minmax``, ``[.., 2D]``) -- and per KV head the chunks least
+  similar to their mean (lowest min-cosine-similarity), kept exact and out of the landmarks.
 
 Decode:
 
 * :func:`select_chunks` (any number of query tokens) / :func:`top_chunks` (one token, landmarks in fp32 already):
-  ``softmax(q . landmark / sqrt(D))`` per query head, max over a KV head's query group, top chunks;
+  ``softmax(score / sqrt(D))`` per query head, max over a KV head's query group, top chunks; the score is ``q .
+  mean`` for mean landmarks, and for min-max landmarks the largest ``q . k`` any key of the chunk can have,
+  ``relu(q) . max + min(q, 0) . min`` (:func:`bound_query`: one matmul over ``[relu(q), min(q, 0)]``);
 * :func:`gather_value_chunks`: the selected chunks' rows of an offloaded value store, on the query's device;
 * :func:`rebuild_keys`: ``U[rows] @ (S V^T)[head]`` with RoPE at the tokens' positions, in torch;
 * :func:`attend_parts`: one softmax over several slot sets (concatenated when small, else merged by log-sum-exp);
@@ -109,14 +112,21 @@ def rope_layout(rp, valid):
     return None, rp.contiguous(), int(rp.max()) + 1
 
 
-def landmarks_and_outliers(kc, n_chunks, chunk: int, n_out: int):
-    """Chunk landmarks and outlier chunks of the post-RoPE chunk keys ``kc [B, H, C x chunk, D]`` (row ``b`` has
-    ``n_chunks[b]`` real chunks). A chunk's landmark is the mean of its keys (fp32); per KV head the ``min(n_out,
-    C)`` real chunks with the lowest min-cosine-similarity of a key to that mean are outliers.
+LANDMARKS = ("mean", "minmax")
 
-    Returns ``landmarks [B, H, C - n_out, D]`` (``kc``'s dtype), ``lm_ids [B, H, C - n_out]`` int32 (the chunk of
-    each landmark: the non-outlier chunks in chunk order; a row's padding chunks last), ``out_ids [B, H, n_out]``
+
+def landmarks_and_outliers(kc, n_chunks, chunk: int, n_out: int, landmark: str = "mean"):
+    """Chunk landmarks and outlier chunks of the post-RoPE chunk keys ``kc [B, H, C x chunk, D]`` (row ``b`` has
+    ``n_chunks[b]`` real chunks). ``landmark="mean"`` (the paper): a chunk's landmark is the mean of its keys (fp32),
+    ``[.., D]``; ``"minmax"``: the channel-wise max and min of its keys side by side, ``[.., 2D]`` (what
+    :func:`bound_query` scores). Per KV head the ``min(n_out, C)`` real chunks with the lowest min-cosine-similarity
+    of a key to the chunk's mean are outliers (both kinds).
+
+    Returns ``landmarks [B, H, C - n_out, D or 2D]`` (``kc``'s dtype), ``lm_ids [B, H, C - n_out]`` int32 (the chunk
+    of each landmark: the non-outlier chunks in chunk order; a row's padding chunks last), ``out_ids [B, H, n_out]``
     (increasing) and ``chunk_valid [B, C]`` bool."""
+    if landmark not in LANDMARKS:
+        raise ValueError(f"landmark must be one of {LANDMARKS}, got {landmark!r}")
     B, H, N, D = kc.shape
     C = N // chunk
     k5 = kc.float().view(B, H, C, chunk, D)
@@ -130,8 +140,21 @@ def landmarks_and_outliers(kc, n_chunks, chunk: int, n_out: int):
     is_out.scatter_(-1, out_ids, True)
     # non-outlier chunks first, in chunk order (stable sort)
     lm_ids = torch.sort(is_out.to(torch.int8), dim=-1, stable=True).indices[..., : C - n_out].to(torch.int32)
-    landmarks = mean.gather(2, lm_ids.long()[..., None].expand(-1, -1, -1, D)).to(kc.dtype)
+    lm = mean if landmark == "mean" else torch.cat([k5.amax(dim=3), k5.amin(dim=3)], dim=-1)
+    landmarks = lm.gather(2, lm_ids.long()[..., None].expand(-1, -1, -1, lm.shape[-1])).to(kc.dtype)
     return landmarks, lm_ids, out_ids, chunk_valid
+
+
+def bound_query(query, width: int):
+    """The query that scores landmarks of ``width``: ``query [..., D]`` itself for mean landmarks (``width == D``);
+    ``[relu(q), min(q, 0)]`` ``[..., 2D]`` for min-max landmarks (``width == 2D``), whose product with ``[max,
+    min]`` is ``sum_d max(q_d max_d, q_d min_d)``: the largest ``q . k`` any key of the chunk can have."""
+    D = query.shape[-1]
+    if width == D:
+        return query
+    if width != 2 * D:
+        raise ValueError(f"landmarks of width {width} fit neither a query of head size {D} nor its bound ({2 * D})")
+    return torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1)
 
 
 def outlier_slots(kc, vc, out_ids, chunk_valid, tok, chunk: int):
@@ -152,12 +175,13 @@ def outlier_slots(kc, vc, out_ids, chunk_valid, tok, chunk: int):
 # ---- decode --------------------------------------------------------------------------------------------
 def select_chunks(query, landmarks, lm_ids, n_chunks, k: int, all_valid: bool):
     """Top ``k`` chunks per (row, KV head, query token) of ``query [B, Hq, T, D]`` by :func:`chunk_scores` over
-    ``landmarks [B, H, Cl, D]`` (chunk ids ``lm_ids [B, H, Cl]``; those ``>= n_chunks [B]`` are padding unless
-    ``all_valid``): chunk ids ``[B, H, T, k]``, -1 = none, increasing."""
-    B, _, T, _ = query.shape
+    ``landmarks [B, H, Cl, D or 2D]`` (mean or min-max; chunk ids ``lm_ids [B, H, Cl]``; those ``>= n_chunks [B]``
+    are padding unless ``all_valid``): chunk ids ``[B, H, T, k]``, -1 = none, increasing."""
+    B, _, T, D = query.shape
     H, Cl = lm_ids.shape[1], lm_ids.shape[-1]
     lm_valid = None if all_valid else lm_ids < n_chunks.view(B, 1, 1)  # [B, H, Cl]
-    s = chunk_scores(query, landmarks, softmax=True, chunk_mask=lm_valid, per_token=True)  # [B, H, T, Cl]
+    q = bound_query(query, landmarks.shape[-1])
+    s = chunk_scores(q, landmarks, softmax=True, scale=D ** -0.5, chunk_mask=lm_valid, per_token=True)  # [B,H,T,Cl]
     if lm_valid is not None:
         s = s.masked_fill(~lm_valid[:, :, None], float("-inf"))  # softmax gave them 0: never select them
     sel = topk_indices(s, k)  # landmark slots, -1 = none
@@ -166,13 +190,14 @@ def select_chunks(query, landmarks, lm_ids, n_chunks, k: int, all_valid: bool):
 
 
 def top_chunks(query, lm, lm_valid, k: int):
-    """One query token ``[B, Hq, 1, D]`` over the fp32 landmarks ``lm [B, H, Cl, D]`` (``lm_valid [B, H, Cl]`` or
-    None: all real): :func:`select_chunks`' scores (unsorted) as ``torch.topk`` of ``[B, H, Cl]``; a landmark not
+    """One query token ``[B, Hq, 1, D]`` over the fp32 landmarks ``lm [B, H, Cl, D or 2D]`` (``lm_valid [B, H, Cl]``
+    or None: all real): :func:`select_chunks`' scores (unsorted) as ``torch.topk`` of ``[B, H, Cl]``; a landmark not
     selectable scores -inf."""
     B, Hq, _, D = query.shape
-    H = lm.shape[1]
+    H, W = lm.shape[1], lm.shape[-1]
+    q = bound_query(query.float(), W)
     # landmarks as the left operand: contiguous, so the batched matmul copies nothing
-    s = torch.matmul(lm, query.float().view(B, H, Hq // H, D).transpose(-1, -2)).transpose(-1, -2)
+    s = torch.matmul(lm, q.view(B, H, Hq // H, W).transpose(-1, -2)).transpose(-1, -2)
     s = s * (D ** -0.5)  # [B, H, G, Cl]
     if lm_valid is not None:
         s = s.masked_fill(~lm_valid[:, :, None], float("-inf"))

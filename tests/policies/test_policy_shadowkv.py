@@ -57,17 +57,19 @@ def test_short_prompt_is_full(arch):
     kvkit.unpatch(model)
 
 
+@pytest.mark.parametrize("landmark", ["mean", "minmax"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])  # gemma3: RoPE per layer type
-def test_degenerate_equals_full(arch):
+def test_degenerate_equals_full(arch, landmark):
     """Full rank and a budget covering every chunk: exactly full attention (up to fp32 SVD error)."""
     model = tiny_model(arch)
     ids = _ids(83)  # 10 chunks + 3: 6 compressed chunks, local window 32 + 3
     ref_toks, ref_logits, _ = _run(model, ids, steps=16)
-    kvkit.patch(model, "shadowkv", rank=WIDTH, budget=256, outliers=2, **SMALL)
+    kvkit.patch(model, "shadowkv", rank=WIDTH, budget=256, outliers=2, landmark=landmark, **SMALL)
     toks, logits, cache = _run(model, ids, steps=16)
     stores = _stores(cache)  # gemma3: only its global layer is a ShadowKV layer
     assert stores and all(s.compressed for s in stores)
     assert stores[0].lm_ids.shape[-1] == 4 and stores[0].out_k.shape[-2] == 16
+    assert stores[0].landmarks.shape[-1] == (16 if landmark == "mean" else 32)  # head_dim 16; min-max: 2 x 16
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(toks, ref_toks)
     kvkit.unpatch(model)
@@ -83,10 +85,12 @@ def test_lossy_setting_differs_but_stays_close():
     assert torch.isfinite(logits).all()
 
 
-def test_nbytes_formula():
+@pytest.mark.parametrize("landmark", ["mean", "minmax"])
+def test_nbytes_formula(landmark):
     model = tiny_model("llama")
     B, S, H, D, r, c = 2, 83, 2, 16, 5, 8
-    kvkit.patch(model, "shadowkv", budget=16, outliers=1, **SMALL)  # rank None -> round(160/1024*32) = 5
+    W = D if landmark == "mean" else 2 * D  # a min-max landmark holds the max and the min of its chunk's keys
+    kvkit.patch(model, "shadowkv", budget=16, outliers=1, landmark=landmark, **SMALL)  # rank None -> 5
     cache = kvkit.KVCache(model)
     with torch.no_grad():
         model(_ids(S, batch=B), past_key_values=cache, use_cache=True)
@@ -96,7 +100,7 @@ def test_nbytes_formula():
     per_layer = (
         B * N * r * f  # U
         + B * H * r * D * f  # S*V^T
-        + B * H * Cl * D * f  # landmarks
+        + B * H * Cl * W * f  # landmarks
         + B * H * Cl * 4  # landmark chunk ids
         + B * 4  # chunks per row
         + 2 * B * H * n_out * c * D * f  # outlier K and V
@@ -118,12 +122,14 @@ def test_nbytes_formula():
     assert cache.nbytes() == layers * (per_layer + 4 * (2 * B * H * D * f + B * 4))
 
 
-def test_read_nbytes_formula():
+@pytest.mark.parametrize("landmark", ["mean", "minmax"])
+def test_read_nbytes_formula(landmark):
     # a decode step reads: landmarks, the selected chunks' U rows (per KV head) + their offloaded values,
     # S*V^T, outliers and the exact local/generated slots - not the whole low-rank store
     model = tiny_model("llama")
     B, S, H, D, r, c, budget = 2, 83, 2, 16, 5, 8, 16
-    kvkit.patch(model, "shadowkv", budget=budget, outliers=1, **SMALL)
+    W = D if landmark == "mean" else 2 * D
+    kvkit.patch(model, "shadowkv", budget=budget, outliers=1, landmark=landmark, **SMALL)
     cache = kvkit.KVCache(model)
     with torch.no_grad():
         model(_ids(S, batch=B), past_key_values=cache, use_cache=True)
@@ -135,7 +141,7 @@ def test_read_nbytes_formula():
     per_layer = (
         B * H * budget * (r * f + D * f)  # gathered U rows and offloaded values of budget // c chunks
         + B * H * r * D * f  # S*V^T
-        + B * H * Cl * D * f + B * H * Cl * 4  # landmarks and their chunk ids
+        + B * H * Cl * W * f + B * H * Cl * 4  # landmarks and their chunk ids
         + 2 * B * H * n_out * c * D * f + B * H * n_out * c * 4  # outliers
         + 2 * B * H * Tt * D * f + B * Tt * 4  # local + generated K, V, positions
     )
@@ -144,9 +150,10 @@ def test_read_nbytes_formula():
     assert cache.read_nbytes() < cache.nbytes() + cache.offloaded_nbytes()
 
 
-def test_crop_and_multitoken_exact():
+@pytest.mark.parametrize("landmark", ["mean", "minmax"])
+def test_crop_and_multitoken_exact(landmark):
     model = tiny_model("qwen2")
-    kvkit.patch(model, "shadowkv", budget=16, outliers=1, **SMALL)
+    kvkit.patch(model, "shadowkv", budget=16, outliers=1, landmark=landmark, **SMALL)
     ids = _ids(83, batch=2)
     toks, logits, cache = _run(model, ids, steps=6)
     seen = cache.get_seq_length()
@@ -165,9 +172,10 @@ def test_crop_and_multitoken_exact():
         cache.crop(50)  # below the compressed prompt
 
 
-def test_batch_left_padding_matches_single():
+@pytest.mark.parametrize("landmark", ["mean", "minmax"])
+def test_batch_left_padding_matches_single(landmark):
     model = tiny_model("llama")
-    kvkit.patch(model, "shadowkv", budget=16, outliers=1, **SMALL)
+    kvkit.patch(model, "shadowkv", budget=16, outliers=1, landmark=landmark, **SMALL)
     lengths = [83, 70, 61]  # 6, 4 and 3 chunks: rows with invalid chunks
     ids, mask, prompts = left_padded_batch(lengths)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
@@ -206,6 +214,7 @@ def test_bad_options():
         (dict(budget=4, chunk_size=8), "budget"),
         (dict(outliers=-1), "outliers"),
         (dict(min_prompt=1.5), "min_prompt"),
+        (dict(landmark="max"), "landmark must be one of"),
     ]:
         with pytest.raises(ValueError, match=msg):
             kvkit.patch(model, "shadowkv", **opts)
@@ -239,9 +248,10 @@ def test_default_model_full_rank_matches_full(default_model):
         kvkit.unpatch(model)
 
 
+@pytest.mark.parametrize("landmark", ["mean", "minmax"])
 @pytest.mark.parametrize("c_kernel", ["1", "0"])  # the selected chunks through kvkit/kernels/lowrank_cpu, or torch
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_cpu_step_matches_general_path(arch, c_kernel, monkeypatch):
+def test_fused_cpu_step_matches_general_path(arch, c_kernel, landmark, monkeypatch):
     """The single-token CPU step gives the general path's logits (lowrank_decode's reference + two exact
     attentions merged by LSE) at a lossy setting, on a left-padded batch whose rows have different numbers of
     chunks (selections padded with -1)."""
@@ -249,7 +259,7 @@ def test_fused_cpu_step_matches_general_path(arch, c_kernel, monkeypatch):
 
     monkeypatch.setenv("KVKIT_DECODE_CPU", c_kernel)
     model = tiny_model(arch)
-    kvkit.patch(model, "shadowkv", rank=6, budget=16, outliers=1, **SMALL)
+    kvkit.patch(model, "shadowkv", rank=6, budget=16, outliers=1, landmark=landmark, **SMALL)
     ids, mask, _ = left_padded_batch([83, 70, 61])
 
     def run():

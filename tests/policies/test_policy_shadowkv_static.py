@@ -58,13 +58,15 @@ def _stores(cache):
     return [layer for layer in cache.layers if isinstance(layer, ShadowKVStore)]
 
 
-@pytest.mark.parametrize("prompt,compressed", [(80, True), (12, False)], ids=["compressed", "short-prompt"])
-def test_compiled_step_reads_the_chunks_through_the_lowrank_operator(prompt, compressed):
+@pytest.mark.parametrize("prompt,compressed,landmark", [(80, True, "mean"), (80, True, "minmax"),
+                                                        (12, False, "mean")],
+                         ids=["compressed", "compressed-minmax", "short-prompt"])
+def test_compiled_step_reads_the_chunks_through_the_lowrank_operator(prompt, compressed, landmark):
     """One graph for 10 steps; each layer's chunk read is one ``kvkit.lowrank_decode`` (none before a compression:
     a prompt of at most ``min_prompt`` tokens is read exactly); the tokens and logits of the eager static steps."""
     model = tiny_model("llama")
     ids = random_ids(prompt, seed=3)
-    kvkit.patch(model, "shadowkv", static=True, **OPTS)
+    kvkit.patch(model, "shadowkv", static=True, landmark=landmark, **OPTS)
     try:
         with torch.no_grad():
             cache = kvkit.KVCache(model)
