@@ -33,6 +33,7 @@ from kvkit.evals import needles
 from kvkit.evals.generation import encode
 from kvkit.policies.shadowkv import ShadowKV
 from kvkit.policies.tidal import union_ranks
+from kvkit.stores.lowrank import bound_query, landmarks_and_outliers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from screen import SETS  # noqa: E402
@@ -55,34 +56,34 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, d
 
 def chunk_reads(q, keys, S, pol: ShadowKV, score: str, group: str):
     """``[Hq, n]`` 0/1: what ShadowKV reads for query ``q [Hq, D]`` over ``keys [H, n, D]`` whose first ``S``
-    are the compressed context; also ``rank [Hq, C]``: each chunk's rank under ``score`` (outliers: -1)."""
+    are the compressed context; also ``rank [Hq, C]``: each chunk's rank under ``score`` (outliers: -1). The chunks,
+    outliers and landmarks are the store's own (:func:`~kvkit.stores.lowrank.landmarks_and_outliers`), scored as
+    :func:`~kvkit.stores.lowrank.select_chunks` scores them (softmax over the landmarks, then ``group``)."""
     H, n, D = keys.shape
     Hq = q.shape[0]
     G = Hq // H
     c = pol.chunk_size
     C = S // c - pol.local_chunks
-    k5 = keys[:, : C * c].view(H, C, c, D)
-    mean = k5.mean(2)
-    cos = torch.nn.functional.cosine_similarity(k5, mean[:, :, None], dim=-1).amin(-1)  # [H, C]
-    n_out = min(pol.num_outliers(), C)
-    out = (-cos).topk(n_out, -1).indices  # [H, n_out]
+    lm, lm_ids, out, _ = landmarks_and_outliers(keys[None, :, : C * c], torch.tensor([C]), c, pol.num_outliers(),
+                                                "mean" if score == "landmark" else "minmax")
+    lm, lm_ids, out = lm[0], lm_ids[0].long(), out[0]  # [H, Cl, D or 2D], [H, Cl], [H, n_out]
     qg = q.view(H, G, D)
-    if score == "landmark":
-        b = qg @ mean.transpose(-1, -2)  # [H, G, C]
-    elif score == "minmax":
-        lo, hi = k5.amin(2), k5.amax(2)  # [H, C, D]
-        b = qg.clamp(min=0) @ hi.transpose(-1, -2) + qg.clamp(max=0) @ lo.transpose(-1, -2)  # [H, G, C]
+    if score == "bound":  # the oracle: the largest q . k of the chunk's exact keys
+        k5 = keys[:, : C * c].view(H, C, c, D).gather(1, lm_ids[..., None, None].expand(-1, -1, c, D))
+        b = torch.einsum("hgd,hctd->hgct", qg, k5).amax(-1)  # [H, G, Cl]
     else:
-        b = torch.einsum("hgd,hctd->hgct", qg, k5).amax(-1)  # [H, G, C]
-    p = torch.softmax(b * D ** -0.5, -1).scatter(-1, out[:, None].expand(H, G, n_out), float("-inf"))
-    kk = min(pol.budget // c, C - n_out)
+        b = bound_query(qg, lm.shape[-1]) @ lm.transpose(-1, -2)  # [H, G, Cl]
+    p = torch.softmax(b * D ** -0.5, -1)
+    kk = min(pol.budget // c, lm_ids.shape[-1])
+    s = torch.full((H, C), float("-inf"))  # per chunk, for its rank: outliers -inf
     if group == "max":
-        s = p.amax(1)  # [H, C]
-        sel = s.topk(kk, -1).indices
-    else:
-        sel = union_ranks(p.topk(kk, -1).indices[:, :, None], None, C, 1)[0].view(H, kk)
-        s = torch.full((H, C), float("-inf")).scatter(-1, sel, -torch.arange(kk, dtype=torch.float).expand(H, kk))
-        s = s.scatter(-1, out, float("-inf"))
+        g = p.amax(1)  # [H, Cl]
+        sel = lm_ids.gather(-1, g.topk(kk, -1).indices)  # chunk ids
+        s = s.scatter(-1, lm_ids, g)
+    else:  # unselected chunks: no rank order (-inf)
+        top = union_ranks(p.topk(kk, -1).indices[:, :, None], None, lm_ids.shape[-1], 1)[0].view(H, kk)
+        sel = lm_ids.gather(-1, top)
+        s = s.scatter(-1, sel, -torch.arange(kk, dtype=torch.float).expand(H, kk))
     read = torch.ones(H, n)
     chunk_read = torch.zeros(H, C)
     chunk_read.scatter_(-1, sel, 1.0)

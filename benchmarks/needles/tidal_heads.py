@@ -3,8 +3,8 @@
 Teacher-forced: the needle prompt is prefilled with exact attention, then the reference answer is fed one token per
 forward (``output_attentions``, eager attention, nothing sparse). At every answer step it builds the selection that
 tidal would make at each selection layer from that layer's exact attention (``--selection``: ``q_head`` the paper's
-per-query-head top-k, ``kv_head`` per KV head from its query group's probabilities reduced as tidal does, ``shared`` the round-robin
-union of every query head's ranking, :func:`kvkit.policies.tidal.union_ranks`). It then prints, per reuse layer, the
+per-query-head top-k, ``kv_head`` per KV head from its query group's probabilities reduced as tidal does,
+``shared`` the round-robin union of every query head's ranking, :func:`kvkit.policies.tidal.union_ranks`). It then prints, per reuse layer, the
 attention mass each head's read would capture: the least-served heads and where their attention went. Offsets are
 from the current token (``-1``: the token itself); the needle sits about ``-2950`` back on held-out sample 3.
 ``sel`` says whether the selection holds that token.
