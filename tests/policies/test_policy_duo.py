@@ -359,6 +359,7 @@ def test_calibration_gemma3_gates_only_global_layers(tmp_path):
     assert res["gated_layers"] == [1]
     meta = json.loads(out.read_text())["calibration"]
     assert meta["gated_layers"] == [1] and meta["sliding_layers"] == {"0": 8, "2": 8}
+    assert meta["haystack"].endswith("from 66% of its characters on")  # the text no evaluation reads
     kvkit.patch(model, "duo", pattern=str(out), sink=2, recent=8, tail=4)
     greedy(model, _ids(30), 3)
     kvkit.unpatch(model)
