@@ -23,6 +23,10 @@ NATO = (
 ORDINALS = "first second third fourth fifth sixth seventh eighth ninth tenth".split()
 NEEDLE = "Remember this sequence of words, it's the {ordinal} passkey to the vault: "
 QUESTION = "Based on the content of the book, what is the {ordinal} passkey to the vault?\nPasskey: "
+#: ``task="keyed"``: each passkey is named by a key word, and the questions come in another order than the needles
+KEYED_NEEDLE = "Remember this sequence of words, it's the passkey to the {key} vault: "
+KEYED_QUESTION = "Based on the content of the book, what is the passkey to the {key} vault?\nPasskey: "
+TASKS = ("passkey", "keyed")
 PROMPT_START = "This is a very long story book: <book> "
 PROMPT_END = " </book>.\n\n"
 SEPARATOR = "\n\n"
@@ -61,6 +65,11 @@ class PasskeyData:
         self.end = self._enc(PROMPT_END)
         self.needles = [self._enc(NEEDLE.format(ordinal=o)) for o in ORDINALS[: cfg.num_passkeys]]
         self.questions = [self._enc(QUESTION.format(ordinal=o)) for o in ORDINALS[: cfg.num_passkeys]]
+        if cfg.task == "keyed":
+            from kvkit.calibrate.needles import WORDS
+
+            # kvkit's key words (the fresh-needle evaluation never uses them); a key is never a passkey word
+            self.key_words = [w for w in WORDS if w not in NATO]
         lo = cfg.min_length if cfg.min_length is not None else 3 * cfg.length // 4
         self.lengths = [round(lo + (cfg.length - lo) * i / max(1, cfg.steps - 1)) for i in range(cfg.steps)]
         self.depths = torch.linspace(0.05, 0.95, 20)
@@ -76,10 +85,16 @@ class PasskeyData:
         for _ in range(cfg.num_passkeys):
             words = torch.randint(0, len(NATO), (cfg.passkey_words,), generator=g).tolist()
             keys.append(self._enc(" ".join(NATO[w] for w in words)))
+        needles, questions, order = self.needles, self.questions, range(cfg.num_passkeys)
+        if cfg.task == "keyed":  # named passkeys, asked for in a random order: retrieval by the key, not by position
+            names = [self.key_words[j] for j in torch.randperm(len(self.key_words), generator=g)[: cfg.num_passkeys]]
+            needles = [self._enc(KEYED_NEEDLE.format(key=w)) for w in names]
+            questions = [self._enc(KEYED_QUESTION.format(key=w)) for w in names]
+            order = torch.randperm(cfg.num_passkeys, generator=g).tolist()
         qa = []
-        for q, k in zip(self.questions, keys):
-            qa += q + k + self.sep
-        needle_len = sum(len(self.sep) * 2 + len(n) + len(k) for n, k in zip(self.needles, keys))
+        for j in order:
+            qa += questions[j] + keys[j] + self.sep
+        needle_len = sum(len(self.sep) * 2 + len(n) + len(k) for n, k in zip(needles, keys))
         fixed = len(self.start) + len(self.end) + needle_len + len(qa)
         n_hay = self.lengths[i % len(self.lengths)] - fixed
         if n_hay < 16:
@@ -92,7 +107,7 @@ class PasskeyData:
         hay = self.hay[off : off + n_hay]
         depths = self.depths[torch.randperm(len(self.depths), generator=g)[: cfg.num_passkeys]].sort().values
         ctx, last = [], 0
-        for d, n, k in zip(depths.tolist(), self.needles, keys):
+        for d, n, k in zip(depths.tolist(), needles, keys):
             cut = int(len(hay) * d)
             ctx += hay[last:cut] + self.sep + n + k + self.sep
             last = cut
@@ -126,6 +141,11 @@ class DuoCalibration:
         so the haystack is not crowded out at 1K tokens: 10 x 32-word passkeys alone take ~1.7K tokens).
     lr, reg : float
         AdamW learning rate (paper 0.02) and weight of mean|alpha| (paper 0.05).
+    task : str
+        ``"passkey"`` (the reference's data: the k-th passkey, asked for in order) or ``"keyed"`` (each passkey named
+        by a key word of :data:`kvkit.calibrate.needles.WORDS`, "the passkey to the <key> vault", asked for in a
+        random order, so answering means matching the question's key to the context's: the retrieval a key-value
+        needle asks for, which the ordinal questions never exercise).
     """
 
     steps: int = 60  # paper: 2000
@@ -138,6 +158,7 @@ class DuoCalibration:
     lr: float = 0.02  # paper
     reg: float = 0.05  # paper
     seed: int = 0
+    task: str = "passkey"  # paper
 
     def check(self) -> None:
         for name in ("steps", "length", "recent", "num_passkeys", "passkey_words"):
@@ -146,6 +167,8 @@ class DuoCalibration:
                 raise ValueError(f"duo calibration: {name} must be a positive integer, got {v!r}")
         if not 0 <= self.sink or not isinstance(self.sink, int):
             raise ValueError(f"duo calibration: sink must be an integer >= 0, got {self.sink!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"duo calibration: task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.num_passkeys > len(ORDINALS):
             raise ValueError(f"duo calibration: at most {len(ORDINALS)} passkeys, got {self.num_passkeys}")
         lo = self.min_length if self.min_length is not None else 3 * self.length // 4

@@ -244,6 +244,62 @@ def test_calibration_smoke(tmp_path):
     kvkit.unpatch(model)
 
 
+class VocabTokenizer:
+    """A word-level toy tokenizer that decodes (ids assigned in order of first sight)."""
+
+    bos_token_id = None
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.ids.setdefault(w, len(self.ids)) for w in text.split()]
+
+    def decode(self, ids):
+        words = {i: w for w, i in self.ids.items()}
+        return " ".join(words[int(i)] for i in ids)
+
+
+def test_keyed_calibration_data_asks_for_passkeys_by_key():
+    """task="keyed": every passkey is named by a key word (kvkit's WORDS, never a NATO word); each question names one
+    key, its answer is the passkey that key names in the context, and the questions are not asked in the needles'
+    order (over a few samples); the default task is still the reference's ordinal questions, in order."""
+    import re
+
+    from kvkit.calibrate.duo_data import NATO, DuoCalibration, PasskeyData
+    from kvkit.calibrate.needles import WORDS
+
+    tok = VocabTokenizer()
+    data = PasskeyData(tok, DuoCalibration(steps=4, length=900, min_length=800, num_passkeys=4, passkey_words=3,
+                                           task="keyed"))
+    shuffled = 0
+    for i in range(4):
+        ids, labels = data.sample(i)
+        text = tok.decode(ids[0][~labels[0]].tolist())
+        asked = tok.decode(ids[0][labels[0]].tolist())
+        named = re.findall(r"passkey to the (\w+) vault: ((?:\w+ ){2}\w+)", text)
+        questions = re.findall(r"passkey to the (\w+) vault\? Passkey: ((?:\w+ ){2}\w+)", asked)
+        assert len(named) == 4 and sorted(named) == sorted(questions), (named, questions)
+        assert all(k in WORDS and k not in NATO for k, _ in named) and len({k for k, _ in named}) == 4
+        shuffled += [k for k, _ in named] != [k for k, _ in questions]
+        assert "first passkey" not in text + asked
+    assert shuffled >= 2
+    plain = PasskeyData(tok, DuoCalibration(steps=4, length=900, min_length=800, num_passkeys=4, passkey_words=3))
+    ids, labels = plain.sample(0)
+    asked = tok.decode(ids[0][labels[0]].tolist())
+    assert re.findall(r"the (\w+) passkey to the vault\?", asked) == ["first", "second", "third", "fourth"]
+    with pytest.raises(ValueError, match="task must be one of passkey, keyed"):
+        DuoCalibration(task="named").check()
+
+
+def test_keyed_calibration_runs(tmp_path):
+    out = tmp_path / "keyed.json"
+    res = calibrate(tiny_model("llama"), WordTokenizer(), steps=2, out=out, progress=False, length=260,
+                    min_length=240, sink=4, recent=16, num_passkeys=3, passkey_words=3, task="keyed")
+    assert bool((res["alpha"] < 1).all())
+    assert json.loads(out.read_text())["calibration"]["settings"]["task"] == "keyed"
+
+
 def test_calibration_time_limit(tmp_path):
     model = tiny_model("llama")
     out = tmp_path / "pattern.json"
