@@ -30,9 +30,10 @@ def add_commands(subparsers) -> None:
     d.add_argument("--recent", type=int, default=256, help="training recent window (paper: 256)")
     d.add_argument("--passkeys", type=int, default=5, help="passkeys per sample (paper: 10)")
     d.add_argument("--passkey-words", type=int, default=8, help="NATO words per passkey (paper: 32)")
-    d.add_argument("--task", choices=["passkey", "keyed"], default="passkey",
+    d.add_argument("--task", choices=["passkey", "keyed", "needles"], default="passkey",
                    help="passkey: the paper's (the k-th passkey, asked in order); keyed: passkeys named by a key word, "
-                        "asked in a random order (retrieval by key, as key-value needles ask)")
+                        "asked in a random order (retrieval by key, as key-value needles ask); needles: the knob "
+                        "calibrations' vault needles in the chat template")
     d.add_argument("--lr", type=float, default=0.02)
     d.add_argument("--reg", type=float, default=0.05, help="weight of mean|alpha|")
     d.add_argument("--seed", type=int, default=0)

@@ -26,7 +26,7 @@ QUESTION = "Based on the content of the book, what is the {ordinal} passkey to t
 #: ``task="keyed"``: each passkey is named by a key word, and the questions come in another order than the needles
 KEYED_NEEDLE = "Remember this sequence of words, it's the passkey to the {key} vault: "
 KEYED_QUESTION = "Based on the content of the book, what is the passkey to the {key} vault?\nPasskey: "
-TASKS = ("passkey", "keyed")
+TASKS = ("passkey", "keyed", "needles")
 PROMPT_START = "This is a very long story book: <book> "
 PROMPT_END = " </book>.\n\n"
 SEPARATOR = "\n\n"
@@ -80,6 +80,8 @@ class PasskeyData:
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``i``: ``(input_ids [1, n], labels mask [1, n] bool)``, deterministic in (seed, i)."""
         cfg = self.cfg
+        if cfg.task == "needles":
+            return self._needle_sample(i)
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
         keys = []
         for _ in range(cfg.num_passkeys):
@@ -118,6 +120,21 @@ class PasskeyData:
         labels[0, len(prefix) :] = True
         return ids, labels
 
+    def _needle_sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``task="needles"``: sample ``i`` of :func:`kvkit.calibrate.needles.make_samples` (the knob calibrations'
+        needles, in the model's chat template; kinds cycle over 1 needle / 3 needles x number / code), followed by
+        its answer; labels: the question, the answer prefix and the answer."""
+        from kvkit.calibrate.needles import make_samples
+
+        n = self.lengths[i % len(self.lengths)]
+        s = make_samples(self.tok, i % 4 + 1, n, seed=self.cfg.seed * 1_000_003 + i)[-1]
+        ctx = self._enc(s.prompt[: s.context_end])
+        rest = self._enc(s.prompt[s.context_end:] + " " + s.answer)
+        ids = torch.tensor([ctx + rest])
+        labels = torch.zeros_like(ids, dtype=torch.bool)
+        labels[0, len(ctx):] = True
+        return ids, labels
+
 
 @dataclass
 class DuoCalibration:
@@ -145,7 +162,9 @@ class DuoCalibration:
         ``"passkey"`` (the reference's data: the k-th passkey, asked for in order) or ``"keyed"`` (each passkey named
         by a key word of :data:`kvkit.calibrate.needles.WORDS`, "the passkey to the <key> vault", asked for in a
         random order, so answering means matching the question's key to the context's: the retrieval a key-value
-        needle asks for, which the ordinal questions never exercise).
+        needle asks for, which the ordinal questions never exercise) or ``"needles"`` (the knob calibrations' needles
+        of :mod:`kvkit.calibrate.needles` in the model's chat template, one or three per sample, numbers or
+        UUID-shaped codes; ``num_passkeys`` and ``passkey_words`` unused).
     """
 
     steps: int = 60  # paper: 2000

@@ -300,6 +300,49 @@ def test_keyed_calibration_runs(tmp_path):
     assert json.loads(out.read_text())["calibration"]["settings"]["task"] == "keyed"
 
 
+class CharVocab:
+    """A character tokenizer with ``encode`` and ``__call__`` (ids ``3 + ord % 120``, one per character)."""
+
+    bos_token_id = None
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % 120 for c in text]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": self.encode(text)}
+
+
+def test_needle_calibration_data_labels_the_question_and_the_answer(tmp_path):
+    """task="needles": sample i is the last of kvkit.calibrate.needles.make_samples(i % 4 + 1, seed-derived), the
+    answer appended; the labels cover exactly the question, the answer prefix and the answer; the kinds cycle
+    (1 and 3 needles, numbers and codes); and a calibration runs on it."""
+    import re
+
+    from kvkit.calibrate import needles
+    from kvkit.calibrate.duo_data import DuoCalibration, PasskeyData
+
+    try:
+        needles.essay_text()
+    except Exception as e:
+        pytest.skip(f"calibration essays not installed: {e}")
+    tok = CharVocab()
+    cfg = DuoCalibration(steps=4, length=700, min_length=600, task="needles", seed=5)
+    data = PasskeyData(tok, cfg)
+    kinds = set()
+    for i in range(4):
+        ids, labels = data.sample(i)
+        s = needles.make_samples(tok, i % 4 + 1, data.lengths[i], seed=5 * 1_000_003 + i)[-1]
+        assert ids[0].tolist() == tok.encode(s.prompt + " " + s.answer)
+        assert ids[0][labels[0]].tolist() == tok.encode(s.prompt[s.context_end:] + " " + s.answer)
+        assert int(labels[0].sum()) < ids.shape[1] // 4 and bool(labels[0, -1])
+        kinds.add((s.needles, bool(re.fullmatch(r"\d{7}", s.answer))))
+    assert kinds == {(1, True), (3, True), (1, False), (3, False)}
+    res = calibrate(tiny_model("llama"), tok, steps=2, out=tmp_path / "n.json", progress=False, length=300,
+                    min_length=280, sink=4, recent=16, task="needles")
+    assert bool((res["alpha"] < 1).all())
+
+
 def test_calibration_time_limit(tmp_path):
     model = tiny_model("llama")
     out = tmp_path / "pattern.json"
