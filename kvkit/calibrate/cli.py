@@ -85,34 +85,22 @@ def cmd_calibrate_knob(args) -> int:
 
 
 def cmd_calibrate_duo(args) -> int:
+    from dataclasses import fields
+
     import torch
 
-    from kvkit.calibrate.duo import calibrate
+    from kvkit.calibrate.duo import DuoCalibration, calibrate
     from kvkit.models import load, resolve_name
 
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", flush=True)
     model, tok = load(args.model, device=args.device)
-    res = calibrate(
-        model,
-        tok,
-        steps=args.steps,
-        out=args.out,
-        model_name=resolve_name(args.model),
-        length=args.length,
-        min_length=args.min_length,
-        sink=args.sink,
-        recent=args.recent,
-        num_passkeys=args.passkeys,
-        passkey_words=args.passkey_words,
-        task=args.task,
-        lr=args.lr,
-        reg=args.reg,
-        seed=args.seed,
-        time_limit=args.time_limit,
-        resume=args.resume,
-    )
+    # every DuoCalibration field but steps comes from the option of its name (num_passkeys: --passkeys)
+    settings = {f.name: getattr(args, "passkeys" if f.name == "num_passkeys" else f.name)
+                for f in fields(DuoCalibration) if f.name != "steps"}
+    res = calibrate(model, tok, steps=args.steps, out=args.out, model_name=resolve_name(args.model),
+                    time_limit=args.time_limit, resume=args.resume, **settings)
     last = res["history"][-1]
     print(
         f"wrote {res['path']} ({res['model']['num_layers']} layers x {res['model']['num_kv_heads']} KV heads) in "

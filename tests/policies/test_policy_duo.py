@@ -389,6 +389,13 @@ def test_calibration_cli(tmp_path, monkeypatch):
     assert main_calibrate(["duo", "--out", str(out), "--steps", "2", "--length", "150", "--sink", "4",
                            "--recent", "16", "--passkeys", "2", "--passkey-words", "4"]) == 0
     assert load_pattern(out)[0].shape == (3, 2)
+    out = tmp_path / "p.json"  # every option reaches the settings the pattern file records
+    assert main_calibrate(["duo", "--out", str(out), "--steps", "2", "--length", "160", "--min-length", "150",
+                           "--sink", "4", "--recent", "16", "--passkeys", "2", "--passkey-words", "4", "--task", "keyed",
+                           "--lr", "0.03", "--reg", "0.1", "--seed", "3"]) == 0
+    assert json.loads(out.read_text())["calibration"]["settings"] == dict(
+        steps=2, length=160, min_length=150, sink=4, recent=16, num_passkeys=2, passkey_words=4, lr=0.03, reg=0.1,
+        seed=3, task="keyed")
 
 
 # ---- the bundled model with its shipped pattern ---------------------------------------------------------
