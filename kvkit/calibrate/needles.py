@@ -19,6 +19,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from kvkit.calibrate.haystack import calibration_text
 from kvkit.compat import cache_kw
 
 WORDS = (
@@ -80,9 +81,7 @@ def describe_data(values: str = "mixed", far: bool = False, question_aware: bool
 
 
 def essay_text() -> str:
-    """The calibration haystack text (:func:`kvkit.calibrate.duo_data.calibration_text`)."""
-    from kvkit.calibrate.duo_data import calibration_text
-
+    """The calibration haystack text (:func:`kvkit.calibrate.haystack.calibration_text`)."""
     return calibration_text()
 
 

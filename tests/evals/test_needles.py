@@ -53,13 +53,8 @@ def test_needles_are_disjoint_from_calibration_data(tok):
     the calibration haystacks' first word (the last third of the same essays): the knob calibrations' needles and
     DuoAttention's passkey samples both read only from there."""
     from kvkit.calibrate import needles as calib
-    from kvkit.calibrate.duo_data import (
-        HAYSTACK_START,
-        DuoCalibration,
-        PasskeyData,
-        calibration_text,
-        essay_path,
-    )
+    from kvkit.calibrate.duo_data import DuoCalibration, PasskeyData
+    from kvkit.calibrate.haystack import HAYSTACK_START, calibration_text, essay_path
 
     ss = needles.generate_samples(tok, [2048], 9, depths=3)
     for s in ss:
