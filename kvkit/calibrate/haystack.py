@@ -4,7 +4,7 @@ PaulGrahamEssays.json) that calibrations read and evaluations do not.
 Every calibration (DuoAttention's passkeys, :mod:`kvkit.calibrate.duo_data`; the knob calibrations' needles,
 :mod:`kvkit.calibrate.needles`) reads its haystack from :func:`calibration_text`: the essays from
 :data:`HAYSTACK_START` (66% of their characters) on. Evaluations keep apart from it: RULER's essay haystacks start
-at the first word and stop long before, and ``kvkit eval needles`` draws its essay haystacks from the words before
+at the first word (at the lengths kvkit runs, up to 32K tokens, they end long before 66%), and ``kvkit eval needles`` draws its essay haystacks from the words before
 66% (:mod:`kvkit.evals.needles`), so no calibrated pattern or knob has seen the text it is scored on."""
 
 from __future__ import annotations
