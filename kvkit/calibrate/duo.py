@@ -57,13 +57,8 @@ from kvkit.calibrate.duo_checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
-from kvkit.calibrate.duo_data import (  # noqa: F401  (essay_path: kvkit.calibrate.duo.essay_path, as before)
-    HAYSTACK_START,
-    ORDINALS,
-    DuoCalibration,
-    PasskeyData,
-    essay_path,
-)
+from kvkit.calibrate.duo_data import DuoCalibration, PasskeyData
+from kvkit.calibrate.haystack import HAYSTACK_START
 from kvkit.policies.duo import binarize
 from kvkit.policies.duo_patterns import model_identity, save_pattern
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvkit.calibrate.haystack import HAYSTACK_START, calibration_text, essay_path  # noqa: F401  (re-exported)
+from kvkit.calibrate.haystack import calibration_text
 
 NATO = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
