@@ -28,12 +28,10 @@ import torch
 from transformers import AttentionInterface
 
 from kvkit import models
-from kvkit.evals import needles
-from kvkit.evals.generation import encode
 from kvkit.policies.duo import Duo
 
 sys.path.insert(0, str(Path(__file__).parent))
-from screen import SETS  # noqa: E402
+from screen import SETS, set_samples, split_sample  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 CAPTURE: dict = {}
@@ -89,12 +87,8 @@ def main(argv=None) -> None:
         rank[alpha.flatten().argsort(descending=True)] = torch.arange(alpha.numel(), dtype=torch.float)
         pats[spec] = (alpha, ret, rank.view_as(alpha))
     model.config._attn_implementation = "kvkit_capture"
-    st = SETS[args.set]
-    s = needles.generate_samples(tok, [4096], st["n"], seed=st["seed"], formats=st["formats"],
-                                 haystack=st["haystack"])[args.sample]
-    ctx = encode(tok, s["prompt"][: s["context_end"]])
-    rest = encode(tok, s["prompt"][s["context_end"]:])
-    answer = tok(" " + s["outputs"][0], add_special_tokens=False)["input_ids"]
+    s = set_samples(tok, args.set)[args.sample]
+    ctx, rest, answer = split_sample(tok, s)
     ids = ctx[0].tolist()
     at = [j for j in range(len(ids) - 2) if ids[j: j + 3] == answer[:3]]
     if len(at) != 1:

@@ -18,22 +18,35 @@ import torch
 import kvkit
 from kvkit import models
 from kvkit.evals import needles, ruler
-from kvkit.evals.generation import generate
+from kvkit.evals.generation import encode, generate
 from kvkit.options import parse_options
 
 SETS = {"heldout": dict(seed=7919, formats=["digits", "uuid"], haystack="squad", n=16),
         "essay": dict(seed=needles.DEFAULT_SEED, formats=list(needles.FORMATS), haystack="essay", n=33)}
 
 
+def set_samples(tok, name: str) -> list[dict]:
+    """The 4,096-token samples of set ``name`` (:data:`SETS`), as ``kvkit eval needles`` made them."""
+    st = SETS[name]
+    return needles.generate_samples(tok, [4096], st["n"], seed=st["seed"], formats=st["formats"],
+                                    haystack=st["haystack"])
+
+
+def split_sample(tok, s: dict) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Sample ``s`` for teacher forcing: ``(context ids [1, S], question + answer prefix ids [1, R], the reference
+    answer's ids)``, the context and the rest encoded apart as the question-agnostic protocol feeds them."""
+    ctx = encode(tok, s["prompt"][: s["context_end"]])
+    rest = encode(tok, s["prompt"][s["context_end"]:])
+    return ctx, rest, tok(" " + s["outputs"][0], add_special_tokens=False)["input_ids"]
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[0] not in SETS:
         raise SystemExit(__doc__)
-    st = SETS[argv[0]]
     idx = [int(x) for x in argv[1].split(",")]
     torch.set_num_threads(1)
     model, tok = models.load("default")
-    samples = needles.generate_samples(tok, [4096], st["n"], seed=st["seed"], formats=st["formats"],
-                                       haystack=st["haystack"])
+    samples = set_samples(tok, argv[0])
     for spec in argv[2:]:
         name, _, rest = spec.partition("=")
         policy, _, opts = rest.partition(":")

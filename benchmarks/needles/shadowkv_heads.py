@@ -29,14 +29,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvkit import models
-from kvkit.evals import needles
-from kvkit.evals.generation import encode
 from kvkit.policies.shadowkv import ShadowKV
 from kvkit.policies.tidal import union_ranks
 from kvkit.stores.lowrank import bound_query, landmarks_and_outliers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from screen import SETS  # noqa: E402
+from screen import SETS, set_samples, split_sample  # noqa: E402
 
 CAPTURE: dict = {}
 
@@ -111,14 +109,10 @@ def main(argv=None) -> None:
     AttentionInterface.register("kvkit_capture", capture_attention)
     model, tok = models.load("default")
     model.config._attn_implementation = "kvkit_capture"
-    st = SETS[args.set]
-    s = needles.generate_samples(tok, [4096], st["n"], seed=st["seed"], formats=st["formats"],
-                                 haystack=st["haystack"])[args.sample]
+    s = set_samples(tok, args.set)[args.sample]
     pol = ShadowKV(budget=args.budget, chunk_size=args.chunk, min_prompt=1024)
-    ctx = encode(tok, s["prompt"][: s["context_end"]])
-    rest = encode(tok, s["prompt"][s["context_end"]:])
+    ctx, rest, answer = split_sample(tok, s)
     S = ctx.shape[1]
-    answer = tok(" " + s["outputs"][0], add_special_tokens=False)["input_ids"]
     print(f"{args.set} {args.sample}: {s['outputs'][0]!r}, context {S} tokens, budget {args.budget}, "
           f"chunk {args.chunk}, score {args.score}, group {args.group}")
     with torch.no_grad():
