@@ -3,7 +3,8 @@ run's config records about them beyond their values, and the run's folder label.
 
 :func:`resolve_policy_options` merges ``--opt`` / ``--policy-options`` with ``--budget`` and refuses an option the
 policy does not have (listing the ones it has). A run's config records the content of file-valued options
-(:func:`option_files`: duo's ``pattern``, by sha256) and the values a per-model calibration sets
+(:func:`option_files`: duo's ``pattern``, by sha256; :func:`policy_files`: also a shipped pattern the policy picks
+for the model) and the values a per-model calibration sets
 (:func:`calibration_used`), so ``--resume`` refuses a folder made with another file or calibration.
 """
 
@@ -34,6 +35,13 @@ def option_files(options: dict) -> dict:
     file's content, not its name, so the content is what ``--resume`` checks."""
     return {k: file_sha256(v) for k, v in sorted(options.items())
             if isinstance(v, (str, os.PathLike)) and str(v) and os.path.isfile(v)}
+
+
+def policy_files(model, policy: str, options: dict) -> dict:
+    """``{option: sha256}`` of the files ``policy`` with ``options`` reads on ``model``, the ones it picks by itself
+    included (duo's shipped pattern for the model when no ``pattern`` is given): a run that used a shipped file is
+    recorded by that file's content, so replacing the file makes ``--resume`` refuse the old folder."""
+    return policy_class(policy)(**options).content_hashes_for(model.config)
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32"):

@@ -78,6 +78,12 @@ class Policy:
         than the path. Default: none."""
         return {}
 
+    def content_hashes_for(self, config) -> dict[str, str]:
+        """:meth:`content_hashes` on the model of ``config``, plus the files the policy would pick for that model
+        by itself (duo's shipped pattern when ``pattern`` is None), so a run's record changes when a shipped file
+        does. Default: :meth:`content_hashes`."""
+        return self.content_hashes()
+
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 

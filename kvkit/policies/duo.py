@@ -172,6 +172,14 @@ class Duo(Policy):
     def content_hashes(self) -> dict:
         return {"pattern": self.pattern.sha256} if isinstance(self.pattern, PatternFile) else {}
 
+    def content_hashes_for(self, config) -> dict:
+        """Also the shipped pattern's sha256 when ``pattern`` is None and one ships for this model: replacing the
+        shipped file changes a run's record, so ``--resume`` refuses to add rows of the new pattern to the old."""
+        if self.pattern is None:
+            sha = self.pattern_sha256_for(config)
+            return {"pattern": sha} if sha is not None else {}
+        return self.content_hashes()
+
     # ---- pattern -> per-layer retrieval heads ----
     def load_alpha(self, config) -> tuple[torch.Tensor, str]:
         """``(alpha [L, H], source description)`` for this model, with shape checks."""

@@ -194,6 +194,27 @@ def test_resume_checks_the_content_of_a_pattern_file(tiny_dir, tmp_path, capsys)
     assert "option_files: the folder has {'pattern': " in err and settings.file_sha256(pattern) in err
 
 
+def test_resume_checks_the_content_of_the_shipped_pattern(tiny_dir, tmp_path, capsys, monkeypatch):
+    import kvkit.policies.duo as duo_mod
+
+    shipped = tmp_path / "shipped.tsv"  # stands in for kvkit/data's pattern of the tiny model: 3 layers x 2 KV heads
+    shipped.write_text("0.9\t0.1\n0.8\t0.2\n0.7\t0.3\n")
+    monkeypatch.setattr(duo_mod, "shipped_pattern", lambda config: shipped)
+    out = tmp_path / "duo"
+    argv = ("--policy", "duo", "--opt", "sink=4,recent=32")  # no pattern: the policy picks the shipped one
+    assert _niah(tiny_dir, out, *argv) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["options"] == {"sink": 4, "recent": 32}
+    assert cfg["option_files"] == {"pattern": settings.file_sha256(shipped)}
+    assert _niah(tiny_dir, out, *argv, "--resume") == 0
+    shipped.write_text("0.1\t0.9\n0.2\t0.8\n0.3\t0.7\n")  # the shipped file recalibrated
+    assert _niah(tiny_dir, out, *argv, "--resume") == 2
+    err = capsys.readouterr().err
+    assert "option_files: the folder has {'pattern': " in err and settings.file_sha256(shipped) in err
+    # a policy without shipped files records none
+    assert settings.policy_files(Namespace(config=None), "streaming", {"budget": 8}) == {}
+
+
 def test_option_files_and_config_recorded_in_the_config(tmp_path):
     f = tmp_path / "p.tsv"
     f.write_text("1\t0\n")

@@ -19,7 +19,13 @@ from pathlib import Path
 import kvkit
 from kvkit.evals.files import atomic_write_jsonl
 from kvkit.evals.report import task_scores, write_summary
-from kvkit.evals.settings import calibration_used, load_model, option_files, resolve_policy_options
+from kvkit.evals.settings import (
+    calibration_used,
+    load_model,
+    option_files,
+    policy_files,
+    resolve_policy_options,
+)
 from kvkit.options import parse_options
 
 
@@ -95,12 +101,15 @@ def cap(args, samples: list[dict]) -> list[dict]:
 
 def run_config(args, bench: str, policy: str, options: dict, model=None, **extra) -> dict:
     """A run's config.json: every setting that changes its rows (checked on ``--resume``: RunDir) plus where and how
-    it ran. File-valued policy options (duo's ``pattern``) are recorded by content (``option_files``)."""
+    it ran. File-valued policy options (duo's ``pattern``) and, given the model, the files the policy
+    picks for it (duo's shipped pattern) are recorded by content (``option_files``)."""
     cfg = dict(benchmark=bench, model=args.model, policy=policy, options=options, option_files=option_files(options),
                seed=args.seed, device=args.device, dtype=args.dtype, kvkit_version=kvkit.__version__,
                command=command_line(), max_new_tokens=getattr(args, "max_new_tokens", None),
                full_prompt_prefill=getattr(args, "full_prompt_prefill", False), **extra)
     if model is not None:
+        # the files the policy picks for this model by itself (duo's shipped pattern), by content
+        cfg["option_files"] = {**cfg["option_files"], **policy_files(model, policy, options)}
         # the calibrated values themselves (what changes the rows; the file's other policies and notes do not)
         cfg["calibration"] = calibration_used(model, policy, options)
     return cfg
