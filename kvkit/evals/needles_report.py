@@ -71,7 +71,8 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
         records.append(rec)
         opts = rec["options"]
         label = (f"{opts.get('nbits')}-bit {opts.get('backend')}, groups {opts.get('q_group_size')}, "
-                 f"{opts.get('residual_length')} recent exact") if rec["policy"] == "quantized" else options_label(opts)
+                 f"{opts.get('residual_length')} recent exact") if rec["policy"] == "quantized" else \
+            options_label(opts, {k: v for k, v in (cfg.get("option_files") or {}).items() if k not in opts})
         out.append([name, rec["policy"], label or "-", round(acc, 3),
                     None if rec["x_full"] is None else round(rec["x_full"], 3), None if kept is None else round(kept, 3),
                     *[None if rec["per_format"][f] is None else round(rec["per_format"][f], 3) for f in formats],
@@ -79,10 +80,13 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
     return header, out, records
 
 
-def options_label(options: dict) -> str:
-    """Every option a run set, ``budget`` first (``budget=1526,protect_heads=0.2``): a row names its whole setting."""
+def options_label(options: dict, picked: dict | None = None) -> str:
+    """Every option a run set, ``budget`` first (``budget=1526,protect_heads=0.2``), then the files the policy picked
+    by itself, by the first 8 hex digits of their sha256 (``shipped pattern 738e2724``): a row names its whole
+    setting, and two runs of the shipped pattern before and after a recalibration read apart."""
     keys = sorted(options, key=lambda k: (k != "budget", k))
-    return ",".join(f"{k}={options[k]}" for k in keys) or "-"
+    parts = [f"{k}={options[k]}" for k in keys] + [f"shipped {k} {sha[:8]}" for k, sha in sorted((picked or {}).items())]
+    return ",".join(parts) or "-"
 
 
 def uncompressed(records: list[dict]) -> list[str]:

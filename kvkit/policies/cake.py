@@ -194,6 +194,9 @@ class Cake(Policy):
     def content_hashes(self) -> dict:
         return pattern_hashes(self)
 
+    def content_hashes_for(self, config) -> dict:
+        return pattern_hashes(self, config)
+
     def new_layer(self, info: LayerInfo):
         p = resolve(self, info.config)
         cls = static_store(CakeStore) if info.static else CakeStore

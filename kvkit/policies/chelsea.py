@@ -262,6 +262,9 @@ class Chelsea(Policy):
     def content_hashes(self) -> dict:
         return pattern_hashes(self)
 
+    def content_hashes_for(self, config) -> dict:
+        return pattern_hashes(self, config)
+
     def new_shared(self, infos):
         return protected_heads("chelsea", infos[0].config, self.protect_heads, self.protect_pattern)
 

@@ -163,6 +163,9 @@ class KVzip(Policy):
     def content_hashes(self) -> dict:
         return pattern_hashes(self)
 
+    def content_hashes_for(self, config) -> dict:
+        return pattern_hashes(self, config)
+
     def new_layer(self, info: LayerInfo):
         cls = static_store(KVzipStore) if info.static else KVzipStore
         return split_or_plain(info, lambda n: cls(info, self, num_heads=n), info.shared.protected)

@@ -45,10 +45,17 @@ def check_protect(policy) -> None:
     object.__setattr__(policy, "protect_pattern", frozen)
 
 
-def pattern_hashes(policy) -> dict:
-    """``{"protect_pattern": sha256}`` when the policy read a pattern file (``Policy.content_hashes``), else {}."""
+def pattern_hashes(policy, config=None) -> dict:
+    """``{"protect_pattern": sha256}`` when the policy read a pattern file (``Policy.content_hashes``), else {}. With
+    the model's ``config`` (``Policy.content_hashes_for``) also the pattern shipped for the model, when
+    ``protect_heads`` > 0 ranks by it (no ``protect_pattern`` given): a run's record then changes with that file."""
     p = policy.protect_pattern
-    return {"protect_pattern": p.sha256} if isinstance(p, PatternFile) else {}
+    if isinstance(p, PatternFile):
+        return {"protect_pattern": p.sha256}
+    if p is None and policy.protect_heads and config is not None:
+        sha = Duo().pattern_sha256_for(config)
+        return {"protect_pattern": sha} if sha is not None else {}
+    return {}
 
 
 def protected_heads(who: str, config, fraction: float, pattern=None):

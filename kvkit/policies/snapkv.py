@@ -124,6 +124,9 @@ class SnapKV(Policy):
     def content_hashes(self) -> dict:
         return pattern_hashes(self)
 
+    def content_hashes_for(self, config) -> dict:
+        return pattern_hashes(self, config)
+
     def new_layer(self, info: LayerInfo):
         cls = static_store(SnapKVStore) if info.static else SnapKVStore
         settings = self.settings(info.config)

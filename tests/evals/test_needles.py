@@ -133,6 +133,12 @@ def test_needle_table_is_relative_to_full_on_the_same_samples():
     assert rows[1][2] == "budget=8"  # every option a run set is named
     prot = ("p", dict(policy="snapkv", options={"protect_heads": 0.2, "budget": 6}), half[2])
     assert table([full, prot])[1][1][2] == "budget=6,protect_heads=0.2"
+    # the shipped pattern a duo run picked by itself is named by its content: runs before and after a recalibration
+    # read apart; a pattern the run named is an option and named as such
+    shipped = ("duo", dict(policy="duo", options={}, option_files={"pattern": "738e2724" + "0" * 56}), half[2])
+    given = ("duo2", dict(policy="duo", options={"pattern": "p.json"}, option_files={"pattern": "ab" * 32}), half[2])
+    rows_ = table([full, shipped, given])[1]
+    assert rows_[1][2] == "shipped pattern 738e2724" and rows_[2][2] == "pattern=p.json"
     with pytest.raises(ValueError, match="exactly one run of policy 'full'"):
         table([half, q])
     other = ("x", dict(policy="streaming", options={}), _rows([9], [1], [1]))

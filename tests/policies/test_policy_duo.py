@@ -478,6 +478,29 @@ def test_calibration_refuses_all_sliding_model():
                   sink=4, recent=16, num_passkeys=2, passkey_words=4)
 
 
+_OVERLAP = pytest.mark.xfail(strict=True, reason=(
+    "known defect (issue 36): calibrated on the essays' first 400K characters, before the calibration haystack moved; "
+    "the recalibrations on the new text (results/duo/README.md, 'Session 27') are not shipped yet: duo's rows and "
+    "the protect_heads rows of snapkv, cake, kvzip and chelsea rank by this file and are re-run when it changes"))
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("duo_smollm2-135m-instruct.json", marks=_OVERLAP),
+    pytest.param("duo_qwen2.5-coder-0.5b-instruct.json", marks=_OVERLAP),
+    pytest.param("duo_gemma-3-270m.json", marks=_OVERLAP),
+])
+def test_shipped_patterns_are_calibrated_on_text_no_evaluation_reads(name):
+    """A shipped pattern is evaluated on RULER and fresh needles, whose essay haystacks lie before
+    :data:`HAYSTACK_START`: it must have been calibrated on the text from there on (disjoint by construction)."""
+    from importlib import resources
+
+    from kvkit.policies.duo_patterns import SHIPPED_PATTERNS
+
+    assert name in SHIPPED_PATTERNS
+    meta = json.loads((resources.files("kvkit") / "data" / name).read_text())["calibration"]
+    assert meta.get("haystack", "").endswith("from 66% of its characters on"), meta.get("haystack")
+
+
 def _gemma3_270m_config():
     """The text config of Gemma-3-270m (no weights needed to check the shipped pattern)."""
     from transformers import AutoConfig
