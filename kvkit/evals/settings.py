@@ -19,7 +19,7 @@ import torch
 
 from kvkit.calibration import CALIBRATED_OPTIONS, lookup, resolve
 from kvkit.models import load
-from kvkit.registry import policy_class, policy_options
+from kvkit.registry import available_policies, policy_class, policy_options
 
 
 def file_sha256(path) -> str:
@@ -40,7 +40,10 @@ def option_files(options: dict) -> dict:
 def policy_files(model, policy: str, options: dict) -> dict:
     """``{option: sha256}`` of the files ``policy`` with ``options`` reads on ``model``, the ones it picks by itself
     included (duo's shipped pattern for the model when no ``pattern`` is given): a run that used a shipped file is
-    recorded by that file's content, so replacing the file makes ``--resume`` refuse the old folder."""
+    recorded by that file's content, so replacing the file makes ``--resume`` refuse the old folder. A peer
+    (:mod:`kvkit.evals.peers`, e.g. ``quantized``: transformers' cache, no kvkit policy) reads none: {}."""
+    if policy not in available_policies():
+        return {}
     return policy_class(policy)(**options).content_hashes_for(model.config)
 
 

@@ -213,6 +213,7 @@ def test_resume_checks_the_content_of_the_shipped_pattern(tiny_dir, tmp_path, ca
     assert "option_files: the folder has {'pattern': " in err and settings.file_sha256(shipped) in err
     # a policy without shipped files records none
     assert settings.policy_files(Namespace(config=None), "streaming", {"budget": 8}) == {}
+    assert settings.policy_files(Namespace(config=None), "quantized", {"nbits": 4}) == {}  # a peer: no kvkit policy
 
 
 def test_option_files_and_config_recorded_in_the_config(tmp_path):
