@@ -44,7 +44,7 @@ def policy_files(model, policy: str, options: dict) -> dict:
     (:mod:`kvkit.evals.peers`, e.g. ``quantized``: transformers' cache, no kvkit policy) reads none: {}."""
     if policy not in available_policies():
         return {}
-    return policy_class(policy)(**options).content_hashes_for(model.config)
+    return policy_class(policy)(**options).content_hashes(model.config)
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32"):

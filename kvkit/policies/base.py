@@ -72,17 +72,12 @@ class Policy:
         (with ``calibrated`` True and none of them given); e.g. Chelsea's only with ``protect`` > 0."""
         return True
 
-    def content_hashes(self) -> dict[str, str]:
+    def content_hashes(self, config=None) -> dict[str, str]:
         """``{option: sha256}`` of the files this policy read, and froze, when it was built (duo's ``pattern``): the
         content its caches use, which a record of the run (``kvkit.evals``' ``option_files``) should name rather
-        than the path. Default: none."""
+        than the path. Given the model's ``config``, also the files the policy picks for that model by itself (duo's
+        shipped pattern when ``pattern`` is None), so a run's record changes when a shipped file does. Default: none."""
         return {}
-
-    def content_hashes_for(self, config) -> dict[str, str]:
-        """:meth:`content_hashes` on the model of ``config``, plus the files the policy would pick for that model
-        by itself (duo's shipped pattern when ``pattern`` is None), so a run's record changes when a shipped file
-        does. Default: :meth:`content_hashes`."""
-        return self.content_hashes()
 
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

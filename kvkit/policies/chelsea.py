@@ -259,10 +259,7 @@ class Chelsea(Policy):
         self.settings(config)  # a calibration that does not combine with the options fails at patch time
         protected_heads("chelsea", config, self.protect_heads, self.protect_pattern)
 
-    def content_hashes(self) -> dict:
-        return pattern_hashes(self)
-
-    def content_hashes_for(self, config) -> dict:
+    def content_hashes(self, config=None) -> dict:
         return pattern_hashes(self, config)
 
     def new_shared(self, infos):

@@ -169,16 +169,14 @@ class Duo(Policy):
         path = shipped_pattern(config)
         return self._shipped(path).sha256 if path is not None and path.is_file() else None
 
-    def content_hashes(self) -> dict:
-        return {"pattern": self.pattern.sha256} if isinstance(self.pattern, PatternFile) else {}
-
-    def content_hashes_for(self, config) -> dict:
-        """Also the shipped pattern's sha256 when ``pattern`` is None and one ships for this model: replacing the
-        shipped file changes a run's record, so ``--resume`` refuses to add rows of the new pattern to the old."""
-        if self.pattern is None:
+    def content_hashes(self, config=None) -> dict:
+        """The given pattern file's sha256; with ``config`` and no ``pattern``, the shipped pattern's for that model:
+        replacing the shipped file changes a run's record, so ``--resume`` refuses to add rows of the new pattern to
+        the old."""
+        if self.pattern is None and config is not None:
             sha = self.pattern_sha256_for(config)
             return {"pattern": sha} if sha is not None else {}
-        return self.content_hashes()
+        return {"pattern": self.pattern.sha256} if isinstance(self.pattern, PatternFile) else {}
 
     # ---- pattern -> per-layer retrieval heads ----
     def load_alpha(self, config) -> tuple[torch.Tensor, str]:

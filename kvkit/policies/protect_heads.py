@@ -47,7 +47,7 @@ def check_protect(policy) -> None:
 
 def pattern_hashes(policy, config=None) -> dict:
     """``{"protect_pattern": sha256}`` when the policy read a pattern file (``Policy.content_hashes``), else {}. With
-    the model's ``config`` (``Policy.content_hashes_for``) also the pattern shipped for the model, when
+    the model's ``config`` also the pattern shipped for the model, when
     ``protect_heads`` > 0 ranks by it (no ``protect_pattern`` given): a run's record then changes with that file."""
     p = policy.protect_pattern
     if isinstance(p, PatternFile):

@@ -121,10 +121,7 @@ class SnapKV(Policy):
     def validate(self, config) -> None:
         protected_heads("snapkv", config, self.protect_heads, self.protect_pattern)
 
-    def content_hashes(self) -> dict:
-        return pattern_hashes(self)
-
-    def content_hashes_for(self, config) -> dict:
+    def content_hashes(self, config=None) -> dict:
         return pattern_hashes(self, config)
 
     def new_layer(self, info: LayerInfo):

@@ -201,7 +201,7 @@ def test_protect_pattern_is_read_once_checked_and_named_by_its_content(tmp_path)
 @pytest.mark.parametrize("policy", ["snapkv", "cake", "kvzip", "chelsea"])
 def test_protect_heads_names_the_shipped_pattern_it_ranks_by(policy, tmp_path, monkeypatch):
     """With no ``protect_pattern`` the protected heads come from the pattern shipped for the model: a run's record
-    (``content_hashes_for``, what ``kvkit.evals`` keeps as ``option_files``) names that file's content, so a
+    (``content_hashes(config)``, what ``kvkit.evals`` keeps as ``option_files``) names that file's content, so a
     recalibrated shipped pattern makes ``--resume`` refuse rows ranked by the old one."""
     import kvkit.policies.duo as duo_mod
     from kvkit.evals.settings import file_sha256
@@ -214,10 +214,10 @@ def test_protect_heads_names_the_shipped_pattern_it_ranks_by(policy, tmp_path, m
     opts = {"protect_heads": 0.5} if policy != "snapkv" else dict(OPTS, protect_heads=0.5)
     pol = kvkit.get_policy(policy, **opts)
     assert pol.content_hashes() == {}  # nothing read when built
-    assert pol.content_hashes_for(model.config) == {"protect_pattern": file_sha256(shipped)}
-    assert kvkit.get_policy(policy, protect_heads=0).content_hashes_for(model.config) == {}  # ranks nothing
+    assert pol.content_hashes(model.config) == {"protect_pattern": file_sha256(shipped)}
+    assert kvkit.get_policy(policy, protect_heads=0).content_hashes(model.config) == {}  # ranks nothing
     monkeypatch.setattr(duo_mod, "shipped_pattern", lambda config: None)  # no pattern ships for the model
-    assert kvkit.get_policy(policy, **opts).content_hashes_for(model.config) == {}
+    assert kvkit.get_policy(policy, **opts).content_hashes(model.config) == {}
 
 
 @torch.no_grad()
