@@ -137,7 +137,10 @@ else:
     FULL = pol / "full"
     OUT, TITLE, README_TABLE = pol / "table", "Qwen2.5-Coder-0.5B-Instruct", False
     RUNS = [
-        ("duo054", "duo", "~54% of KV removed, pattern calibrated 200 steps (shipped)", "agnostic", "bytes", None),
+        ("duo054", "duo", "~54% of KV removed, shipped pattern (200 steps on the disjoint text, session 28)", "agnostic",
+         "bytes", "duo054-pattern004d"),
+        ("duo054-pattern004d", "duo", "~54% of KV removed, the pattern shipped before (200 steps on the essays' first "
+         "400K characters)", "agnostic", "bytes", None),
         ("streaming2048", "streaming", "budget 2048", "agnostic", "bytes", None),
         ("snapkv2048cal", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "agnostic", "bytes",
          "snapkv2048"),
@@ -176,7 +179,8 @@ else:
         ("snapkv2048cal-qaware", "snapkv", "budget 2048, calibrated pooling (kernel 61, avg)", "question in prefill",
          "bytes", "snapkv2048-qaware"),
         ("snapkv2048-qaware", "snapkv", "budget 2048, paper pooling", "question in prefill", "bytes", None),
-        ("duo081", "duo", "~81% of KV removed, pattern calibrated 200 steps", "agnostic", "bytes", None),
+        ("duo081", "duo", "~81% of KV removed, shipped pattern (session 28)", "agnostic", "bytes", "duo081-pattern004d"),
+        ("duo081-pattern004d", "duo", "~81% of KV removed, the pattern shipped before", "agnostic", "bytes", None),
         ("streaming1024", "streaming", "budget 1024", "agnostic", "bytes", None),
         ("snapkv1024", "snapkv", "budget 1024", "agnostic", "bytes", None),
         ("kvzip1024", "kvzip", "budget 1024, uniform per layer, no instruction", "agnostic", "bytes",
@@ -220,6 +224,7 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
          "tidalrf999kv": "uniform budgets (before the layer shares)", "zipcache-4k": "paper 4/2-bit 60/40",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
          "chelsea25-4k": "paper matching (protect 0)", "chelsea20-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
+         "duo054-pattern004d": "pattern shipped before", "duo081-pattern004d": "pattern shipped before",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",
          "cake2048-4k-qaware": "paper kernel 5", "cake2048-4k": "taus (1, 1), kernel 5",
          "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)", "zipcache": "paper 4/2-bit 60/40",
