@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from kvkit.calibration import CALIBRATED_OPTIONS, lookup, resolve
+from kvkit.evals.peers import is_peer
 from kvkit.models import load
-from kvkit.registry import available_policies, policy_class, policy_options
+from kvkit.registry import policy_class, policy_options
 
 
 def file_sha256(path) -> str:
@@ -42,7 +43,7 @@ def policy_files(model, policy: str, options: dict) -> dict:
     included (duo's shipped pattern for the model when no ``pattern`` is given): a run that used a shipped file is
     recorded by that file's content, so replacing the file makes ``--resume`` refuse the old folder. A peer
     (:mod:`kvkit.evals.peers`, e.g. ``quantized``: transformers' cache, no kvkit policy) reads none: {}."""
-    if policy not in available_policies():
+    if is_peer(policy):
         return {}
     return policy_class(policy)(**options).content_hashes(model.config)
 
