@@ -18,6 +18,9 @@ from kvkit.calibrate.duo_data import DuoCalibration
 CHECKPOINT_FORMAT = "kvkit-duo-calibration-checkpoint"
 CHECKPOINT_VERSION = 2  # 1: a torch pickle (no longer read: unpickling a planted file runs its code)
 _TAGS = ("__tensor__", "__tuple__", "__items__")
+#: settings :class:`DuoCalibration` gained after checkpoints of version 2 were first written, with the value that
+#: a run made before then used
+_ADDED_SETTINGS = {"task": "passkey"}
 
 
 def checkpoint_path(out) -> Path:
@@ -152,6 +155,9 @@ def load_checkpoint(path: Path, cfg: DuoCalibration, ident: dict) -> dict | None
                          f"{m.get('num_layers')} layers); delete it or choose another --out")
     want = asdict(cfg)
     settings = ck.get("settings") if isinstance(ck.get("settings"), dict) else {}
+    # a setting added after the checkpoint was written (``task``, session 26) reads as its default, which is
+    # what that run used; every other key must still match
+    settings = {**{k: v for k, v in _ADDED_SETTINGS.items() if k not in settings}, **settings}
     if settings != want:
         diff = sorted(k for k in want if settings.get(k) != want[k])
         raise ValueError(f"duo calibration: the checkpoint {path} was made with other settings ({', '.join(diff)} differ); "

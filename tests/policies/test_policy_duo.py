@@ -380,6 +380,30 @@ def test_calibration_resume_equals_one_run(tmp_path):
         calibrate(tiny_model("llama"), WordTokenizer(), steps=4, resume=True, **kw)
 
 
+def test_calibration_resumes_a_checkpoint_from_before_task_existed(tmp_path):
+    """A checkpoint written before ``DuoCalibration.task`` existed (no ``task`` in its settings) resumes as the
+    passkey task it ran, and is refused for another task."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    kw = dict(progress=False, length=200, min_length=180, sink=4, recent=16, num_passkeys=2, passkey_words=4)
+    one = calibrate(tiny_model("llama"), WordTokenizer(), steps=3, out=tmp_path / "one.json", **kw)
+    out = tmp_path / "old.json"
+    ck = tmp_path / "old.json.ckpt.pt"
+    calibrate(tiny_model("llama"), WordTokenizer(), steps=3, out=out, time_limit=1e-9, resume=True, **kw)
+    with safe_open(str(ck), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    head = json.loads(meta["kvkit"])
+    del head["settings"]["task"]
+    save_file(tensors, str(ck), metadata={**meta, "kvkit": json.dumps(head)})
+    with pytest.raises(ValueError, match="other settings.*task"):
+        calibrate(tiny_model("llama"), WordTokenizer(), steps=3, out=out, resume=True, task="keyed", **kw)
+    res = calibrate(tiny_model("llama"), WordTokenizer(), steps=3, out=out, resume=True, **kw)
+    assert res["history"] == one["history"]
+    torch.testing.assert_close(res["alpha"], one["alpha"], rtol=0, atol=0)
+
+
 def test_calibration_cli(tmp_path, monkeypatch):
     import kvkit.models
     from kvkit.calibrate.cli import main_calibrate
