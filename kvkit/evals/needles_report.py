@@ -133,25 +133,63 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     char = LABEL_CHAR * decades
     taken = [(math.log10(r["kv_fraction"]) - 0.75 * char, math.log10(r["kv_fraction"]) + 0.75 * char,
               r["x_full"] - 0.015, r["x_full"] + 0.015) for r in shown]  # the markers, then each placed label's box
-    out = []
-    for g in groups:
+    out: list = [None] * len(groups)
+
+    leaders: list[tuple] = []  # (x0, y0, x1, y1) of each moved label's leader line
+    # beside each group's point, where a label reads as that point's: no other group's moved label goes there
+    beside = [(math.log10(g[0]["kv_fraction"]) - 4 * char, math.log10(g[0]["kv_fraction"]) + 4 * char,
+               g[0]["x_full"] - 0.6 * LABEL_LINE, g[0]["x_full"] + 0.6 * LABEL_LINE) for g in groups]
+
+    def place(i: int, lines_down: range) -> bool:
+        """Put group ``i``'s label on the first free spot: lines in order, within a line right then left; a spot
+        is free when its box covers no marker and no label, and its leader line crosses no other. False when none
+        is; the last resort (``lines_down`` ending at line 39) is the right side of line 39. A moved label also
+        keeps clear of the places beside other groups' points (``beside``)."""
+        g = groups[i]
         x, y0 = math.log10(g[0]["kv_fraction"]), g[0]["x_full"]
         lines = wrap_names([r["run"] for r in g])
         w = char * max(len(line) for line in lines)
         h = LABEL_LINE * (len(lines) - 1) + 0.9 * LABEL_LINE  # lines stack upwards from the bottom one
-        for n in range(40):
+        for n in lines_down:
             y = y0 + 0.005 - n * LABEL_LINE
             spots = [(x + char, x + char + w), (x - char - w, x - char)]
             free = [sp for sp in spots if not any(a < sp[1] and sp[0] < b and c < y + h and y < d
-                                                  for a, b, c, d in taken)]
+                                                  for a, b, c, d in taken)
+                    and not (n and any(_crosses((x, y0, sp[1] if sp is spots[1] else sp[0], y), seg)
+                                       for seg in leaders))
+                    and not (n and any(a < sp[1] and sp[0] < b and c < y + h and y < d
+                                       for j, (a, b, c, d) in enumerate(beside) if j != i))]
             if free:
                 break
+        if not free and n < 39:
+            return False
         spot = free[0] if free else spots[0]
         left = spot == spots[1]
         taken.append((*spot, y, y + h))
-        out.append(("\n".join(lines), (10 ** x, y0), (10 ** (spot[1] if left else spot[0]), y), left, n > 0,
-                    (*spot, y, y + h)))
+        end = spot[1] if left else spot[0]
+        if n:
+            leaders.append((x, y0, end, y))
+        out[i] = ("\n".join(lines), (10 ** x, y0), (10 ** end, y), left, n > 0, (*spot, y, y + h))
+        return True
+
+    # First every label that fits on its own point's line (right, else left). A label moved down first would take
+    # the place beside a lower point that that point's label needs, and read as that point's (the session-28 Qwen
+    # figure had kvzip-p0.2's label beside chelsea-p0.2's point, and chelsea's pushed left). Then the rest, a line
+    # lower or more, with leader lines that cross no other.
+    later = [i for i in range(len(groups)) if not place(i, range(1))]
+    for i in later:
+        place(i, range(1, 40))
     return out
+
+
+def _crosses(p: tuple, q: tuple) -> bool:
+    """Whether the segments ``p`` and ``q`` (``(x0, y0, x1, y1)`` each) cross at a point inside both."""
+    def side(ax, ay, bx, by, cx, cy):
+        return (bx - ax) * (cy - ay) - (by - ay) * (cx - ax)
+
+    a, b = side(*p, q[0], q[1]), side(*p, q[2], q[3])
+    c, d = side(*q, p[0], p[1]), side(*q, p[2], p[3])
+    return a * b < 0 and c * d < 0
 
 
 def label_axis(shown: list[dict], lo: float, hi: float) -> tuple[list[tuple], float, float]:

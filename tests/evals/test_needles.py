@@ -14,6 +14,7 @@ from kvkit.evals.needles_report import (
     LABEL_CHAR,
     LABEL_LINE,
     LABEL_WRAP,
+    _crosses,
     label_axis,
     label_spots,
     table,
@@ -214,6 +215,18 @@ def test_figure_labels_share_a_point_and_never_overlap():
 
     texts = [t for t, *_ in check(shown)]
     assert "cake-p0.2, chelsea-p0.2" in texts and len(texts) == len(shown) - 1
+    # the session-28 Qwen figure: a crowd at 1.0 above chelsea-p0.2's point. chelsea's label stays beside its own
+    # point (it was pushed left, and kvzip-p0.2's moved label sat beside its point instead); the moved labels'
+    # leader lines cross no other
+    qwen = [rec("chelsea-p0.2", 0.575, 0.917), rec("duo", 0.585, 1.0), rec("kvzip-768", 0.584, 1.0),
+            rec("kvzip-p0.2", 0.571, 1.0), rec("shadowkv-1024", 0.447, 1.0), rec("shadowkv-minmax-1024", 0.501, 1.0),
+            rec("kvzip-256", 0.33, 0.917), rec("zipcache-k8", 0.23, 1.0), rec("full", 1.0, 1.0)]
+    spots = {t: (left, moved, (math.log10(px), py), (math.log10(tx), ty))
+             for t, (px, py), (tx, ty), left, moved, _ in check(qwen)}
+    assert spots["chelsea-p0.2"][:2] == (False, False)
+    seg = [(*p, *q) for _left, moved, p, q in spots.values() if moved]
+    assert len(seg) >= 2
+    assert not any(_crosses(a, b) for i, a in enumerate(seg) for b in seg[i + 1:])
     # a crowd at one x, 0.01 apart: right, left, then a line lower with a leader line
     crowd = check([rec(f"run-{i}", 0.5, 0.8 + 0.01 * i) for i in range(4)])
     assert len(crowd) == 4 and [c[3] for c in crowd[:2]] == [False, True] and crowd[2][4] and crowd[3][4]
