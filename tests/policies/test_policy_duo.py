@@ -504,9 +504,9 @@ def test_calibration_refuses_all_sliding_model():
 
 _OVERLAP = pytest.mark.xfail(strict=True, reason=(
     "known defect (issue 36): calibrated on the essays' first 400K characters, before the calibration haystack moved; "
-    "recalibrations on the new text are not shipped yet (default model: results/duo/README.md, 'Session 27'; "
-    "Gemma: not run): duo's rows and the protect_heads rows of snapkv, cake, kvzip and chelsea rank by this file and "
-    "are re-run when it changes (Qwen's was replaced in session 28)"))
+    "no recalibration on the new text has kept the needles yet (default model: results/duo/README.md, 'Session 27' "
+    "on; Gemma: results/gemma3/README.md, 'Session 29'): duo's rows and the protect_heads rows of snapkv, cake, kvzip "
+    "and chelsea rank by this file and are re-run when it changes (Qwen's was replaced in session 28)"))
 
 
 @pytest.mark.parametrize("name", [
