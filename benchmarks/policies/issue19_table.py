@@ -30,6 +30,8 @@ if args.model == "default":
         ("duo054-4k", "duo", "~54% of KV removed, 12-step pattern (shipped before)", "agnostic", "bytes", None),
         ("duo054d-4k", "duo", "~54% of KV removed, the shipped recipe recalibrated on the disjoint text (session 27 "
          "candidate, not shipped: results/duo/README.md)", "agnostic", "bytes", None),
+        ("duo054-4k120", "duo", "~54% of KV removed, recalibrated on 4K samples of the disjoint text, 120 steps (session "
+         "29 candidate, not shipped: results/duo/README.md)", "agnostic", "bytes", None),
         ("tidalcode1380kv-4k", "tidal", "budget 1380, kv_head, layers [2, 8, 14, 20, 26] (code-needle calibration, rejected: not shipped)",
          "agnostic", "reads", "tidal1732kv-4k"),
         ("tidalsel1537kv-4k", "tidal", "budget 1537, kv_head, layers [2, 6, ..., 26], select_attention=selected "
