@@ -120,7 +120,8 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     """Where the figure's labels go, in data units (x in decades of the log axis), so that the overlap test and the
     placement agree: runs at the same point share one label (``"a, b"``, wrapped into lines of ``LABEL_WRAP``
     characters by :func:`wrap_names`); a label goes right of its point, else left of it, else a line lower (then with
-    a leader line), never over another label or a marker. Returns one ``(text, point, text_xy, left, moved, box)`` per
+    a leader line), never over another label or a marker. Labels that fit on their point's line are placed before the
+    moved ones; a moved label keeps clear of the places beside other points, and its leader line crosses no other. Returns one ``(text, point, text_xy, left, moved, box)`` per
     label: ``text_xy`` is where the label's bottom line starts (its end when ``left``), ``moved`` when it sits below
     its point's line, ``box`` its ``(x0, x1, y0, y1)`` (x in decades). ``decades``: the x axis' span (a character is
     ``LABEL_CHAR x decades`` wide, a marker ~0.75 of one; :func:`label_axis` makes the axis that span)."""
