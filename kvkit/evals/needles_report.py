@@ -121,8 +121,8 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     placement agree: runs at the same point share one label (``"a, b"``, wrapped into lines of ``LABEL_WRAP``
     characters by :func:`wrap_names`); a label goes right of its point, else left of it, else a line lower (then with
     a leader line), never over another label or a marker. Labels that fit on their point's line are placed before the
-    moved ones; a moved label keeps clear of the places beside other points, and its leader line crosses no other. Returns one ``(text, point, text_xy, left, moved, box)`` per
-    label: ``text_xy`` is where the label's bottom line starts (its end when ``left``), ``moved`` when it sits below
+    moved ones; a moved label keeps clear of the places beside other points, and its leader line crosses no other.
+    Returns one ``(text, point, text_xy, left, moved, box)`` per label: ``text_xy`` is where the label's bottom line starts (its end when ``left``), ``moved`` when it sits below
     its point's line, ``box`` its ``(x0, x1, y0, y1)`` (x in decades). ``decades``: the x axis' span (a character is
     ``LABEL_CHAR x decades`` wide, a marker ~0.75 of one; :func:`label_axis` makes the axis that span)."""
     shown = [{**r, "kv_fraction": max(r["kv_fraction"], 1e-9)} for r in shown]  # log axis
@@ -135,51 +135,50 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     taken = [(math.log10(r["kv_fraction"]) - 0.75 * char, math.log10(r["kv_fraction"]) + 0.75 * char,
               r["x_full"] - 0.015, r["x_full"] + 0.015) for r in shown]  # the markers, then each placed label's box
     out: list = [None] * len(groups)
-
     leaders: list[tuple] = []  # (x0, y0, x1, y1) of each moved label's leader line
     # beside each group's point, where a label reads as that point's: no other group's moved label goes there
     beside = [(math.log10(g[0]["kv_fraction"]) - 4 * char, math.log10(g[0]["kv_fraction"]) + 4 * char,
                g[0]["x_full"] - 0.6 * LABEL_LINE, g[0]["x_full"] + 0.6 * LABEL_LINE) for g in groups]
 
-    def place(i: int, lines_down: range) -> bool:
-        """Put group ``i``'s label on the first free spot: lines in order, within a line right then left; a spot
-        is free when its box covers no marker and no label, and its leader line crosses no other. False when none
-        is; the last resort (``lines_down`` ending at line 39) is the right side of line 39. A moved label also
-        keeps clear of the places beside other groups' points (``beside``)."""
+    def hits(box: tuple, boxes) -> bool:
+        x0, x1, y0, y1 = box
+        return any(a < x1 and x0 < b and c < y1 and y0 < d for a, b, c, d in boxes)
+
+    def place(i: int, lines_down: range, last_resort: bool) -> bool:
+        """Put group ``i``'s label on the first free spot: lines in order, within a line right then left. A spot is
+        free when its box covers no marker and no label; a moved one (below its point's line) must also keep clear of
+        the places beside other groups' points and have a leader line that crosses no other. When none is free:
+        False, or with ``last_resort`` the right side of the last line."""
         g = groups[i]
         x, y0 = math.log10(g[0]["kv_fraction"]), g[0]["x_full"]
         lines = wrap_names([r["run"] for r in g])
         w = char * max(len(line) for line in lines)
         h = LABEL_LINE * (len(lines) - 1) + 0.9 * LABEL_LINE  # lines stack upwards from the bottom one
+        others = [b for j, b in enumerate(beside) if j != i]
         for n in lines_down:
             y = y0 + 0.005 - n * LABEL_LINE
-            spots = [(x + char, x + char + w), (x - char - w, x - char)]
-            free = [sp for sp in spots if not any(a < sp[1] and sp[0] < b and c < y + h and y < d
-                                                  for a, b, c, d in taken)
-                    and not (n and any(_crosses((x, y0, sp[1] if sp is spots[1] else sp[0], y), seg)
-                                       for seg in leaders))
-                    and not (n and any(a < sp[1] and sp[0] < b and c < y + h and y < d
-                                       for j, (a, b, c, d) in enumerate(beside) if j != i))]
+            # (box, where the text is anchored: its start right of the point, its end left of it)
+            spots = [((x + char, x + char + w, y, y + h), x + char), ((x - char - w, x - char, y, y + h), x - char)]
+            free = [sp for sp in spots if not hits(sp[0], taken) and not (
+                n and (hits(sp[0], others) or any(_crosses((x, y0, sp[1], y), seg) for seg in leaders)))]
             if free:
                 break
-        if not free and n < 39:
+        if not free and not last_resort:
             return False
-        spot = free[0] if free else spots[0]
-        left = spot == spots[1]
-        taken.append((*spot, y, y + h))
-        end = spot[1] if left else spot[0]
+        (box, end), left = (free[0], free[0] is spots[1]) if free else (spots[0], False)
+        taken.append(box)
         if n:
             leaders.append((x, y0, end, y))
-        out[i] = ("\n".join(lines), (10 ** x, y0), (10 ** end, y), left, n > 0, (*spot, y, y + h))
+        out[i] = ("\n".join(lines), (10 ** x, y0), (10 ** end, y), left, n > 0, box)
         return True
 
     # First every label that fits on its own point's line (right, else left). A label moved down first would take
     # the place beside a lower point that that point's label needs, and read as that point's (the session-28 Qwen
     # figure had kvzip-p0.2's label beside chelsea-p0.2's point, and chelsea's pushed left). Then the rest, a line
     # lower or more, with leader lines that cross no other.
-    later = [i for i in range(len(groups)) if not place(i, range(1))]
+    later = [i for i in range(len(groups)) if not place(i, range(1), last_resort=False)]
     for i in later:
-        place(i, range(1, 40))
+        place(i, range(1, 40), last_resort=True)
     return out
 
 
