@@ -45,6 +45,16 @@ def add_commands(subparsers) -> None:
                    help="keep the state after every step next to --out (<out>.ckpt.pt) and continue from it when it "
                         "exists (same options): with --time-limit, a long schedule over several runs")
     d.set_defaults(func=cmd_calibrate_duo)
+    m = sub.add_parser(
+        "duo-merge",
+        help="merge DuoAttention patterns of one model: the mean rank of each KV head's gate over the runs",
+        description="Write a pattern whose alpha is each KV head's mean normalised gate rank over the given "
+        "patterns (kvkit.calibrate.duo_merge): the heads the runs agree on stay, the ones near the sparsity cut are "
+        "decided by all runs together.",
+    )
+    m.add_argument("patterns", nargs="+", help="two or more pattern files (.json or .tsv) of the same model")
+    m.add_argument("--out", required=True, help="output pattern: .json (kvkit) or .tsv (reference format)")
+    m.set_defaults(func=cmd_duo_merge)
     _add_calibrator_commands(sub)
 
 
@@ -81,6 +91,21 @@ def cmd_calibrate_knob(args) -> int:
     command = "kvkit " + " ".join(shlex.quote(a) for a in argv)
     path = store.write_section(out, store.identity(model.config, name), args.knob, opts, command, ev)
     print(f"{args.knob}: {json.dumps(opts)} -> {path} ({ev.get('seconds')} s)")
+    return 0
+
+
+def cmd_duo_merge(args) -> int:
+    import shlex
+
+    from kvkit.calibrate.duo_merge import merge_files
+    from kvkit.policies.duo import binarize
+    from kvkit.policies.duo_patterns import load_pattern
+
+    command = "kvkit calibrate duo-merge " + " ".join(shlex.quote(a) for a in [*args.patterns, "--out", args.out])
+    path = merge_files(args.patterns, args.out, command=command)
+    alpha, _ = load_pattern(path)
+    print(f"wrote {path} ({alpha.shape[0]} layers x {alpha.shape[1]} KV heads) from {len(args.patterns)} patterns")
+    print("retrieval KV heads per layer at sparsity 0.5:", json.dumps(binarize(alpha, 0.5).sum(1).tolist()))
     return 0
 
 
