@@ -55,6 +55,24 @@ def add_commands(subparsers) -> None:
     m.add_argument("patterns", nargs="+", help="two or more pattern files (.json or .tsv) of the same model")
     m.add_argument("--out", required=True, help="output pattern: .json (kvkit) or .tsv (reference format)")
     m.set_defaults(func=cmd_duo_merge)
+    r = sub.add_parser(
+        "duo-refine",
+        help="decide the DuoAttention heads the given patterns disagree on by measuring them on calibration needles",
+        description="Heads every pattern keeps at --sparsity stay retrieval heads; the heads some keep are ranked by "
+        "how much they change the answers to calibration needles (kvkit.calibrate.duo_refine) and the best fill the "
+        "remaining places. One pattern: the --window heads on each side of its cut are the ones decided.",
+    )
+    r.add_argument("patterns", nargs="+", help="pattern files (.json or .tsv) of the model")
+    r.add_argument("--out", required=True, help="output pattern: .json (kvkit) or .tsv (reference format)")
+    r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    r.add_argument("--sparsity", type=float, default=0.5, help="fraction of KV heads that stream (default 0.5)")
+    r.add_argument("--window", type=int, default=4, help="one pattern: heads each side of its cut to decide")
+    r.add_argument("--length", type=int, default=2048, help="calibration needle length in tokens")
+    r.add_argument("--samples", type=int, default=16, help="calibration needles (and as many for validation)")
+    r.add_argument("--seed", type=int, default=0, help="needle seed (validation uses seed + 1)")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    r.set_defaults(func=cmd_duo_refine)
     _add_calibrator_commands(sub)
 
 
@@ -106,6 +124,35 @@ def cmd_duo_merge(args) -> int:
     alpha, _ = load_pattern(path)
     print(f"wrote {path} ({alpha.shape[0]} layers x {alpha.shape[1]} KV heads) from {len(args.patterns)} patterns")
     print("retrieval KV heads per layer at sparsity 0.5:", json.dumps(binarize(alpha, 0.5).sum(1).tolist()))
+    return 0
+
+
+def cmd_duo_refine(args) -> int:
+    import shlex
+    import sys
+
+    import torch
+
+    from kvkit.calibrate.duo_refine import refine_files
+    from kvkit.models import load
+
+    if not 0.0 < args.sparsity < 1.0:
+        raise ValueError(f"--sparsity must be a fraction strictly between 0 and 1, got {args.sparsity}")
+    if args.samples < 1 or args.window < 1:
+        raise ValueError("--samples and --window must be positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"loading model {args.model!r} ...", flush=True)
+    model, tok = load(args.model, device=args.device)
+    model.eval()
+    argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("kvkit") else ["calibrate", "duo-refine", *getattr(args, "_argv", [])]
+    command = "kvkit " + " ".join(shlex.quote(a) for a in argv)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    path = refine_files(model, tok, args.patterns, args.out, args.sparsity, command=command, window=args.window,
+                        length=args.length, samples=args.samples, seed=args.seed, log=log)
+    ev = json.loads(path.read_text())["calibration"]["evidence"]
+    print(f"wrote {path}: picked {[(s['layer'], s['kv_head']) for s in ev['swing'] if s['chosen']]}")
+    print("validation (mean answer log-prob, exact answers):", json.dumps(ev["validation"]))
     return 0
 
 

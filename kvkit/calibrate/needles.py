@@ -147,6 +147,12 @@ def answer_logprob(model, tokenizer, s: NeedleSample, rec, question_aware: bool 
     (decode steps, so every policy runs its decode path). A margin: how far a policy is from losing the answer,
     which separates candidates that all answer the needle. ``question_aware``: the whole prompt (context and
     question) is prefilled in one forward instead, so the policy compresses with the question seen (``rec`` unused)."""
+    return answer_score(model, tokenizer, s, rec, question_aware)[0]
+
+
+def answer_score(model, tokenizer, s: NeedleSample, rec, question_aware: bool = False) -> tuple[float, bool]:
+    """``(mean log-probability, exact)`` of the answer tokens as :func:`answer_logprob` computes them; ``exact``:
+    every answer token is the model's top choice after the ones before it (greedy decoding would write the answer)."""
     import torch
 
     import kvkit
@@ -163,13 +169,15 @@ def answer_logprob(model, tokenizer, s: NeedleSample, rec, question_aware: bool 
         cache = kvkit.KVCache(model)
     else:
         cache = replay_prefill(model, rec, cache=kvkit.KVCache(model))  # positions follow the cache's length
-    total = 0.0
+    total, exact = 0.0, True
     with torch.no_grad():
         logits = model(q.to(model.device), **cache_kw(cache), use_cache=True).logits[:, -1]
         for t in ans.tolist():
-            total += float(torch.log_softmax(logits.float(), dim=-1)[0, t])
+            lp = torch.log_softmax(logits.float(), dim=-1)[0]
+            total += float(lp[t])
+            exact = exact and int(lp.argmax()) == t
             logits = model(torch.tensor([[t]], device=model.device), **cache_kw(cache), use_cache=True).logits[:, -1]
-    return total / len(ans)
+    return total / len(ans), exact
 
 
 def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: list[tuple[str, str, dict]],
