@@ -69,8 +69,8 @@ def swing_split(alphas: list[torch.Tensor], sparsity: float, window: int = 4) ->
 
 def _with(mask: torch.Tensor, heads, value: bool) -> torch.Tensor:
     out = mask.clone()
-    for l, h in heads:
-        out[l, h] = value
+    for li, h in heads:
+        out[li, h] = value
     return out
 
 
@@ -120,29 +120,30 @@ def refine(model, tokenizer, alphas: list[torch.Tensor], sparsity: float, *, win
     log(f"duo-refine: {int(fixed.sum())} heads fixed, {m} to pick from {len(swing)} swing heads {swing}")
     every = _with(fixed, swing, True)
     masks = {"fixed": fixed, "all": every}
-    for l, h in swing:
-        masks[f"+{l}.{h}"] = _with(fixed, [(l, h)], True)
-        masks[f"-{l}.{h}"] = _with(every, [(l, h)], False)
+    for li, h in swing:
+        masks[f"+{li}.{h}"] = _with(fixed, [(li, h)], True)
+        masks[f"-{li}.{h}"] = _with(every, [(li, h)], False)
     data = needles.make_samples(tokenizer, samples, length, seed=seed)
     res = score_masks(model, tokenizer, data, masks, log, duo_options)
     if not res["full"]:
         raise ValueError("duo-refine: the full cache answered none of the calibration needles exactly; use a longer "
                          "--samples or another --length")
     S = {lab: _mean(rows) for lab, rows in res.items()}
-    gain = {(l, h): (S[f"+{l}.{h}"] - S["fixed"]) + (S["all"] - S[f"-{l}.{h}"]) for l, h in swing}
-    by_gain = sorted(swing, key=lambda lh: (-gain[lh], -float(ranks[lh])))
+    gain = {(li, h): (S[f"+{li}.{h}"] - S["fixed"]) + (S["all"] - S[f"-{li}.{h}"]) for li, h in swing}
+    by_gain = sorted(swing, key=lambda x: (-gain[x], -float(ranks[x])))
     chosen = by_gain[:m]
     refined = _with(fixed, chosen, True)
     # ranks: fixed heads (their own order), then the swing heads by gain, then the rest (their own order)
     L, H = fixed.shape
-    rest = [(l, h) for l in range(L) for h in range(H) if not fixed[l, h] and (l, h) not in gain]
-    top = sorted([(l, h) for l in range(L) for h in range(H) if fixed[l, h]], key=lambda lh: -float(ranks[lh]))
-    order = top + by_gain + sorted(rest, key=lambda lh: -float(ranks[lh]))
+    rest = [(li, h) for li in range(L) for h in range(H) if not fixed[li, h] and (li, h) not in gain]
+    top = sorted([(li, h) for li in range(L) for h in range(H) if fixed[li, h]], key=lambda x: -float(ranks[x]))
+    order = top + by_gain + sorted(rest, key=lambda x: -float(ranks[x]))
     alpha = torch.empty(L, H, dtype=torch.float64)
     n = L * H
-    for pos, (l, h) in enumerate(order):
-        alpha[l, h] = (n - 1 - pos) / (n - 1)
-    assert torch.equal(binarize(alpha, sparsity), refined)
+    for pos, (li, h) in enumerate(order):
+        alpha[li, h] = (n - 1 - pos) / (n - 1)
+    if not torch.equal(binarize(alpha, sparsity), refined):  # ranks are distinct, so this cannot happen
+        raise RuntimeError("duo-refine: the written ranks do not binarise to the refined heads")
     # validation on fresh calibration needles: the refined heads against each source's own
     check = {"refined": refined, **{f"source{i + 1}": binarize(a, sparsity) for i, a in enumerate(alphas)}}
     val = score_masks(model, tokenizer, needles.make_samples(tokenizer, samples, length, seed=seed + 1), check, log,
@@ -151,8 +152,8 @@ def refine(model, tokenizer, alphas: list[torch.Tensor], sparsity: float, *, win
         "sparsity": sparsity, "length": length, "samples": samples, "seed": seed,
         "data": needles.describe_data() + " (seed " + str(seed) + "; validation seed " + str(seed + 1) + ")",
         "fixed": int(fixed.sum()), "picked": m,
-        "swing": [{"layer": l, "kv_head": h, "gain": round(gain[(l, h)], 4), "chosen": (l, h) in chosen}
-                  for l, h in by_gain],
+        "swing": [{"layer": li, "kv_head": h, "gain": round(gain[(li, h)], 4), "chosen": (li, h) in chosen}
+                  for li, h in by_gain],
         "scored_samples": len(res["full"]),
         "mean_logprob": {lab: round(v, 4) for lab, v in S.items()},
         "validation": {lab: {"mean_logprob": round(_mean(rows), 4), "exact": sum(ok for _, ok in rows),

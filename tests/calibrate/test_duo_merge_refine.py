@@ -1,4 +1,4 @@
-"""kvkit.calibrate.duo_merge and duo_refine: DuoAttention patterns merged by mean gate rank, and their disputed heads decided on needles."""
+"""kvkit.calibrate.duo_merge and duo_refine: patterns merged by mean gate rank; disputed heads decided on needles."""
 
 from __future__ import annotations
 
