@@ -114,6 +114,8 @@ def _mean(rows) -> float:
 def refine(model, tokenizer, alphas: list[torch.Tensor], sparsity: float, *, window: int = 4, length: int = 2048,
            samples: int = 16, seed: int = 0, log=print, duo_options: dict | None = None) -> tuple[torch.Tensor, dict]:
     """Refined alpha (normalised ranks) and the evidence (swing heads, gains, validation); see the module docstring."""
+    if not 0.0 < sparsity < 1.0:
+        raise ValueError(f"duo-refine: sparsity must be a fraction strictly between 0 and 1, got {sparsity!r}")
     t0 = time.perf_counter()
     fixed, swing, m = swing_split(alphas, sparsity, window)
     ranks = merge_alphas(alphas) if len(alphas) > 1 else alphas[0].to(torch.float64)

@@ -141,3 +141,5 @@ def test_refine_picks_the_heads_the_needles_need(monkeypatch):
     # heads kept by the scored masks: fixed 2, fixed + h 3, the validation masks 4, all - h 5, all 6
     assert sorted(set(scored)) == [2, 3, 4, 5, 6]
     assert kvkit.patched_policy(model) is None  # unpatched afterwards
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        duo_refine.refine(model, _Tok(), [a, b], 1.0, length=64, samples=2, log=lambda m: None)
