@@ -731,7 +731,7 @@ def test_each_calibrated_policy_has_its_calibrator_module():
     the policies' own ``calibrated_options``; the CLI offers one command per calibrator (and duo)."""
     import argparse
 
-    from kvkit.calibrate import cli, registry
+    from kvkit.calibrate import cli, duo_cli, registry
 
     cals = registry.calibrators()
     assert set(cals) == set(store.calibrated_options()) == {"shadowkv", "tidal", "zipcache", "cake", "snapkv",
@@ -749,7 +749,9 @@ def test_each_calibrated_policy_has_its_calibrator_module():
     cli.add_commands(p.add_subparsers(dest="command"))
     for name in ("duo", *cals):
         args = p.parse_args(["calibrate", name, *(["--out", "x.json"] if name == "duo" else [])])
-        assert args.func is (cli.cmd_calibrate_duo if name == "duo" else cli.cmd_calibrate_knob)
+        assert args.func is (duo_cli.cmd_calibrate_duo if name == "duo" else cli.cmd_calibrate_knob)
+    for name, func in (("duo-merge", duo_cli.cmd_duo_merge), ("duo-refine", duo_cli.cmd_duo_refine)):
+        assert p.parse_args(["calibrate", name, "a.json", "b.json", "--out", "m.json"]).func is func
     with pytest.raises(ValueError, match="no calibrator for policy 'full'"):
         registry.get("full")
     with pytest.raises(ValueError, match="declares no calibrated_options"):
