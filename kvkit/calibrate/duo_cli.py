@@ -8,9 +8,13 @@ from __future__ import annotations
 import json
 
 
-def _pattern_io(parser, patterns_help: str) -> None:
+def _pattern_command(sub, name: str, func, summary: str, description: str, patterns_help: str):
+    """A ``kvkit calibrate <name>`` parser that reads pattern files and writes one (``--out``)."""
+    parser = sub.add_parser(name, help=summary, description=description)
     parser.add_argument("patterns", nargs="+", help=patterns_help)
     parser.add_argument("--out", required=True, help="output pattern: .json (kvkit) or .tsv (reference format)")
+    parser.set_defaults(func=func)
+    return parser
 
 
 def add_duo_commands(sub) -> None:
@@ -45,23 +49,20 @@ def add_duo_commands(sub) -> None:
                    help="keep the state after every step next to --out (<out>.ckpt.pt) and continue from it when it "
                         "exists (same options): with --time-limit, a long schedule over several runs")
     d.set_defaults(func=cmd_calibrate_duo)
-    m = sub.add_parser(
-        "duo-merge",
-        help="merge DuoAttention patterns of one model: the mean rank of each KV head's gate over the runs",
-        description="Write a pattern whose alpha is each KV head's mean normalised gate rank over the given "
-        "patterns (kvkit.calibrate.duo_merge): the heads the runs agree on stay, the ones near the sparsity cut are "
-        "decided by all runs together.",
-    )
-    _pattern_io(m, "two or more pattern files (.json or .tsv) of the same model")
-    m.set_defaults(func=cmd_duo_merge)
-    r = sub.add_parser(
-        "duo-refine",
-        help="decide the DuoAttention heads the given patterns disagree on by measuring them on calibration needles",
-        description="Heads every pattern keeps at --sparsity stay retrieval heads; the heads some keep are ranked by "
-        "how much they change the answers to calibration needles (kvkit.calibrate.duo_refine) and the best fill the "
+    _pattern_command(
+        sub, "duo-merge", cmd_duo_merge,
+        "merge DuoAttention patterns of one model: the mean rank of each KV head's gate over the runs",
+        "Write a pattern whose alpha is each KV head's mean normalised gate rank over the given patterns "
+        "(kvkit.calibrate.duo_merge): the heads the runs agree on stay, the ones near the sparsity cut are decided "
+        "by all runs together.",
+        "two or more pattern files (.json or .tsv) of the same model")
+    r = _pattern_command(
+        sub, "duo-refine", cmd_duo_refine,
+        "decide the DuoAttention heads the given patterns disagree on by measuring them on calibration needles",
+        "Heads every pattern keeps at --sparsity stay retrieval heads; the heads some keep are ranked by how much "
+        "they change the answers to calibration needles (kvkit.calibrate.duo_refine) and the best fill the "
         "remaining places. One pattern: the --window heads on each side of its cut are the ones decided.",
-    )
-    _pattern_io(r, "pattern files (.json or .tsv) of the model")
+        "pattern files (.json or .tsv) of the model")
     r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
     r.add_argument("--sparsity", type=float, default=0.5, help="fraction of KV heads that stream (default 0.5)")
     r.add_argument("--window", type=int, default=4, help="one pattern: heads each side of its cut to decide")
@@ -70,7 +71,6 @@ def add_duo_commands(sub) -> None:
     r.add_argument("--seed", type=int, default=0, help="needle seed (validation uses seed + 1)")
     r.add_argument("--device", default="cpu")
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    r.set_defaults(func=cmd_duo_refine)
 
 
 def cmd_duo_merge(args) -> int:
