@@ -31,7 +31,7 @@ from kvkit.policies.duo_patterns import read_pattern, save_pattern
 def averaged_rank(values: torch.Tensor) -> torch.Tensor:
     """Ranks 0..n-1 of a flat tensor's values, ascending; tied values get the mean of the ranks they span."""
     v = values.reshape(-1).to(torch.float64)
-    uniq, inverse, counts = torch.unique(v, sorted=True, return_inverse=True, return_counts=True)
+    _, inverse, counts = torch.unique(v, sorted=True, return_inverse=True, return_counts=True)
     first = torch.cumsum(counts, 0) - counts  # rank of the first member of each tie group
     mean_rank = first.to(torch.float64) + (counts.to(torch.float64) - 1) / 2
     return mean_rank[inverse].view_as(values)
