@@ -61,17 +61,25 @@ def _settings(path: Path) -> dict:
     return dict(cal.get("settings") or {}) if isinstance(cal, dict) else {}
 
 
-def merge_files(paths: list, out, command: str | None = None) -> Path:
-    """Merge the pattern files ``paths`` into ``out`` (kvkit JSON, or TSV by suffix); the kvkit JSON's
-    ``calibration`` lists each source with its sha256 and its own ``calibration.settings``."""
+def read_sources(paths: list, verb: str) -> tuple[list[Path], list, dict]:
+    """``(paths, PatternFile per path, model)`` of source patterns that must be of one model: ``model`` is the first
+    ``model`` object any of them names ({} when none does); ValueError when two differ (``verb``: the command's,
+    ``duo-<verb>``, in the message)."""
     paths = [Path(p) for p in paths]
     files = [read_pattern(p) for p in paths]
     named = [(p, f.meta) for p, f in zip(paths, files) if f.meta]
     for p, m in named[1:]:
         if m != named[0][1]:
-            raise ValueError(f"duo-merge: {p} is a pattern for {m.get('name')!r} ({m.get('num_layers')} layers), "
+            raise ValueError(f"duo-{verb}: {p} is a pattern for {m.get('name')!r} ({m.get('num_layers')} layers), "
                              f"{named[0][0]} for {named[0][1].get('name')!r} ({named[0][1].get('num_layers')} "
-                             "layers); merge patterns of one model")
+                             f"layers); {verb} patterns of one model")
+    return paths, files, named[0][1] if named else {}
+
+
+def merge_files(paths: list, out, command: str | None = None) -> Path:
+    """Merge the pattern files ``paths`` into ``out`` (kvkit JSON, or TSV by suffix); the kvkit JSON's
+    ``calibration`` lists each source with its sha256 and its own ``calibration.settings``."""
+    paths, files, model = read_sources(paths, "merge")
     merged = merge_alphas([torch.tensor(f.alpha, dtype=torch.float64) for f in files])
     calibration = {
         "method": "mean normalised rank of the sources' gates (kvkit.calibrate.duo_merge); the values are ranks "
@@ -80,4 +88,4 @@ def merge_files(paths: list, out, command: str | None = None) -> Path:
     }
     if command:
         calibration["command"] = command
-    return save_pattern(out, merged, named[0][1] if named else {}, calibration)
+    return save_pattern(out, merged, model, calibration)

@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from kvkit.calibrate import needles
-from kvkit.calibrate.duo_merge import merge_alphas
+from kvkit.calibrate.duo_merge import merge_alphas, read_sources
 from kvkit.policies.duo import binarize
-from kvkit.policies.duo_patterns import read_pattern, save_pattern
+from kvkit.policies.duo_patterns import save_pattern
 
 
 def swing_split(alphas: list[torch.Tensor], sparsity: float, window: int = 4) -> tuple[torch.Tensor, list, int]:
@@ -167,10 +167,7 @@ def refine(model, tokenizer, alphas: list[torch.Tensor], sparsity: float, *, win
 
 def refine_files(model, tokenizer, paths: list, out, sparsity: float, command: str | None = None, **kwargs) -> Path:
     """Refine the pattern files ``paths`` (one model) and write the result to ``out`` with its evidence."""
-    files = [read_pattern(p) for p in paths]
-    metas = [f.meta for f in files if f.meta]
-    if any(m != metas[0] for m in metas[1:]):
-        raise ValueError("duo-refine: the patterns are for different models; refine patterns of one model")
+    paths, files, model = read_sources(paths, "refine")
     alpha, evidence = refine(model, tokenizer, [torch.tensor(f.alpha, dtype=torch.float64) for f in files],
                              sparsity, **kwargs)
     calibration = {
@@ -181,4 +178,4 @@ def refine_files(model, tokenizer, paths: list, out, sparsity: float, command: s
     }
     if command:
         calibration["command"] = command
-    return save_pattern(out, alpha, metas[0] if metas else {}, calibration)
+    return save_pattern(out, alpha, model, calibration)
