@@ -143,3 +143,18 @@ def test_refine_picks_the_heads_the_needles_need(monkeypatch):
     assert kvkit.patched_policy(model) is None  # unpatched afterwards
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         duo_refine.refine(model, _Tok(), [a, b], 1.0, length=64, samples=2, log=lambda m: None)
+
+
+def test_merge_refuses_a_source_rewritten_after_it_was_read(tmp_path):
+    """The settings recorded beside a source's sha256 come from the bytes with that hash: a file rewritten between
+    the check and the settings read is refused, not recorded with the old hash."""
+    from kvkit.calibrate.duo_merge import _settings
+    from kvkit.policies.duo_patterns import read_pattern, save_pattern
+
+    p = save_pattern(tmp_path / "a.json", torch.rand(2, 3), {"name": "m", "num_layers": 2},
+                     {"settings": {"steps": 5}})
+    f = read_pattern(p)
+    assert _settings(f) == {"steps": 5}
+    save_pattern(p, torch.rand(2, 3), {"name": "m", "num_layers": 2}, {"settings": {"steps": 6}})
+    with pytest.raises(ValueError, match="changed while it was being read"):
+        _settings(f)
