@@ -63,7 +63,7 @@ def _settings(source) -> dict:
         return {}
     raw = path.read_bytes()
     if hashlib.sha256(raw).hexdigest() != source.sha256:
-        raise ValueError(f"{path} changed while it was being read; run the command again once nothing writes it")
+        raise ValueError(f"duo-merge: {path} changed while it was being read; run the command again once nothing writes it")
     data = json.loads(raw.decode("utf-8"))
     cal = data.get("calibration") if isinstance(data, dict) else None
     return dict(cal.get("settings") or {}) if isinstance(cal, dict) else {}
