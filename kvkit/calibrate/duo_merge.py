@@ -63,7 +63,8 @@ def _settings(source) -> dict:
         return {}
     raw = path.read_bytes()
     if hashlib.sha256(raw).hexdigest() != source.sha256:
-        raise ValueError(f"duo-merge: {path} changed while it was being read; run the command again once nothing writes it")
+        raise ValueError(f"duo-merge: {path} changed while it was being read; run the command again once nothing "
+                         "writes it")
     data = json.loads(raw.decode("utf-8"))
     cal = data.get("calibration") if isinstance(data, dict) else None
     return dict(cal.get("settings") or {}) if isinstance(cal, dict) else {}
@@ -87,7 +88,7 @@ def read_sources(paths: list, verb: str) -> tuple[list[Path], list, dict]:
 def merge_files(paths: list, out, command: str | None = None) -> Path:
     """Merge the pattern files ``paths`` into ``out`` (kvkit JSON, or TSV by suffix); the kvkit JSON's
     ``calibration`` lists each source with its sha256 and its own ``calibration.settings``."""
-    paths, files, model = read_sources(paths, "merge")
+    paths, files, meta = read_sources(paths, "merge")
     merged = merge_alphas([torch.tensor(f.alpha, dtype=torch.float64) for f in files])
     calibration = {
         "method": "mean normalised rank of the sources' gates (kvkit.calibrate.duo_merge); the values are ranks "
@@ -96,4 +97,4 @@ def merge_files(paths: list, out, command: str | None = None) -> Path:
     }
     if command:
         calibration["command"] = command
-    return save_pattern(out, merged, model, calibration)
+    return save_pattern(out, merged, meta, calibration)

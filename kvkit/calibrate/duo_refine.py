@@ -167,7 +167,7 @@ def refine(model, tokenizer, alphas: list[torch.Tensor], sparsity: float, *, win
 
 def refine_files(model, tokenizer, paths: list, out, sparsity: float, command: str | None = None, **kwargs) -> Path:
     """Refine the pattern files ``paths`` (one model) and write the result to ``out`` with its evidence."""
-    paths, files, model = read_sources(paths, "refine")
+    paths, files, meta = read_sources(paths, "refine")
     alpha, evidence = refine(model, tokenizer, [torch.tensor(f.alpha, dtype=torch.float64) for f in files],
                              sparsity, **kwargs)
     calibration = {
@@ -178,4 +178,4 @@ def refine_files(model, tokenizer, paths: list, out, sparsity: float, command: s
     }
     if command:
         calibration["command"] = command
-    return save_pattern(out, alpha, model, calibration)
+    return save_pattern(out, alpha, meta, calibration)

@@ -158,3 +158,39 @@ def test_merge_refuses_a_source_rewritten_after_it_was_read(tmp_path):
     save_pattern(p, torch.rand(2, 3), {"name": "m", "num_layers": 2}, {"settings": {"steps": 6}})
     with pytest.raises(ValueError, match="changed while it was being read"):
         _settings(f)
+
+
+def test_refine_files_scores_on_the_model_and_records_the_sources(monkeypatch, tmp_path):
+    """``refine_files`` (what ``kvkit calibrate duo-refine`` runs) reads the source files, scores on the model it is
+    given, and writes the sources' model object and hashes beside the refined ranks."""
+    import kvkit
+    from kvkit.calibrate import duo_refine, needles
+    from kvkit.policies.duo_patterns import read_pattern
+    from kvkit.testing import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    meta = {"name": "tiny", "num_layers": 4}
+    a = save_pattern(tmp_path / "a.json", torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.9], [0.7, 0.0]]), meta)
+    b = save_pattern(tmp_path / "b.json", torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.3, 0.9], [0.0, 0.7]]), meta)
+    words = " ".join(f"w{i}" for i in range(40))
+    samples = [needles.NeedleSample(f"needle/{i}", words + " question answer", len(words), "1234567", 0.5, 1)
+               for i in range(2)]
+    monkeypatch.setattr(needles, "make_samples", lambda tok, n, length, seed=0: samples)
+
+    def fake_score(m, tok, s, rec, question_aware=False):
+        assert m is model
+        pol = kvkit.patched_policy(m)
+        if pol.name == "full":
+            return 0.0, True
+        keep = pol.retrieval_heads(m.config)
+        return -sum(1.0 for lh in [(1, 1), (3, 0)] if not keep[lh]), True
+
+    monkeypatch.setattr(needles, "answer_score", fake_score)
+    out = duo_refine.refine_files(model, _Tok(), [a, b], tmp_path / "r.json", 0.5, command="cmd", length=64,
+                                  samples=2, log=lambda m: None)
+    alpha, got_meta = load_pattern(out)
+    assert binarize(alpha, 0.5).tolist() == [[True, False], [False, True], [False, True], [True, False]]
+    assert got_meta == meta
+    cal = json.loads(out.read_text())["calibration"]
+    assert [s["sha256"] for s in cal["sources"]] == [read_pattern(a).sha256, read_pattern(b).sha256]
+    assert cal["command"] == "cmd"
