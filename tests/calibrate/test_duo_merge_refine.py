@@ -9,7 +9,7 @@ import torch
 
 from kvkit.calibrate.duo_merge import averaged_rank, merge_alphas, merge_files
 from kvkit.policies.duo import binarize
-from kvkit.policies.duo_patterns import load_pattern, save_pattern
+from kvkit.policies.duo_patterns import load_pattern, read_pattern, save_pattern
 
 MODEL = {"name": "toy", "model_type": "llama", "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "hidden_size": 8}
 
@@ -149,7 +149,6 @@ def test_merge_refuses_a_source_rewritten_after_it_was_read(tmp_path):
     """The settings recorded beside a source's sha256 come from the bytes with that hash: a file rewritten between
     the check and the settings read is refused, not recorded with the old hash."""
     from kvkit.calibrate.duo_merge import _settings
-    from kvkit.policies.duo_patterns import read_pattern, save_pattern
 
     p = save_pattern(tmp_path / "a.json", torch.rand(2, 3), {"name": "m", "num_layers": 2},
                      {"settings": {"steps": 5}})
@@ -165,7 +164,6 @@ def test_refine_files_scores_on_the_model_and_records_the_sources(monkeypatch, t
     given, and writes the sources' model object and hashes beside the refined ranks."""
     import kvkit
     from kvkit.calibrate import duo_refine, needles
-    from kvkit.policies.duo_patterns import read_pattern
     from kvkit.testing import tiny_model
 
     model = tiny_model("llama", num_hidden_layers=4)
