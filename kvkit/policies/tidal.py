@@ -364,16 +364,20 @@ class TidalStore(SlotStore):
         return self._reuse(query, sel, scaling)
 
     def _select(self, query, qpos, scaling):
-        """Full attention (fp32 scores) and the top-k selection of every query token; returns ``[B, T, Hq, D]``.
+        """Full attention and the top-k selection of every query token; returns ``[B, T, Hq, D]``.
 
         One ``q K^T`` gives both: the output (softmax times V) and the ranking. With one query token and no
-        padding every slot but the last (the token itself) is a candidate and nothing is masked."""
+        padding every slot but the last (the token itself) is a candidate and nothing is masked.
+
+        Precision is that of transformers' eager attention and of the paper's code: both matmuls run in the
+        cache's dtype, the softmax (and the ranking) in fp32 on the ``[B, H, G*T, n]`` scores. No fp32 copy of
+        K or V is made: in bf16 such a copy reads the layer's K/V once and writes and reads twice its bytes."""
         B, Hq, T, D = query.shape
         H, n = self.keys.shape[1], self.keys.shape[2]
         G = Hq // H
         k = min(self.select_k, n)
-        q = query.float().reshape(B, H, G * T, D)  # row g*T + t of KV head h is query head h*G + g
-        s = torch.matmul(q, self.keys.float().transpose(-1, -2)).mul_(scaling)  # [B, H, G*T, n]
+        q = query.to(self.keys.dtype).reshape(B, H, G * T, D)  # row g*T + t of KV head h is query head h*G + g
+        s = torch.matmul(q, self.keys.transpose(-1, -2)).float().mul_(scaling)  # [B, H, G*T, n]
         s5 = s.view(B, H, G, T, n)
         pos = self.pos[:, :1, None, None, :]  # [B, 1, 1, 1, n]: all heads hold the same tokens
         plain = self.dense_decode(T)  # one query, every held slot a real token (no host read)
@@ -412,7 +416,7 @@ class TidalStore(SlotStore):
         sel = self.info.shared
         sel.set(self.seen, T, ranked, ranked_ok, n, cur, cur_ok, slot_order=not self.shared_budgets)
         self.last_read = self.last_full_read
-        out = torch.matmul(p, self.values.float())  # [B, H, G*T, Dv]
+        out = torch.matmul(p.to(self.values.dtype), self.values)  # [B, H, G*T, Dv]
         return out.view(B, H, G, T, -1).reshape(B, Hq, T, -1).transpose(1, 2).to(query.dtype)
 
     def _reuse(self, query, sel, scaling):

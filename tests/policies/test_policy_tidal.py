@@ -415,3 +415,43 @@ def test_shared_selection_reads_one_list_for_every_head():
     idx = cache.shared.idx
     assert idx.shape[1] == 2 and torch.equal(idx[:, 0], idx[:, 1]) and idx.shape[-1] == 9
     assert len(set(idx[0, 0, 0, :-1].tolist())) == 8  # 8 distinct tokens before the current one
+
+
+@pytest.mark.parametrize("selection", ["q_head", "kv_head", "shared"])
+def test_selection_layer_computes_in_the_cache_dtype_without_an_fp32_copy_of_kv(selection):
+    """A bf16 selection layer: both matmuls in bf16 as transformers' eager attention does (softmax and ranking in
+    fp32), no fp32 tensor as large as the layer's K, and the output that of eager-precision attention."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _model().to(torch.bfloat16)
+    kvkit.patch(model, "tidal", budget=8, selection=selection)
+    try:
+        _, _, cache = _run(model, _ids(40), steps=2)
+    finally:
+        kvkit.unpatch(model)
+    st = next(s for s in cache.layers if s.role == "select")
+    B, H, n, D = st.keys.shape
+    Hq = model.config.num_attention_heads
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    qpos = torch.tensor([n - 1])
+    scaling = D ** -0.5
+
+    class Fp32Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                self.numels.append(out.numel())
+            return out
+
+    with Fp32Outputs() as rec:
+        out = st._select(q, qpos, scaling)
+    assert rec.numels and max(rec.numels) < st.keys.numel()  # fp32 scores only: [B, H, G, n], G < D
+    assert out.dtype == torch.bfloat16 and out.shape == (B, 1, Hq, D)
+    G = Hq // H
+    s = torch.matmul(q.reshape(B, H, G, D), st.keys.transpose(-1, -2)).float() * scaling
+    ref = torch.matmul(torch.softmax(s, -1).to(torch.bfloat16), st.values).view(B, Hq, 1, D).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
