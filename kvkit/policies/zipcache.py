@@ -231,8 +231,9 @@ class ZipCacheStore(QuantizedSegmentStore):
         B, Hq, T, D = query.shape
         H = self.keys.shape[1]
         G = Hq // H
-        q = query.float().reshape(B, H, G * T, D)
-        s = torch.matmul(q, self.keys.float().transpose(-1, -2)).mul_(scaling)  # [B, H, G*T, n]
+        q = query.to(self.keys.dtype).reshape(B, H, G * T, D)
+        # q K^T in the cache's dtype as eager attention computes it (no fp32 copy of the tail), then fp32
+        s = torch.matmul(q, self.keys.transpose(-1, -2)).float().mul_(scaling)  # [B, H, G*T, n]
         prob = s.sub_(lse.view(B, H, G * T, 1).float()).exp_()
         pos = self.pos[:, 0]  # [B, n]
         # in place: a static store's sums are its buffers (a compiled step cannot reassign them)
