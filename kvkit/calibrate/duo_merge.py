@@ -20,9 +20,6 @@ ranks, not gates (the file's ``calibration.method`` says so). The merge reads fi
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -54,22 +51,6 @@ def merge_alphas(alphas: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([averaged_rank(a) / (n - 1) for a in alphas]).mean(0)
 
 
-def _settings(source) -> dict:
-    """A kvkit JSON source's ``calibration.settings``; {} for TSV. ``source``: the :class:`PatternFile` that
-    :func:`read_pattern` returned; the bytes read again here must be the ones it hashed (ValueError otherwise), so
-    the settings recorded beside the source's sha256 are that content's."""
-    path = Path(os.path.expanduser(source))
-    if path.suffix.lower() != ".json":
-        return {}
-    raw = path.read_bytes()
-    if hashlib.sha256(raw).hexdigest() != source.sha256:
-        raise ValueError(f"duo-merge: {path} changed while it was being read; run the command again once nothing "
-                         "writes it")
-    data = json.loads(raw.decode("utf-8"))
-    cal = data.get("calibration") if isinstance(data, dict) else None
-    return dict(cal.get("settings") or {}) if isinstance(cal, dict) else {}
-
-
 def read_sources(paths: list, verb: str) -> tuple[list[Path], list, dict]:
     """``(paths, PatternFile per path, model)`` of source patterns that must be of one model: ``model`` is the first
     ``model`` object any of them names ({} when none does); ValueError when two differ (``verb``: the command's,
@@ -93,7 +74,7 @@ def merge_files(paths: list, out, command: str | None = None) -> Path:
     calibration = {
         "method": "mean normalised rank of the sources' gates (kvkit.calibrate.duo_merge); the values are ranks "
                   "in [0, 1], not gates",
-        "sources": [{"path": str(p), "sha256": f.sha256, "settings": _settings(f)} for p, f in zip(paths, files)],
+        "sources": [{"path": str(p), "sha256": f.sha256, "settings": f.settings} for p, f in zip(paths, files)],
     }
     if command:
         calibration["command"] = command

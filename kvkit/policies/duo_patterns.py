@@ -178,11 +178,13 @@ def _check_model_meta(data: dict, path) -> dict:
     return meta
 
 
-def _parse_pattern(raw: bytes, path) -> tuple[torch.Tensor, dict]:
-    """The bytes of a pattern file -> ``(alpha [L, H] float64 in [0, 1], meta)`` (kvkit JSON by a ``.json`` name,
-    else reference TSV)."""
+def _parse_pattern(raw: bytes, path) -> tuple[torch.Tensor, dict, dict]:
+    """The bytes of a pattern file -> ``(alpha [L, H] float64 in [0, 1], meta, settings)`` (kvkit JSON by a
+    ``.json`` name, else reference TSV). ``settings``: the JSON's ``calibration.settings`` object ({} when the
+    file has none, or for TSV)."""
     text = _decode(raw, path)
     meta: dict = {}
+    settings: dict = {}
     if Path(path).suffix.lower() == ".json":
         try:
             data = json.loads(text)
@@ -197,6 +199,9 @@ def _parse_pattern(raw: bytes, path) -> tuple[torch.Tensor, dict]:
                 raise _bad(path, f"no 'alpha' entry (keys: {', '.join(map(str, data)) or 'none'})")
             meta = _check_model_meta(data, path)
             alpha = as_matrix(data["alpha"], path)
+            cal = data.get("calibration")
+            if isinstance(cal, dict) and isinstance(cal.get("settings"), dict):
+                settings = cal["settings"]
             for key, got in (("num_layers", alpha.shape[0]), ("num_kv_heads", alpha.shape[1])):
                 if meta.get(key) is not None and meta[key] != got:
                     raise _bad(path, f"model.{key} is {meta[key]} but 'alpha' has {got}")
@@ -204,12 +209,13 @@ def _parse_pattern(raw: bytes, path) -> tuple[torch.Tensor, dict]:
             raise _bad(path, f"expected a JSON object with an 'alpha' matrix, got {_type_name(data)}")
     else:
         alpha = _parse_tsv(text, path)
-    return alpha.clamp(0.0, 1.0), meta
+    return alpha.clamp(0.0, 1.0), meta, settings
 
 
 class PatternFile(str):
     """A pattern file's path (this string, as given) with what was read from it, once: ``alpha`` (a tuple of per-layer
-    tuples of gates in [0, 1]), ``meta`` (the file's ``model`` object) and ``sha256`` (of the file's bytes).
+    tuples of gates in [0, 1]), ``meta`` (the file's ``model`` object), ``sha256`` (of the file's bytes) and
+    ``settings`` (its ``calibration.settings``: what made it, recorded by ``kvkit calibrate duo-merge``).
 
     ``Duo(pattern="p.json")`` reads the file when the policy is built and holds one of these as its ``pattern``:
     every KVCache of a patched model then uses the heads of the file as it was at ``kvkit.patch`` / ``get_policy``
@@ -219,27 +225,29 @@ class PatternFile(str):
     alpha: tuple
     meta: dict
     sha256: str
+    settings: dict
 
-    def __new__(cls, path: str, alpha: tuple, meta: dict, sha256: str):
+    def __new__(cls, path: str, alpha: tuple, meta: dict, sha256: str, settings: dict | None = None):
         self = super().__new__(cls, path)
-        self.alpha, self.meta, self.sha256 = alpha, meta, sha256
+        self.alpha, self.meta, self.sha256, self.settings = alpha, meta, sha256, dict(settings or {})
         return self
 
     def __reduce__(self):
-        return (PatternFile, (str(self), self.alpha, self.meta, self.sha256))
+        return (PatternFile, (str(self), self.alpha, self.meta, self.sha256, self.settings))
 
 
 def read_pattern(path) -> PatternFile:
     """Read and check a pattern file (kvkit JSON or reference TSV) once: a :class:`PatternFile` (the path as given,
-    with ``alpha``, ``meta`` and ``sha256`` of its bytes). The path must name a regular file of at most
+    with ``alpha``, ``meta``, ``settings`` and ``sha256`` of its bytes). The path must name a regular file of at most
     :data:`MAX_PATTERN_BYTES`, checked before anything is read."""
     given = os.fspath(path)
     if not isinstance(given, str):
         raise ValueError(f"duo: pattern must be a file path (str), got {type(given).__name__}")
     real = os.path.expanduser(given)
     raw = _read_bytes(real)
-    alpha, meta = _parse_pattern(raw, real)
-    return PatternFile(given, tuple(tuple(r) for r in alpha.tolist()), meta, hashlib.sha256(raw).hexdigest())
+    alpha, meta, settings = _parse_pattern(raw, real)
+    return PatternFile(given, tuple(tuple(r) for r in alpha.tolist()), meta, hashlib.sha256(raw).hexdigest(),
+                       settings)
 
 
 def load_pattern(path) -> tuple[torch.Tensor, dict]:

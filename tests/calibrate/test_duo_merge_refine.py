@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,18 +148,27 @@ def test_refine_picks_the_heads_the_needles_need(monkeypatch):
         duo_refine.refine(model, _Tok(), [a, b], 1.0, length=64, samples=2, log=lambda m: None)
 
 
-def test_merge_refuses_a_source_rewritten_after_it_was_read(tmp_path):
-    """The settings recorded beside a source's sha256 come from the bytes with that hash: a file rewritten between
-    the check and the settings read is refused, not recorded with the old hash."""
-    from kvkit.calibrate.duo_merge import _settings
+def test_merge_records_the_settings_of_the_bytes_it_hashed(tmp_path, monkeypatch):
+    """A source's settings and sha256 come from one read: a file rewritten after ``read_pattern`` is merged as it was
+    read (its old settings beside its old hash), and the rewrite changes nothing of the merge."""
+    from kvkit.calibrate import duo_merge
 
-    p = save_pattern(tmp_path / "a.json", torch.rand(2, 3), {"name": "m", "num_layers": 2},
-                     {"settings": {"steps": 5}})
+    meta = {"name": "m", "num_layers": 2}
+    p = save_pattern(tmp_path / "a.json", torch.rand(2, 3), meta, {"settings": {"steps": 5}})
+    q = save_pattern(tmp_path / "b.json", torch.rand(2, 3), meta, {"settings": "not an object"})
+    t = save_pattern(tmp_path / "c.tsv", torch.rand(2, 3), meta)
+    first = hashlib.sha256(p.read_bytes()).hexdigest()
     f = read_pattern(p)
-    assert _settings(f) == {"steps": 5}
-    save_pattern(p, torch.rand(2, 3), {"name": "m", "num_layers": 2}, {"settings": {"steps": 6}})
-    with pytest.raises(ValueError, match="changed while it was being read"):
-        _settings(f)
+    assert (f.settings, f.sha256) == ({"steps": 5}, first)
+    assert read_pattern(q).settings == {} and read_pattern(t).settings == {}
+    reads = [read_pattern(x) for x in (p, q, t)]
+    save_pattern(p, torch.rand(2, 3), meta, {"settings": {"steps": 6}})  # rewritten after it was read
+    assert pickle.loads(pickle.dumps(reads[0])).settings == {"steps": 5}
+    monkeypatch.setattr(duo_merge, "read_pattern", lambda path: reads[[p, q, t].index(Path(path))])
+    out = duo_merge.merge_files([p, q, t], tmp_path / "m.json")
+    sources = json.loads(out.read_text())["calibration"]["sources"]
+    assert [(s["sha256"], s["settings"]) for s in sources] == [
+        (first, {"steps": 5}), (reads[1].sha256, {}), (reads[2].sha256, {})]
 
 
 def test_refine_files_scores_on_the_model_and_records_the_sources(monkeypatch, tmp_path):
