@@ -38,14 +38,22 @@ def option_files(options: dict) -> dict:
             if isinstance(v, (str, os.PathLike)) and str(v) and os.path.isfile(v)}
 
 
-def policy_files(model, policy: str, options: dict) -> dict:
+def build_policy(policy: str, options: dict):
+    """The kvkit policy ``policy`` with ``options`` (its files read once, here), or None for a peer
+    (:mod:`kvkit.evals.peers`: no kvkit policy)."""
+    return None if is_peer(policy) else policy_class(policy)(**options)
+
+
+def policy_files(model, policy: str, options: dict, built=None) -> dict:
     """``{option: sha256}`` of the files ``policy`` with ``options`` reads on ``model``, the ones it picks by itself
     included (duo's shipped pattern for the model when no ``pattern`` is given): a run that used a shipped file is
     recorded by that file's content, so replacing the file makes ``--resume`` refuse the old folder. A peer
-    (:mod:`kvkit.evals.peers`, e.g. ``quantized``: transformers' cache, no kvkit policy) reads none: {}."""
+    (:mod:`kvkit.evals.peers`, e.g. ``quantized``: transformers' cache, no kvkit policy) reads none: {}.
+    ``built``: the policy already made from ``options`` (made here when None), so one read of its files serves
+    every record."""
     if is_peer(policy):
         return {}
-    return policy_class(policy)(**options).content_hashes(model.config)
+    return (built or policy_class(policy)(**options)).content_hashes(model.config)
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
@@ -73,13 +81,14 @@ def resolve_policy_options(policy: str, options: dict | None = None, budget: int
     return opts
 
 
-def calibration_used(model, policy: str, options: dict) -> dict | None:
+def calibration_used(model, policy: str, options: dict, built=None) -> dict | None:
     """The options a per-model calibration (:mod:`kvkit.calibration`) sets for ``policy`` with ``options`` on
     this model, with the file they come from; None when none applies. Recorded in a run's config, so a run resumed
-    after a recalibration is refused instead of mixing rows of two settings."""
+    after a recalibration is refused instead of mixing rows of two settings. ``built``: as in
+    :func:`policy_files`."""
     if policy not in CALIBRATED_OPTIONS:
         return None
-    pol = policy_class(policy)(**options)
+    pol = built or policy_class(policy)(**options)
     resolved = resolve(pol, model.config)
     if resolved is pol:
         return None

@@ -225,6 +225,25 @@ def test_option_files_and_config_recorded_in_the_config(tmp_path):
     assert settings.option_files({"selection": "kv_head", "budget": 8}) == {}
 
 
+def test_run_config_builds_the_policy_once_for_both_records(tmp_path, monkeypatch):
+    """Given the model, the files the policy picks and the calibration it uses come from one built policy: the
+    pattern file that snapkv's ``protect_heads`` ranks by is read once for both records, not once per record."""
+    import kvkit.policies.duo as duo_mod
+    from kvkit.testing import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    f = tmp_path / "p.tsv"
+    f.write_text("0.9\t0.1\n0.2\t0.8\n")
+    reads = []
+    real = duo_mod.read_pattern
+    monkeypatch.setattr(duo_mod, "read_pattern", lambda p: reads.append(p) or real(p))
+    args = Namespace(model="m", seed=42, device="cpu", dtype="float32", max_new_tokens=None, full_prompt_prefill=False)
+    opts = {"budget": 16, "window": 4, "sink": 2, "protect_heads": 0.5, "protect_pattern": str(f)}
+    cfg = eval_runs.run_config(args, "ruler", "snapkv", opts, model=model)  # a calibrated policy: both records
+    assert reads == [str(f)]
+    assert cfg["option_files"] == {"protect_pattern": settings.file_sha256(f)} and cfg["calibration"] is None
+
+
 def test_resume_keys_recorded_later_still_resume_old_folders(tmp_path):
     cfg = {"benchmark": "ruler", "policy": "duo", "options": {"pattern": "p.tsv"}, "dtype": "float32",
            "option_files": {"pattern": "ab12"}, "calibration": None}

@@ -20,6 +20,7 @@ import kvkit
 from kvkit.evals.files import atomic_write_jsonl
 from kvkit.evals.report import task_scores, write_summary
 from kvkit.evals.settings import (
+    build_policy,
     calibration_used,
     load_model,
     option_files,
@@ -108,10 +109,11 @@ def run_config(args, bench: str, policy: str, options: dict, model=None, **extra
                command=command_line(), max_new_tokens=getattr(args, "max_new_tokens", None),
                full_prompt_prefill=getattr(args, "full_prompt_prefill", False), **extra)
     if model is not None:
+        built = build_policy(policy, options)  # one read of the policy's files serves both records
         # the files the policy picks for this model by itself (duo's shipped pattern), by content
-        cfg["option_files"] = {**cfg["option_files"], **policy_files(model, policy, options)}
+        cfg["option_files"] = {**cfg["option_files"], **policy_files(model, policy, options, built)}
         # the calibrated values themselves (what changes the rows; the file's other policies and notes do not)
-        cfg["calibration"] = calibration_used(model, policy, options)
+        cfg["calibration"] = calibration_used(model, policy, options, built)
     return cfg
 
 
