@@ -276,3 +276,39 @@ def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
     assert main(["eval", "needles", "--model", tiny_dir, "--run", "a=full", "--run", "a=streaming",
                  "--out-root", str(out)]) == 2
     assert "--run names must be unique" in capsys.readouterr().err
+
+
+def _script(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "needles" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pooled_ratio_counts_only_the_needles_every_run_scored(tmp_path, capsys):
+    """benchmarks/needles/pooled_ratio.py: pooled over two roots, a needle one run lacks is dropped for every run,
+    a needle full misses counts when the run answers it, and the interval holds the ratio."""
+    pr = _script("pooled_ratio")
+
+    def write(root, run, scores):
+        (root / run).mkdir(parents=True)
+        (root / run / "samples.jsonl").write_text(
+            "".join(json.dumps({"id": f"needle/{i}", "score": s}) + "\n" for i, s in enumerate(scores)))
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write(a, "full", [1, 1, 1, 0, 1])
+    write(a, "x", [1, 0, 1, 1, 1])
+    write(a, "y", [1, 1, 0, 0])  # lacks needle/4: dropped for x too
+    write(b, "full", [1, 1])
+    write(b, "x", [1, 0])
+    write(b, "y", [1, 1])
+    pairs = pr.pooled_pairs([a, b], ["x", "y"])
+    assert pairs["x"] == [(1, 1), (1, 0), (1, 1), (0, 1), (1, 1), (1, 0)]
+    ratio, lo, hi = pr.ratio_interval(pairs["x"], 500)
+    assert ratio == 4 / 5 and lo <= ratio <= hi
+    pr.main(["--roots", str(a), str(b), "--runs", "x", "y", "--resamples", "200"])
+    out = capsys.readouterr().out
+    assert "| x | 6 | 5 | 4 | 0.800 |" in out and "| y | 6 | 5 | 4 | 0.800 |" in out
