@@ -129,6 +129,7 @@ class QuantizedSegmentStore(SlotStore):
         self.key_group = key_group
         self.segments: list[Segment] = []
         self._read = None  # (kpacks, vpacks, valid lengths or None where every row is full): built once per change
+        self._read_eager = None  # the same without the unwritten slot segments (:meth:`_build_read`)
         self._slots_used = 0  # slot segments written (static variant)
 
     # ---- what a quantizer overrides --------------------------------------------------------------
@@ -158,14 +159,14 @@ class QuantizedSegmentStore(SlotStore):
     def reset(self) -> None:
         super().reset()
         self.segments = []
-        self._read = None
+        self._read = self._read_eager = None
         self._slots_used = 0
 
     def _apply_batch(self, fn) -> None:
         super()._apply_batch(fn)
         for seg in self.segments:
             seg.parts = [(map_packed(k, fn), map_packed(v, fn), fn(n)) for k, v, n in seg.parts]
-        self._read = None
+        self._read = self._read_eager = None
 
     def nbytes(self) -> int:
         """Bytes held: the tail and every written segment (a static store's unwritten slot segments are
@@ -275,21 +276,37 @@ class QuantizedSegmentStore(SlotStore):
 
     def _build_read(self) -> None:
         """What decode reads from the segments: the packed parts and their lengths (None where every row holds
-        the whole part). Built at a compression event (it reads the lengths on the host), reused by every step."""
-        parts = [(k, v, n, seg.slot) for seg in self.segments for k, v, n in seg.parts]
-        # a slot segment keeps its length tensor (written in place: the read's structure never changes)
-        self._read = ([k for k, _, _, _ in parts], [v for _, v, _, _ in parts],
-                      [None if not slot and int(n.min()) >= k.shape[-2] else n for k, _, n, slot in parts]
-                      ) if parts else None
+        the whole part). Built at a compression event (it reads the lengths on the host), reused by every step.
+
+        Two lists: ``_read``, what a compiled step reads (every slot segment, written or not: the graph reads the
+        same tensors after every compression), and ``_read_eager``, what an eager step reads (the written ones
+        only). Compression events run eagerly, between compiled steps, so the eager list is rebuilt whenever a slot
+        segment is written; an eager step's cost then follows the tokens held, not the room reserved."""
+        unwritten = {id(s) for s in self._slot_segments()[self._slots_used:]}
+
+        def read(segments):
+            parts = [(k, v, n, seg.slot) for seg in segments for k, v, n in seg.parts]
+            # a slot segment keeps its length tensor (written in place: the read's structure never changes)
+            return ([k for k, _, _, _ in parts], [v for _, v, _, _ in parts],
+                    [None if not slot and int(n.min()) >= k.shape[-2] else n for k, _, n, slot in parts]
+                    ) if parts else None
+
+        self._read = read(self.segments)
+        self._read_eager = read([s for s in self.segments if id(s) not in unwritten]) if unwritten else self._read
+
+    def _segments_read(self):
+        """The segments' read for this step: :attr:`_read` while a compiled step is traced, else the eager one."""
+        if self._read is None and self.segments:
+            self._build_read()
+        return self._read if torch.compiler.is_compiling() else self._read_eager
 
     # ---- attention -------------------------------------------------------------------------------
     def decode(self, query, qpos, scaling):
         """Queries ``[B, Hq, T, D]`` at ``qpos [T]`` over every segment (all older than the queries) and the
         tail (causal by position); returns ``[B, T, Hq, D]``."""
         B, Hq, T, D = query.shape
-        if self._read is None and self.segments:
-            self._build_read()
-        r = self._seam_decode(query, qpos, scaling)
+        read = self._segments_read()
+        r = self._seam_decode(query, qpos, scaling, read)
         if r is not None:
             out, lse = r
             self.observe(query, qpos, scaling, lse)
@@ -299,8 +316,8 @@ class QuantizedSegmentStore(SlotStore):
             o, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True,
                                   dense=self.dense_decode(T))
             out = o.transpose(1, 2)
-        if self._read is not None:  # the tail's partial attention is merged in by quant_decode (prior=...)
-            ks, vs, ns = self._read
+        if read is not None:  # the tail's partial attention is merged in by quant_decode (prior=...)
+            ks, vs, ns = read
             out, lse = quant_decode(query, ks, vs, scale=scaling, valid=ns, return_lse=True,
                                     prior=None if out is None else (out, lse))
         if out is None:
@@ -308,22 +325,22 @@ class QuantizedSegmentStore(SlotStore):
         self.observe(query, qpos, scaling, lse)
         return out.transpose(1, 2)
 
-    def _seam_decode(self, query, qpos, scaling):
+    def _seam_decode(self, query, qpos, scaling, read):
         """A single-token eager step on the Triton path: ONE :func:`kvkit.kernels.decode` call over a
         :class:`~kvkit.kernels.DecodeView` whose own keys are the tail (causal by pos/qpos) and whose parts are the
         segments' packed parts (:class:`~kvkit.kernels.PackedPart`, with their lengths). Returns
         ``(out [B, 1, Hq, D], lse [B, Hq, 1])``, or None where the seam does not apply (the caller's path runs)."""
         tail = self.keys is not None and self.keys.shape[-2] > 0
-        if not (tail or self._read is not None):
+        if not (tail or read is not None):
             return None
         held = (self.keys, self.values) if tail else ()
-        packed = [p.data for p in self._read[0] + self._read[1]] if self._read is not None else []
+        packed = [p.data for p in read[0] + read[1]] if read is not None else []
         # a compiled step (static variant) always reads through the seam: its operators pick the path at run time
         if not (torch.compiler.is_compiling() or seam_open(query, *held, *packed)):
             return None
         parts = ()
-        if self._read is not None:
-            ks, vs, ns = self._read
+        if read is not None:
+            ks, vs, ns = read
             parts = tuple(PackedPart(k, v, n) for k, v, n in zip(ks, vs, ns))
         if tail:
             dense = self.dense_decode(1)

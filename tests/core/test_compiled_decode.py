@@ -365,6 +365,40 @@ def test_chelsea_static_holds_its_bound_and_compiles_with_reconstruction_scores(
         kvkit.unpatch(model)
 
 
+def test_zipcache_static_eager_step_reads_written_slot_segments_only(monkeypatch):
+    """An eager step of a static ZipCache reads the prompt's segment and the slot segments written so far, not the
+    ones reserved for the rest of the room (their cost would follow the room, not the tokens held); a compiled step
+    reads every slot segment (one graph over all compression events). Both decode the dynamic cache's tokens."""
+    import kvkit.stores.quantized as Q
+
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=1)
+    opts = dict(requant_interval=2)
+    kvkit.patch(model, "zipcache", **opts)
+    dyn_toks, _, _ = greedy(model, ids, STEPS)
+    read = []
+    real = Q.quant_decode
+    monkeypatch.setattr(Q, "quant_decode", lambda q, ks, vs, **kw: read.append(len(ks)) or real(q, ks, vs, **kw))
+    kvkit.patch(model, "zipcache", static=True, max_length=ids.shape[1] + 4 * STEPS, **opts)
+    try:
+        toks, _, cache = _decode(model, ids, STEPS, model)
+        assert torch.equal(toks, dyn_toks)
+        layer = cache.layers[0]
+        prompt = len(layer.segments[0].parts)
+        slots = [s for s in layer.segments if s.slot]
+        per_slot = len(slots[0].parts)
+        assert len(slots) == 2 * STEPS  # reserved for the room asked
+        L = len(cache.layers)
+        # step i (0-based) reads the prompt's segment and the i // 2 slot segments written before it
+        assert read[::L] == [prompt + per_slot * (i // 2) for i in range(STEPS)]
+        assert len(layer._read[0]) == prompt + per_slot * len(slots)  # what a compiled step reads
+        read.clear()
+        toks, _, _ = _decode(model, ids, STEPS, model.get_compiled_call(_config()))
+        assert torch.equal(toks, dyn_toks)
+    finally:
+        kvkit.unpatch(model)
+
+
 def test_zipcache_static_writes_its_segments_in_place_and_doubles_them_once():
     """ZipCache's static store: the tail is ``requant_interval`` slots, the decoded tokens' segments go to slot
     segments preallocated at the prefill for the room asked (``max_length``) and written in place (the compiled
