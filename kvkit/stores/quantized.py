@@ -24,12 +24,15 @@ Static variant (``static_store(<a subclass>)``, ``info.static``): the tail lives
 ``tail_tokens`` slots, and the segments of decoded tokens go to *slot segments* preallocated at the prefill, one per
 ``tail_tokens`` of the room the cache was sized for (``max_length`` / ``ensure_capacity``): each holds the parts of
 a full tail's layout with ``length`` 0 until a compression writes a block's codes and statistics into it in place.
-A compiled step then reads the same tensors after every compression (one graph); when the slot segments run out
-their number doubles (one re-trace), and a block of another layout (an eager multi-token forward) is appended as
-an ordinary segment.
+The slot segments are stacked in one *area* per part (``S`` segments = ``S * B`` rows in the batch dim, each
+segment with its own statistics), read by one call with the queries repeated per segment and the ``S`` partial
+results merged by log-sum-exp: a compiled step reads the whole area (the same tensors after every compression: one
+graph, one operator per part whatever the room), an eager step only the rows of the segments written so far. When
+the slot segments run out their number doubles (one re-trace), and a block of another layout (an eager
+multi-token forward) is appended as an ordinary segment.
 
 Decode: the tail goes to :func:`kvkit.stores.attend_slots` with ``return_lse=True`` (causal by position,
-padding); all parts of all segments go to :func:`kvkit.kernels.quant_decode` in one call (one softmax over
+padding); all parts of the other segments go to :func:`kvkit.kernels.quant_decode` in one call (one softmax over
 their union: Triton on CUDA, the packed-code C kernel on CPU, the torch reference otherwise) with the
 tail's ``(out, lse)`` as ``prior``, merged through the log-sum-exp. A single-token eager step on the Triton path
 (:func:`kvkit.kernels.use_triton`) is instead ONE :func:`kvkit.kernels.decode` call over a
@@ -44,7 +47,16 @@ from typing import NamedTuple
 
 import torch
 
-from kvkit.kernels import DecodeView, Packed, PackedPart, packed_nbytes, quant_decode, quantize
+from kvkit.kernels import (
+    DecodeView,
+    Packed,
+    PackedPart,
+    decode,
+    merge_attn,
+    packed_nbytes,
+    quant_decode,
+    quantize,
+)
 from kvkit.stores.attend import attend_slots, seam_open, seam_view
 from kvkit.stores.base import LayerInfo, SlotStore, tensor_bytes
 
@@ -130,6 +142,7 @@ class QuantizedSegmentStore(SlotStore):
         self.segments: list[Segment] = []
         self._read = None  # (kpacks, vpacks, valid lengths or None where every row is full): built once per change
         self._read_eager = None  # the same without the unwritten slot segments (:meth:`_build_read`)
+        self._area: list = []  # a static store's slot segments stacked, one (kpack, vpack, length) per part
         self._slots_used = 0  # slot segments written (static variant)
 
     # ---- what a quantizer overrides --------------------------------------------------------------
@@ -160,12 +173,14 @@ class QuantizedSegmentStore(SlotStore):
         super().reset()
         self.segments = []
         self._read = self._read_eager = None
+        self._area = []
         self._slots_used = 0
 
     def _apply_batch(self, fn) -> None:
         super()._apply_batch(fn)
         for seg in self.segments:
             seg.parts = [(map_packed(k, fn), map_packed(v, fn), fn(n)) for k, v, n in seg.parts]
+        self._stack_slots()  # the slot segments' new tensors back into one area
         self._read = self._read_eager = None
 
     def nbytes(self) -> int:
@@ -231,7 +246,8 @@ class QuantizedSegmentStore(SlotStore):
     def reserve_segments(self, count: int | None = None) -> None:
         """Static stores: preallocate ``count`` more slot segments (default: one per ``tail_tokens`` of the room
         asked for beyond the tokens seen -- ``max_length`` / ``ensure_capacity`` -- at least 2), each with the
-        layout of a full tail's block (:meth:`quantize_block` of zeros; every part's length 0). No-op otherwise."""
+        layout of a full tail's block (:meth:`quantize_block` of zeros; every part's length 0), all of them in one
+        stacked area (:meth:`_stack_slots`). No-op otherwise."""
         if not self.static or self.keys is None:
             return
         if count is None:
@@ -241,16 +257,37 @@ class QuantizedSegmentStore(SlotStore):
         n = self.tail_tokens
         z = torch.zeros(B, H, n, D, dtype=self.keys.dtype, device=self.keys.device)
         valid = torch.ones(B, n, dtype=torch.bool, device=z.device)
+        proto = self.quantize_block(z, z, valid, torch.zeros(B, H, n, device=z.device))
         for _ in range(count):
-            proto = self.quantize_block(z, z, valid, torch.zeros(B, H, n, device=z.device))
             parts = [(_zeroed(k), _zeroed(v), torch.zeros_like(m)) for k, v, m in proto.parts]
             self.segments.append(Segment(parts, slot=True))
+        self._stack_slots()
         self._build_read()
 
+    def _stack_slots(self) -> None:
+        """Put every slot segment's tensors into one stacked area per part: ``_area[g] = (kpack, vpack, length)``
+        whose tensors have ``S * B`` rows (slot segment ``i`` is rows ``i*B .. (i+1)*B``), and make each slot
+        segment's parts views of its rows. One read then covers every slot segment (:meth:`_stacked_decode`): the
+        queries repeated per segment in the batch dim, each segment keeping its own statistics. A copy, run when
+        slot segments are added or the batch changes (eager; the next compiled step re-traces)."""
+        slots = self._slot_segments()
+        if not slots:
+            self._area = []
+            return
+        B = slots[0].parts[0][2].shape[0]
+        area = []
+        for g in range(len(slots[0].parts)):
+            area.append((_cat_packed([s.parts[g][0] for s in slots]), _cat_packed([s.parts[g][1] for s in slots]),
+                         torch.cat([s.parts[g][2] for s in slots])))
+        for i, seg in enumerate(slots):
+            rows = slice(i * B, (i + 1) * B)
+            seg.parts = [(_rows(k, rows), _rows(v, rows), n[rows]) for k, v, n in area]
+        self._area = area
+
     def _place(self, seg: Segment) -> bool:
-        """Write ``seg`` into the next unwritten slot segment in place (same tensors: a compiled step's graph reads
-        them without re-tracing), doubling the slot segments when none is left. False (the caller appends it) for
-        a store that is not static or a block whose layout is not a full tail's."""
+        """Write ``seg`` into the next unwritten slot segment in place (its rows of the stacked area: a compiled
+        step's graph reads the same tensors without re-tracing), doubling the slot segments when none is left.
+        False (the caller appends it) for a store that is not static or a block whose layout is not a full tail's."""
         slots = self._slot_segments()
         if not slots or not _same_layout(slots[0], seg):
             return False
@@ -263,8 +300,9 @@ class QuantizedSegmentStore(SlotStore):
                     t = getattr(d, name)
                     if t is not None:
                         t.copy_(getattr(src, name))
-                d.cpu_view = None  # the C kernel's cached statistics are stale
             nd.copy_(n)
+        for k, v, _ in self._area:  # the C kernel's cached statistics of the area are stale
+            k.cpu_view = v.cpu_view = None
         self._slots_used += 1
         return True
 
@@ -275,24 +313,29 @@ class QuantizedSegmentStore(SlotStore):
         self.compress_tail(self.tail_score())
 
     def _build_read(self) -> None:
-        """What decode reads from the segments: the packed parts and their lengths (None where every row holds
-        the whole part). Built at a compression event (it reads the lengths on the host), reused by every step.
+        """What decode reads from the segments, built at a compression event (it reads the lengths on the host) and
+        reused by every step: ``(base, stacked)``. ``base``: ``(kpacks, vpacks, lengths)`` of the segments that are
+        not slot segments (the prompt's; a length is None where every row holds the whole part), or None.
+        ``stacked``: ``[(kpack, vpack, length, S)]``, one per part of the slot area, ``S`` segments stacked.
 
-        Two lists: ``_read``, what a compiled step reads (every slot segment, written or not: the graph reads the
-        same tensors after every compression), and ``_read_eager``, what an eager step reads (the written ones
-        only). Compression events run eagerly, between compiled steps, so the eager list is rebuilt whenever a slot
-        segment is written; an eager step's cost then follows the tokens held, not the room reserved."""
-        unwritten = {id(s) for s in self._slot_segments()[self._slots_used:]}
-
-        def read(segments):
-            parts = [(k, v, n, seg.slot) for seg in segments for k, v, n in seg.parts]
-            # a slot segment keeps its length tensor (written in place: the read's structure never changes)
-            return ([k for k, _, _, _ in parts], [v for _, v, _, _ in parts],
-                    [None if not slot and int(n.min()) >= k.shape[-2] else n for k, _, n, slot in parts]
-                    ) if parts else None
-
-        self._read = read(self.segments)
-        self._read_eager = read([s for s in self.segments if id(s) not in unwritten]) if unwritten else self._read
+        Two reads: ``_read``, what a compiled step reads (the whole area, written or not: the graph reads the same
+        tensors after every compression), and ``_read_eager``, what an eager step reads (the area's rows of the
+        written slot segments only). Compression events run eagerly, between compiled steps, so the eager read is
+        rebuilt whenever a slot segment is written; an eager step's cost then follows the tokens held, not the
+        room reserved."""
+        parts = [(k, v, n) for seg in self.segments if not seg.slot for k, v, n in seg.parts]
+        base = ([k for k, _, _ in parts], [v for _, v, _ in parts],
+                [None if int(n.min()) >= k.shape[-2] else n for k, _, n in parts]) if parts else None
+        S, u = len(self._slot_segments()), self._slots_used
+        whole = [(k, v, n, S) for k, v, n in self._area] if S else []
+        if u < S:
+            B = self._area[0][2].shape[0] // S
+            rows = slice(0, u * B)
+            written = [(_rows(k, rows), _rows(v, rows), n[rows], u) for k, v, n in self._area] if u else []
+        else:
+            written = whole
+        self._read = (base, whole) if base is not None or whole else None
+        self._read_eager = (base, written) if base is not None or written else None
 
     def _segments_read(self):
         """The segments' read for this step: :attr:`_read` while a compiled step is traced, else the eager one."""
@@ -306,41 +349,68 @@ class QuantizedSegmentStore(SlotStore):
         tail (causal by position); returns ``[B, T, Hq, D]``."""
         B, Hq, T, D = query.shape
         read = self._segments_read()
-        r = self._seam_decode(query, qpos, scaling, read)
-        if r is not None:
-            out, lse = r
-            self.observe(query, qpos, scaling, lse)
-            return out
+        base, stacked = read if read is not None else (None, [])
         out = lse = None
-        if self.keys is not None and self.keys.shape[-2]:
-            o, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True,
-                                  dense=self.dense_decode(T))
-            out = o.transpose(1, 2)
-        if read is not None:  # the tail's partial attention is merged in by quant_decode (prior=...)
-            ks, vs, ns = read
-            out, lse = quant_decode(query, ks, vs, scale=scaling, valid=ns, return_lse=True,
-                                    prior=None if out is None else (out, lse))
+        r = self._seam_decode(query, qpos, scaling, base)
+        if r is not None:
+            out, lse = r[0].transpose(1, 2), r[1]  # [B, Hq, 1, D], [B, Hq, 1]
+        else:
+            if self.keys is not None and self.keys.shape[-2]:
+                o, lse = attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, return_lse=True,
+                                      dense=self.dense_decode(T))
+                out = o.transpose(1, 2)
+            if base is not None:  # the tail's partial attention is merged in by quant_decode (prior=...)
+                ks, vs, ns = base
+                out, lse = quant_decode(query, ks, vs, scale=scaling, valid=ns, return_lse=True,
+                                        prior=None if out is None else (out, lse))
+        for k, v, n, S in stacked:
+            o, s = self._stacked_decode(query, k, v, n, S, scaling)
+            out, lse = (o, s) if out is None else merge_attn(out, lse, o, s)
         if out is None:
             return query.new_zeros(B, T, Hq, D)
         self.observe(query, qpos, scaling, lse)
         return out.transpose(1, 2)
 
-    def _seam_decode(self, query, qpos, scaling, read):
-        """A single-token eager step on the Triton path: ONE :func:`kvkit.kernels.decode` call over a
-        :class:`~kvkit.kernels.DecodeView` whose own keys are the tail (causal by pos/qpos) and whose parts are the
-        segments' packed parts (:class:`~kvkit.kernels.PackedPart`, with their lengths). Returns
+    @staticmethod
+    def _stacked_decode(query, k, v, n, S, scaling):
+        """Queries ``[B, Hq, T, D]`` over ``S`` slot segments stacked in the batch dim (``k, v`` :class:`Packed` of
+        ``S * B`` rows, ``n [S * B]`` their lengths): one read with the queries repeated per segment, then the ``S``
+        partial results of each row merged by log-sum-exp. Returns ``(out [B, Hq, T, D], lse [B, Hq, T])``; a row
+        whose segments are all empty gets zeros and ``-inf``."""
+        B, Hq, T, D = query.shape
+        qs = query.repeat(S, 1, 1, 1)  # rows i*B .. (i+1)*B read slot segment i
+        if torch.compiler.is_compiling():  # one operator in the compiled graph (packed_decode over S*B rows)
+            o, s = decode(qs[:, :, 0], DecodeView(None, None, parts=(PackedPart(k, v, n),)), scale=scaling,
+                          return_lse=True)
+            o, s = o[:, :, None], s[:, :, None]
+        else:
+            o, s = quant_decode(qs, k, v, scale=scaling, valid=n, return_lse=True)
+        s = s.float().view(S, B, Hq, T)
+        m = s.amax(0)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        w = torch.exp(s - m)  # [S, B, Hq, T]; an empty segment (lse -inf) weighs 0
+        tot = w.sum(0)
+        safe = torch.where(tot > 0, tot, torch.ones_like(tot))
+        out = (o.float().view(S, B, Hq, T, -1) * (w / safe)[..., None]).sum(0).to(o.dtype)
+        return out, torch.log(tot) + m
+
+    def _seam_decode(self, query, qpos, scaling, base):
+        """A single-token eager step on the Triton path (and every compiled step): ONE
+        :func:`kvkit.kernels.decode` call over a :class:`~kvkit.kernels.DecodeView` whose own keys are the tail
+        (causal by pos/qpos) and whose parts are the base segments' packed parts (:class:`~kvkit.kernels.PackedPart`,
+        with their lengths); the slot area is read after it (:meth:`_stacked_decode`). Returns
         ``(out [B, 1, Hq, D], lse [B, Hq, 1])``, or None where the seam does not apply (the caller's path runs)."""
         tail = self.keys is not None and self.keys.shape[-2] > 0
-        if not (tail or read is not None):
+        if not (tail or base is not None):
             return None
         held = (self.keys, self.values) if tail else ()
-        packed = [p.data for p in read[0] + read[1]] if read is not None else []
+        packed = [p.data for p in base[0] + base[1]] if base is not None else []
         # a compiled step (static variant) always reads through the seam: its operators pick the path at run time
         if not (torch.compiler.is_compiling() or seam_open(query, *held, *packed)):
             return None
         parts = ()
-        if read is not None:
-            ks, vs, ns = read
+        if base is not None:
+            ks, vs, ns = base
             parts = tuple(PackedPart(k, v, n) for k, v, n in zip(ks, vs, ns))
         if tail:
             dense = self.dense_decode(1)
@@ -350,6 +420,19 @@ class QuantizedSegmentStore(SlotStore):
             view = DecodeView(None, None, parts=parts)
         r = seam_view(query, view, scaling)
         return None if r is None else (r[0][:, None], r[1][:, :, None])
+
+
+def _rows(p: Packed, rows: slice) -> Packed:
+    """The rows ``rows`` (batch dim) of every tensor of ``p``: views, so writes reach ``p``."""
+    return map_packed(p, lambda t: t[rows])
+
+
+def _cat_packed(ps: list) -> Packed:
+    """Packed blocks of one layout concatenated along the batch dim (new tensors)."""
+    pre = None if ps[0].prescale is None else torch.cat([p.prescale for p in ps])
+    data = torch.cat([p.data for p in ps])
+    return replace(ps[0], data=data, scale=torch.cat([p.scale for p in ps]), zero=torch.cat([p.zero for p in ps]),
+                   prescale=pre, shape=(data.shape[0], *ps[0].shape[1:]))
 
 
 def _zeroed(p: Packed) -> Packed:

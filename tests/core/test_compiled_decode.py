@@ -365,20 +365,28 @@ def test_chelsea_static_holds_its_bound_and_compiles_with_reconstruction_scores(
         kvkit.unpatch(model)
 
 
-def test_zipcache_static_eager_step_reads_written_slot_segments_only(monkeypatch):
-    """An eager step of a static ZipCache reads the prompt's segment and the slot segments written so far, not the
-    ones reserved for the rest of the room (their cost would follow the room, not the tokens held); a compiled step
-    reads every slot segment (one graph over all compression events). Both decode the dynamic cache's tokens."""
+def test_zipcache_static_reads_its_slot_segments_as_one_stacked_area(monkeypatch):
+    """A static ZipCache store keeps its slot segments in one stacked area per part (segment i = rows i*B..(i+1)*B)
+    and reads it with one call, the queries repeated per segment: an eager step reads the area's rows of the slot
+    segments written so far (its cost follows the tokens held, not the room reserved), a compiled step the whole
+    area (one graph over all compression events; one ``packed_decode`` per part whatever the room). Both decode the
+    dynamic cache's tokens."""
     import kvkit.stores.quantized as Q
 
     model = tiny_model("llama")
     ids = random_ids(40, seed=1)
+    B = ids.shape[0]
     opts = dict(requant_interval=2)
     kvkit.patch(model, "zipcache", **opts)
     dyn_toks, _, _ = greedy(model, ids, STEPS)
     read = []
     real = Q.quant_decode
-    monkeypatch.setattr(Q, "quant_decode", lambda q, ks, vs, **kw: read.append(len(ks)) or real(q, ks, vs, **kw))
+
+    def recorded(q, ks, vs, **kw):
+        read.append(("base", len(ks)) if isinstance(ks, list) else ("area", q.shape[0] // B))
+        return real(q, ks, vs, **kw)
+
+    monkeypatch.setattr(Q, "quant_decode", recorded)
     kvkit.patch(model, "zipcache", static=True, max_length=ids.shape[1] + 4 * STEPS, **opts)
     try:
         toks, _, cache = _decode(model, ids, STEPS, model)
@@ -386,15 +394,29 @@ def test_zipcache_static_eager_step_reads_written_slot_segments_only(monkeypatch
         layer = cache.layers[0]
         prompt = len(layer.segments[0].parts)
         slots = [s for s in layer.segments if s.slot]
-        per_slot = len(slots[0].parts)
         assert len(slots) == 2 * STEPS  # reserved for the room asked
+        area = layer._area
+        assert len(area) == len(slots[0].parts) and area[0][2].shape == (len(slots) * B,)
+        for i, seg in enumerate(slots):  # every slot segment is a view of its rows of the area
+            assert seg.parts[0][0].data.data_ptr() == area[0][0].data[i * B].data_ptr()
+        # step i (0-based), every layer: the prompt's segment, then the i // 2 slot segments written before it as
+        # one read of the area per part
         L = len(cache.layers)
-        # step i (0-based) reads the prompt's segment and the i // 2 slot segments written before it
-        assert read[::L] == [prompt + per_slot * (i // 2) for i in range(STEPS)]
-        assert len(layer._read[0]) == prompt + per_slot * len(slots)  # what a compiled step reads
-        read.clear()
-        toks, _, _ = _decode(model, ids, STEPS, model.get_compiled_call(_config()))
+        assert read == [c for i in range(STEPS) for _ in range(L)
+                        for c in [("base", prompt)] + [("area", i // 2)] * (len(area) if i // 2 else 0)]
+        assert layer._read[1][0][3] == len(slots)  # what a compiled step reads: the whole area
+        ops = []
+
+        def backend(gm, example_inputs):
+            ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        cc = _config()
+        cc.backend = backend
+        toks, _, _ = _decode(model, ids, STEPS, model.get_compiled_call(cc))
         assert torch.equal(toks, dyn_toks)
+        # per layer: the prompt's parts and one read of the slot area per part, not one per slot segment
+        assert sum("packed_decode" in o for o in ops) == L * (prompt + len(area)), ops
     finally:
         kvkit.unpatch(model)
 
