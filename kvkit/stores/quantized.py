@@ -140,8 +140,8 @@ class QuantizedSegmentStore(SlotStore):
         self.value_prescale = value_prescale
         self.key_group = key_group
         self.segments: list[Segment] = []
-        self._read = None  # (kpacks, vpacks, valid lengths or None where every row is full): built once per change
-        self._read_eager = None  # the same without the unwritten slot segments (:meth:`_build_read`)
+        self._read = None  # (base parts, stacked slot area) a compiled step reads: built once per change (_build_read)
+        self._read_eager = None  # the same with the written slot segments' rows only
         self._area: list = []  # a static store's slot segments stacked, one (kpack, vpack, length) per part
         self._slots_used = 0  # slot segments written (static variant)
 
@@ -300,8 +300,9 @@ class QuantizedSegmentStore(SlotStore):
                     t = getattr(d, name)
                     if t is not None:
                         t.copy_(getattr(src, name))
+                d.cpu_view = None  # the C kernel's cached statistics are stale (here and in the area)
             nd.copy_(n)
-        for k, v, _ in self._area:  # the C kernel's cached statistics of the area are stale
+        for k, v, _ in self._area:
             k.cpu_view = v.cpu_view = None
         self._slots_used += 1
         return True
