@@ -25,13 +25,13 @@ if args.model == "default":
     FULL = root / "results" / "ruler" / "full-4k"
     OUT, TITLE, README_TABLE = pol / "issue19", "default model (SmolLM2-135M-Instruct)", True
     RUNS = [
-        ("duo054c200-4k", "duo", "~54% of KV removed, pattern calibrated 200 steps (shipped)", "agnostic", "bytes",
-         "duo054-4k"),
+        ("duo054c200-4k", "duo", "~54% of KV removed, pattern calibrated 200 steps (shipped from session 9 to 32)",
+         "agnostic", "bytes", "duo054-4k"),
         ("duo054-4k", "duo", "~54% of KV removed, 12-step pattern (shipped before)", "agnostic", "bytes", None),
         ("duo054d-4k", "duo", "~54% of KV removed, the shipped recipe recalibrated on the disjoint text (session 27 "
          "candidate, not shipped: results/duo/README.md)", "agnostic", "bytes", None),
         ("duo054-4k120", "duo", "~54% of KV removed, recalibrated on 4K samples of the disjoint text, 120 steps (session "
-         "29 candidate, not shipped: results/duo/README.md)", "agnostic", "bytes", None),
+         "29; shipped since session 32: results/duo/README.md)", "agnostic", "bytes", "duo054c200-4k"),
         ("tidalcode1380kv-4k", "tidal", "budget 1380, kv_head, layers [2, 8, 14, 20, 26] (code-needle calibration, rejected: not shipped)",
          "agnostic", "reads", "tidal1732kv-4k"),
         ("tidalsel1537kv-4k", "tidal", "budget 1537, kv_head, layers [2, 6, ..., 26], select_attention=selected "
@@ -227,6 +227,7 @@ PAPER = {"tidal1732kv-4k": "paper layout (layers 2 + 12)",
          "shadowkv1024-4k": "paper rank 30", "chelsea50-4k": "paper matching (protect 0)",
          "chelsea25-4k": "paper matching (protect 0)", "chelsea20-4k": "paper matching (protect 0)", "duo054-4k": "12-step pattern", "duo081-4k": "12-step pattern",
          "duo054-pattern004d": "pattern shipped before", "duo081-pattern004d": "pattern shipped before",
+         "duo054c200-4k": "pattern shipped to session 32",
          "snapkv2048-4k-qaware": "paper pooling (kernel 5, avg)", "snapkv2048-4k": "paper pooling (kernel 5, avg)",
          "cake2048-4k-qaware": "paper kernel 5", "cake2048-4k": "taus (1, 1), kernel 5",
          "snapkv1024-4k-qaware": "paper pooling (kernel 5, avg)", "zipcache": "paper 4/2-bit 60/40",

@@ -41,9 +41,10 @@ SUPERSEDED = {"duo054-4k", "duo081-4k", "tidalcal1732kv-4k", "zipcache", "tidalc
               "tidalrf1132kv-4k",
               # Qwen's layer shares: stopped early, worse than its uniform budgets, not shipped
               "tidalsh999kv",
-              # DuoAttention patterns not shipped (the default model's disjoint-text candidates of sessions 27 and 29)
-              # or no longer shipped (Qwen's pattern before session 28)
-              "duo054d-4k", "duo054-4k120", "duo054-pattern004d", "duo081-pattern004d"}
+              # DuoAttention patterns not shipped (the default model's disjoint-text candidate of session 27) or no
+              # longer shipped (Qwen's pattern before session 28; the default model's at ~50% before session 32, whose
+              # ~81% row stays drawn: the shipped file was not run at 0.81)
+              "duo054d-4k", "duo054c200-4k", "duo054-pattern004d", "duo081-pattern004d"}
 
 
 #: label offsets (points) tried in order next to a marker: right of it, then left, then further up / down
