@@ -421,6 +421,31 @@ def test_zipcache_static_reads_its_slot_segments_as_one_stacked_area(monkeypatch
         kvkit.unpatch(model)
 
 
+def test_zipcache_static_stacked_area_keeps_each_row_of_a_padded_batch():
+    """Stacked slot segments of a left-padded batch of 3 rows (segment i of row b is area row i*3 + b): the static
+    store decodes each row's tokens as the dynamic cache does, across several compressions and a batch reorder."""
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([40, 31, 36])
+    opts = dict(requant_interval=2)
+    kvkit.patch(model, "zipcache", **opts)
+    dyn_toks, dyn_logits, _ = greedy(model, ids, STEPS, attention_mask=mask)
+    kvkit.patch(model, "zipcache", static=True, max_length=ids.shape[1] + 4 * STEPS, **opts)
+    try:
+        toks, logits, cache = greedy(model, ids, STEPS, attention_mask=mask)
+        assert torch.equal(toks, dyn_toks)
+        for a, b in zip(logits, dyn_logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        layer = cache.layers[0]
+        assert layer._slots_used >= 2 and layer._area[0][2].shape[0] == 3 * len(layer._slot_segments())
+        before = [n.clone() for _, _, n in layer._area]
+        cache.reorder_cache(torch.tensor([2, 0, 1]))  # beam-search reorder: the area is restacked per segment
+        for (_, _, n), m in zip(layer._area, before):
+            assert torch.equal(n, m.view(-1, 3)[:, [2, 0, 1]].reshape(-1))
+        assert layer._slot_segments()[0].parts[0][2].data_ptr() == layer._area[0][2].data_ptr()
+    finally:
+        kvkit.unpatch(model)
+
+
 def test_zipcache_static_writes_its_segments_in_place_and_doubles_them_once():
     """ZipCache's static store: the tail is ``requant_interval`` slots, the decoded tokens' segments go to slot
     segments preallocated at the prefill for the room asked (``max_length``) and written in place (the compiled
