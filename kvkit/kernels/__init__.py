@@ -4,7 +4,7 @@ Public API (shapes: B batch, Hq query heads, Hkv KV heads, Tq query tokens, N st
 
 * :func:`decode` -- one query token over a :class:`DecodeView` (the decode seam: fixed capacity, no host sync).
 * :func:`sparse_decode` -- attention over listed token indices (per KV head or per query head).
-* :func:`merge_attn` -- combine two partial results through their log-sum-exp.
+* :func:`merge_attn` -- combine two partial results through their log-sum-exp; :func:`merge_partials`, any number.
 * :func:`weighted_decode` -- dense attention with an additive per-key log-weight.
 * :func:`quantize` / :func:`dequantize` / :func:`packed_nbytes` / :func:`quant_decode` -- int8/4/2 KV.
 * :func:`lowrank_decode` -- ShadowKV: keys rebuilt from low-rank factors + RoPE, attended with their values.
@@ -44,7 +44,7 @@ from ._triton import require_triton, triton_available
 from .decode_op import compiled_decode
 from .gather import gather_attend, gather_attend_torch
 from .quant import Packed, dequantize, packed_nbytes, quantize
-from .reference import merge_attn
+from .reference import merge_attn, merge_partials
 from .scoring import chunk_scores, topk_indices
 from .view import DecodeView, PackedPart, check_view, check_view_ranges
 
@@ -52,6 +52,7 @@ __all__ = [
     "DecodeView", "PackedPart", "decode",
     "Packed", "backend", "chunk_scores", "dequantize", "gather_attend", "gather_attend_torch", "lowrank_decode",
     "merge_attn",
+    "merge_partials",
     "lowrank_token_decode", "packed_nbytes", "quant_decode", "quantize", "sparse_decode",
     "topk_indices", "use_triton", "weighted_decode",
 ]

@@ -132,14 +132,22 @@ def merge_attn(out1, lse1, out2, lse2):
             f"kvkit.kernels.merge_attn: shapes must be out [..., D] and lse [...] for both parts, got "
             f"{tuple(out1.shape)}/{tuple(lse1.shape)} and {tuple(out2.shape)}/{tuple(lse2.shape)}"
         )
-    l1, l2 = lse1.float(), lse2.float()
-    m = torch.maximum(l1, l2)
+    out, lse = merge_partials(torch.stack([out1.float(), out2.float()]), torch.stack([lse1.float(), lse2.float()]))
+    return out.to(out1.dtype), lse
+
+
+def merge_partials(out, lse):
+    """Combine ``S`` partial attentions over disjoint key sets, stacked in dim 0: out ``[S, ..., D]`` with lse
+    ``[S, ...]`` (natural log). Returns (out ``[..., D]`` in out's dtype, lse ``[...]`` fp32) of attention over
+    the union; a row whose parts are all empty (lse = -inf) gives zeros and -inf."""
+    ls = lse.float()
+    m = ls.amax(0)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    tot = w1 + w2
+    w = torch.exp(ls - m)  # an empty part (lse -inf) weighs 0
+    tot = w.sum(0)
     safe = torch.where(tot > 0, tot, torch.ones_like(tot))
-    out = (out1.float() * (w1 / safe)[..., None] + out2.float() * (w2 / safe)[..., None]).to(out1.dtype)
-    return out, torch.log(tot) + m
+    merged = (out.float() * (w / safe)[..., None]).sum(0).to(out.dtype)
+    return merged, torch.log(tot) + m
 
 
 # ---- quantized decode --------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from kvkit.kernels import (
     PackedPart,
     decode,
     merge_attn,
+    merge_partials,
     packed_nbytes,
     quant_decode,
     quantize,
@@ -386,14 +387,7 @@ class QuantizedSegmentStore(SlotStore):
             o, s = o[:, :, None], s[:, :, None]
         else:
             o, s = quant_decode(qs, k, v, scale=scaling, valid=n, return_lse=True)
-        s = s.float().view(S, B, Hq, T)
-        m = s.amax(0)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        w = torch.exp(s - m)  # [S, B, Hq, T]; an empty segment (lse -inf) weighs 0
-        tot = w.sum(0)
-        safe = torch.where(tot > 0, tot, torch.ones_like(tot))
-        out = (o.float().view(S, B, Hq, T, -1) * (w / safe)[..., None]).sum(0).to(o.dtype)
-        return out, torch.log(tot) + m
+        return merge_partials(o.view(S, B, Hq, T, -1), s.view(S, B, Hq, T))
 
     def _seam_decode(self, query, qpos, scaling, base):
         """A single-token eager step on the Triton path (and every compiled step): ONE

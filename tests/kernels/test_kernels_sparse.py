@@ -127,6 +127,19 @@ def test_merge_attn_equals_joint_attention():
     assert max_err(o3, o1) < 1e-6 and max_err(l3, l1) < 1e-6
 
 
+def test_merge_partials_equals_joint_attention_and_ignores_empty_parts():
+    """``merge_partials`` over S stacked parts (one of them empty) == attention over all their keys."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(2, 4, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g)
+    parts = [K.weighted_decode(q, k[:, :, a:b], v[:, :, a:b], return_lse=True) for a, b in ((0, 7), (7, 19), (19, 30))]
+    parts.append((torch.zeros_like(parts[0][0]), torch.full_like(parts[0][1], float("-inf"))))
+    o, lse = K.merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    ref, rl = K.weighted_decode(q, k, v, return_lse=True)
+    assert max_err(o, ref) < 1e-5 and max_err(lse, rl) < 1e-5
+    empty, el = K.merge_partials(torch.zeros(3, 2, 4, 16), torch.full((3, 2, 4), float("-inf")))
+    assert bool((empty == 0).all()) and bool(torch.isneginf(el).all())
+
+
 def test_references_vs_dense_fp64():
     """Each reference (fp32 CPU path) against a dense fp64 softmax written out by hand."""
     g = torch.Generator().manual_seed(6)
