@@ -53,7 +53,7 @@ def policy_files(model, policy: str, options: dict, built=None) -> dict:
     every record."""
     if is_peer(policy):
         return {}
-    return (built or policy_class(policy)(**options)).content_hashes(model.config)
+    return (built if built is not None else policy_class(policy)(**options)).content_hashes(model.config)
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
@@ -88,7 +88,7 @@ def calibration_used(model, policy: str, options: dict, built=None) -> dict | No
     :func:`policy_files`."""
     if policy not in CALIBRATED_OPTIONS:
         return None
-    pol = built or policy_class(policy)(**options)
+    pol = built if built is not None else policy_class(policy)(**options)
     resolved = resolve(pol, model.config)
     if resolved is pol:
         return None
