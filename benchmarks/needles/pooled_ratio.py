@@ -13,14 +13,10 @@ if the run answers it, as in the tables), their ratio, and the 2.5/97.5 percenti
 """
 
 import argparse
-import json
 import random
 from pathlib import Path
 
-
-def scores(root: Path, run: str) -> dict:
-    with open(root / run / "samples.jsonl", encoding="utf-8") as f:
-        return {row["id"]: float(row["score"]) for row in map(json.loads, f)}
+from paired_runs import scores  # the sibling script's reader of a run's samples.jsonl
 
 
 def pooled_pairs(roots: list[Path], runs: list[str]) -> dict:

@@ -278,20 +278,22 @@ def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
     assert "--run names must be unique" in capsys.readouterr().err
 
 
-def _script(name):
+def _script(name, monkeypatch):
+    """A script of benchmarks/needles as a module, its folder on sys.path as when it runs (it imports siblings)."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "needles" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    folder = Path(__file__).resolve().parents[2] / "benchmarks" / "needles"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_pooled_ratio_counts_only_the_needles_every_run_scored(tmp_path, capsys):
+def test_pooled_ratio_counts_only_the_needles_every_run_scored(tmp_path, capsys, monkeypatch):
     """benchmarks/needles/pooled_ratio.py: pooled over two roots, a needle one run lacks is dropped for every run,
     a needle full misses counts when the run answers it, and the interval holds the ratio."""
-    pr = _script("pooled_ratio")
+    pr = _script("pooled_ratio", monkeypatch)
 
     def write(root, run, scores):
         (root / run).mkdir(parents=True)
