@@ -42,6 +42,17 @@ from kvkit.stores.static import static_store
 BITS = (2, 4, 8)
 
 
+def check_bits(name: str, b, allow_none: bool = False) -> None:
+    """A bit width option: an ``int`` of :data:`BITS` (None too with ``allow_none``); a float such as ``8.0`` (from
+    JSON, a calibration file) is refused by name, since the packing kernels index by it."""
+    if b is None and allow_none:
+        return
+    if isinstance(b, bool) or not isinstance(b, int) or b not in BITS:
+        kind = f" (a {type(b).__name__}; write it as an integer)" if isinstance(b, float) and b in BITS else ""
+        none = "None or " if allow_none else ""
+        raise ValueError(f"zipcache: {name} must be {none}an integer of {BITS} (bits per value), got {b!r}{kind}")
+
+
 @register("zipcache")
 @dataclass(frozen=True)
 class ZipCache(Policy):
@@ -107,17 +118,13 @@ class ZipCache(Policy):
     )
 
     def __post_init__(self):
-        for name in ("high_bits", "low_bits"):
-            b = getattr(self, name)
-            if isinstance(b, bool) or b not in BITS:
-                raise ValueError(f"zipcache: {name} must be one of {BITS} (bits per value), got {b!r}")
+        for name in ("high_bits", "low_bits", "key_bits"):
+            check_bits(name, getattr(self, name), allow_none=name == "key_bits")
         if self.low_bits > self.high_bits:
             raise ValueError(
                 f"zipcache: low_bits ({self.low_bits}) must not exceed high_bits ({self.high_bits}); "
                 "salient tokens get the higher precision"
             )
-        if self.key_bits is not None and (isinstance(self.key_bits, bool) or self.key_bits not in BITS):
-            raise ValueError(f"zipcache: key_bits must be None or one of {BITS} (bits per key value), got {self.key_bits!r}")
         if self.key_group is not None:
             check_positive_int("zipcache", "key_group", self.key_group)
         if self.stats not in ("float16", "float32", "auto"):
