@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 from transformers.cache_utils import Cache
 
 from kvkit.model_info import layer_infos, make_rope_fn, text_config
 from kvkit.registry import available_policies, policy_class
 from kvkit.state import patch_state
 from kvkit.stores.full import SlidingStore
+from kvkit.stores.normal import to_normal_tensors
 
 
 def static_policies() -> tuple[str, ...]:
@@ -95,6 +97,21 @@ class KVCache(Cache):
         #: a policy's own scoring forward is running (KVzip's reconstruction): its tokens are rolled back
         #: afterwards, so the context-length check and the policy's after-forward hook skip it
         self.scoring_pass = False
+        #: some tensor was made under ``torch.inference_mode()`` (:meth:`leave_inference_mode`)
+        self.inference_tensors = torch.is_inference_mode_enabled()
+
+    def leave_inference_mode(self) -> None:
+        """Before a write: under ``torch.inference_mode()`` note that the cache holds inference tensors; outside it,
+        once, copy them into normal tensors (:func:`kvkit.stores.normal.to_normal_tensors`), since PyTorch refuses
+        in-place writes to inference tensors there. A cache filled under inference mode (``kvkit.prefill`` or a
+        forward) then decodes under ``no_grad`` (``generate``) as transformers' ``DynamicCache`` does."""
+        if torch.compiler.is_compiling():
+            return
+        if torch.is_inference_mode_enabled():
+            self.inference_tensors = True
+        elif self.inference_tensors:
+            to_normal_tensors(self.layers, self.shared)
+            self.inference_tensors = False
 
     # ---- guards ------------------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -103,6 +120,7 @@ class KVCache(Cache):
                 f"this KVCache has {len(self.layers)} layers but the model asked for layer {layer_idx}: it was built "
                 "for another model; build it with kvkit.KVCache(model, ...) for the model you run"
             )
+        self.leave_inference_mode()
         layer = self.layers[layer_idx]
         if layer.needs_kvkit_attention:
             impl = getattr(self._model_config, "_attn_implementation", "kvkit")
@@ -125,11 +143,13 @@ class KVCache(Cache):
         """Remove the newest ``n`` tokens from every layer exactly, or raise ``ValueError`` and change nothing."""
         for layer in self.layers:
             layer.check_rollback(n)
+        self.leave_inference_mode()
         for layer in self.layers:
             layer.rollback(n, ends_round=ends_round)
 
     def reserve(self, n: int) -> None:
         """Let every layer compress now so that the next ``n`` tokens stay exactly croppable."""
+        self.leave_inference_mode()
         for layer in self.layers:
             layer.reserve(n)
 
@@ -158,12 +178,14 @@ class KVCache(Cache):
     def ensure_capacity(self, n: int) -> None:
         """Let every static layer hold ``n`` tokens (prompt + new ones) without re-allocating: call it before a
         compiled decode loop (a compiled step cannot grow its buffers). No-op for growing layers."""
+        self.leave_inference_mode()
         for layer in self.layers:
             if hasattr(layer, "ensure_capacity"):
                 layer.ensure_capacity(n)
 
     def before_compiled_step(self, T: int) -> None:
         """Eager work before a compiled forward of ``T`` new tokens (``StoreMixin.before_compiled_step``)."""
+        self.leave_inference_mode()
         for layer in self.layers:
             layer.before_compiled_step(T)
 
@@ -171,6 +193,19 @@ class KVCache(Cache):
         """Eager bookkeeping after it (``StoreMixin.after_compiled_step``)."""
         for layer in self.layers:
             layer.after_compiled_step(T)
+
+    # ---- batch operations (beam search, batch expansion): in place on the layers ---------------------------
+    def reorder_cache(self, beam_idx):
+        self.leave_inference_mode()
+        return super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int):
+        self.leave_inference_mode()
+        return super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices):
+        self.leave_inference_mode()
+        return super().batch_select_indices(indices)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
