@@ -99,6 +99,7 @@ class KVCache(Cache):
         self.scoring_pass = False
         #: some tensor was made under ``torch.inference_mode()`` (:meth:`leave_inference_mode`)
         self.inference_tensors = torch.is_inference_mode_enabled()
+        self.batch_rows: int | None = None  # rows of the batch the cache holds (set by its first forward)
 
     def leave_inference_mode(self) -> None:
         """Before a write: under ``torch.inference_mode()`` note that the cache holds inference tensors; outside it,
@@ -121,6 +122,8 @@ class KVCache(Cache):
                 "for another model; build it with kvkit.KVCache(model, ...) for the model you run"
             )
         self.leave_inference_mode()
+        if layer_idx == 0 and not torch.compiler.is_compiling():
+            self.match_batch(key_states.shape[0])
         layer = self.layers[layer_idx]
         if layer.needs_kvkit_attention:
             impl = getattr(self._model_config, "_attn_implementation", "kvkit")
@@ -195,17 +198,38 @@ class KVCache(Cache):
             layer.after_compiled_step(T)
 
     # ---- batch operations (beam search, batch expansion): in place on the layers ---------------------------
+    def match_batch(self, rows: int) -> None:
+        """Before a forward of ``rows`` rows: a cache of one row that has seen tokens (a shared context) is
+        expanded to ``rows`` copies of it (:meth:`batch_repeat_interleave`, as transformers' ``DynamicCache``
+        broadcasts one), for every policy alike; a cache of another batch size is refused (``ValueError``). An
+        empty cache takes any batch (its first forward sets it)."""
+        if self.get_seq_length() == 0:
+            self.batch_rows = rows
+            return
+        have = getattr(self, "batch_rows", None)
+        if have is None or have == rows:
+            return
+        if have != 1:
+            raise ValueError(f"this KVCache holds a batch of {have} rows but the forward has {rows}: a cache continues "
+                             "the batch it was filled with (or one row, which is repeated for every row); select its "
+                             "rows first (cache.batch_select_indices) or fill a new KVCache for this batch")
+        self.batch_repeat_interleave(rows)
+
     def reorder_cache(self, beam_idx):
         self.leave_inference_mode()
         return super().reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int):
         self.leave_inference_mode()
-        return super().batch_repeat_interleave(repeats)
+        super().batch_repeat_interleave(repeats)
+        if getattr(self, "batch_rows", None) is not None:
+            self.batch_rows *= repeats
 
     def batch_select_indices(self, indices):
         self.leave_inference_mode()
-        return super().batch_select_indices(indices)
+        super().batch_select_indices(indices)
+        if getattr(self, "batch_rows", None) is not None:
+            self.batch_rows = len(indices)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
