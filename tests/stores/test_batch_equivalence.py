@@ -7,6 +7,7 @@ policy's own passes (KVzip's reconstruction). Tiny random models, few tokens: th
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 import kvkit
 from kvkit.cache import static_policies
@@ -63,5 +64,21 @@ def test_kvzip_static_generate_repeats_a_padded_row_at_its_own_positions(arch):
     kvkit.patch(model, "kvzip", static=True, **policy_test_options("kvzip"))
     try:
         _rows_equal_alone(model, prompts, {"generate": _generate(model, ids, mask)})
+    finally:
+        kvkit.unpatch(model)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+def test_kvzip_static_generate_with_a_compile_config_decodes_a_padded_row_as_alone():
+    """The same through ``generate``'s compiled decode step (``aot_eager``: the CPU compiles the step whole); the
+    prefill and its reconstruction run eagerly under the 4-D mask."""
+    model = tiny_model("qwen2")
+    ids, mask, prompts = left_padded_batch((30, 17), seed=7)
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager", mode=None)
+    cc._compile_all_devices = True  # transformers' switch for compiling generate's decode step off CUDA
+    kvkit.patch(model, "kvzip", static=True, **policy_test_options("kvzip"))
+    try:
+        _rows_equal_alone(model, prompts, {"compiled generate": _generate(model, ids, mask, compile_config=cc)})
     finally:
         kvkit.unpatch(model)
