@@ -56,6 +56,11 @@ class KVCache(Cache):
     decode step; :attr:`compile_refusal` says why not.
     """
 
+    #: some tensor was made under ``torch.inference_mode()`` (:meth:`leave_inference_mode`)
+    inference_tensors = False
+    #: rows of the batch the cache holds, set by its first forward (:meth:`match_batch`); None: not known
+    batch_rows: int | None = None
+
     def __init__(self, model, policy=None, *, static: bool | None = None, max_length: int | None = None,
                  **options):
         from kvkit.registry import get_policy
@@ -97,9 +102,7 @@ class KVCache(Cache):
         #: a policy's own scoring forward is running (KVzip's reconstruction): its tokens are rolled back
         #: afterwards, so the context-length check and the policy's after-forward hook skip it
         self.scoring_pass = False
-        #: some tensor was made under ``torch.inference_mode()`` (:meth:`leave_inference_mode`)
         self.inference_tensors = torch.is_inference_mode_enabled()
-        self.batch_rows: int | None = None  # rows of the batch the cache holds (set by its first forward)
 
     def leave_inference_mode(self) -> None:
         """Before a write: under ``torch.inference_mode()`` note that the cache holds inference tensors; outside it,
@@ -206,7 +209,7 @@ class KVCache(Cache):
         if self.get_seq_length() == 0:
             self.batch_rows = rows
             return
-        have = getattr(self, "batch_rows", None)
+        have = self.batch_rows
         if have is None or have == rows:
             return
         if have != 1:
@@ -222,14 +225,13 @@ class KVCache(Cache):
     def batch_repeat_interleave(self, repeats: int):
         self.leave_inference_mode()
         super().batch_repeat_interleave(repeats)
-        if getattr(self, "batch_rows", None) is not None:
+        if self.batch_rows is not None:
             self.batch_rows *= repeats
 
     def batch_select_indices(self, indices):
         self.leave_inference_mode()
         super().batch_select_indices(indices)
-        if getattr(self, "batch_rows", None) is not None:
-            self.batch_rows = len(indices)
+        self.batch_rows = None  # the next forward's rows are taken as they come
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):

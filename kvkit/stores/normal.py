@@ -19,14 +19,18 @@ import torch
 
 
 def _owned_by_kvkit(obj) -> bool:
-    """Objects whose attributes may hold a cache's tensors: kvkit's own classes (stores, packed blocks, segments,
-    the policies' shared state), not policies (frozen options), layer infos (the model's config and rotary
-    embedding) or modules."""
+    """Objects whose attributes may hold a cache's tensors: every store (a third-party policy's too) and kvkit's own
+    classes (packed blocks, segments, the policies' shared state), not policies (frozen options), layer infos (the
+    model's config and rotary embedding) or modules."""
+    from transformers.cache_utils import CacheLayerMixin
+
     from kvkit.model_info import LayerInfo
     from kvkit.policies.base import Policy
 
+    if isinstance(obj, CacheLayerMixin):
+        return True
     module = type(obj).__module__ or ""
-    return (module.startswith("kvkit.") and not isinstance(obj, (Policy, LayerInfo, torch.nn.Module))
+    return (module.startswith("kvkit.") and not isinstance(obj, (type, Policy, LayerInfo, torch.nn.Module))
             and (hasattr(obj, "__dict__") or dataclasses.is_dataclass(obj)))
 
 
