@@ -16,7 +16,6 @@ import sys
 import pytest
 
 import kvkit  # noqa: F401  (loads kvkit.patch)
-
 from kvkit.evals.gpu.ops import count_step_ops
 from kvkit.testing import policy_test_options, tiny_model
 

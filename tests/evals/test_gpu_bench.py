@@ -292,3 +292,91 @@ def test_compiled_read_bytes_of_every_static_store_kind(policy):
         assert got == want > 0
     finally:
         kvkit.unpatch(model)
+
+
+# -- the production grid (kvkit/evals/gpu/production.py) ----------------------------------------------------------
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("shape,params", [("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248)])
+def test_grid_weight_and_kv_bytes_of_the_real_shapes(shape, params):
+    """The computed bytes are the published parameter counts and Llama 3's KV per token (bf16)."""
+    import torch
+
+    from kvkit.evals.gpu import production as prod
+    from kvkit.evals.gpu.shapes import shape_config
+
+    cfg = shape_config(shape)
+    assert prod.weight_bytes(cfg, torch.bfloat16) == 2 * params
+    per_token = {"llama-3.2-1b": 32 * 1024, "llama-3.1-8b": 128 * 1024}[shape]
+    assert prod.kv_bytes_per_token(cfg, torch.bfloat16) == per_token
+
+
+def test_grid_weight_bytes_match_the_built_tiny_model():
+    import torch
+
+    from kvkit.evals.gpu import production as prod
+    from kvkit.evals.gpu.shapes import build_model, shape_config
+
+    model = build_model("tiny", "cpu", torch.float32)
+    assert prod.weight_bytes(shape_config("tiny"), torch.float32) == sum(
+        p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_grid_skips_the_cells_that_do_not_fit_the_card_and_says_why():
+    import torch
+
+    from kvkit.evals.gpu import production as prod
+    from kvkit.evals.gpu.shapes import shape_config
+
+    h100, h200 = 80 * GIB, 141 * GIB
+    big = prod.plan_cells(shape_config("llama-3.1-8b"), torch.bfloat16, prod.CELLS, h100)
+    fit = {(c["batch"], c["length"]): c for c in big}
+    # 32 x (32K + the decode room) of the 8B shape holds 129 GiB of KV: on neither card
+    assert not fit[32, 32768]["fits"] and "KV 129.0 GiB" in fit[32, 32768]["skip_reason"]
+    assert not prod.plan_cells(shape_config("llama-3.1-8b"), torch.bfloat16, [(32, 32768)], h200)[0]["fits"]
+    assert fit[8, 32768]["fits"] and fit[1, prod.LONG]["fits"] and fit[32, 8192]["fits"]
+    small = prod.plan_cells(shape_config("llama-3.2-1b"), torch.bfloat16, prod.CELLS, h100)
+    assert all(c["fits"] for c in small)  # 32 x 32K of the 1B shape: 32 GiB of KV
+    assert all(c["fits"] for c in prod.plan_cells(shape_config("tiny"), torch.float32, prod.TINY_CELLS, None))
+    with pytest.raises(ValueError, match="BATCHxLENGTH"):
+        prod.parse_cells("8by32768")
+    assert prod.parse_cells("8x32768, 1x130816") == ((8, 32768), (1, 130816))
+
+
+def test_grid_dry_run_on_the_tiny_shape(tmp_path):
+    """The whole grid on the CPU (one cell): its hf-static and compiled rows measured with tokens/s, the fraction of
+    the byte bound and the ratios to hf-static; the largest-batch probe per policy; the files."""
+    from kvkit.evals.gpu import production as prod
+
+    out = tmp_path / "grid"
+    code = prod.main(["--shape", "tiny", "--device", "cpu", "--cells", "2x32", "--steps", "2", "--warmup", "1",
+                      "--policies", "full", "streaming:budget=8,sink=2,tail=4", "--probe-length", "48",
+                      "--compile-backend", "aot_eager", "--time-limit", "300", "--out", str(out)])
+    assert code == 0
+    res = json.loads((out / "grid.json").read_text())
+    rows = res["rows"]
+    assert [(r["batch"], r["name"]) for r in rows] == [
+        (2, n) for n in ("hf-static", FULLC, STREAMC)]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, abs=0.051)
+        assert r["of_byte_bound"] == pytest.approx(r["byte_bound_ms"] / r["step_ms"], abs=1e-3)
+        assert r["speedup_vs_hf_static"] > 0 and r["prefill_s"] > 0
+    probes = {p["policy"]: p for p in res["probes"]}
+    assert set(probes) == {"full", "streaming"}
+    # full keeps every token: its rows cost more than streaming's 8-token budget
+    assert probes["full"]["per_row_bytes"] > probes["streaming"]["per_row_bytes"] > 0
+    assert probes["full"]["max_batch"] is None  # no card: no largest batch on the CPU
+    md = (out / "grid.md").read_text()
+    assert "| 2 | 32 | full static+compile |" in md and "Largest batch at 48 tokens" in md
+
+
+def test_largest_batch_arithmetic(monkeypatch):
+    from kvkit.evals.gpu import production as prod
+
+    peaks = {1: 1000 + 300, 2: 1000 + 600}
+    monkeypatch.setattr(prod, "_probe_once", lambda model, policy, opts, b, length, cuda, seed: dict(
+        peak=peaks[b], allocated=200 * b))
+    r = prod.max_batch(None, "full", {}, 100, usable=10_000, cuda=True)
+    assert r["per_row_bytes"] == 300 and r["fixed_bytes"] == 1000 and r["max_batch"] == 30

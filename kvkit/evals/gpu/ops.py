@@ -32,7 +32,6 @@ import torch
 import kvkit
 from kvkit.compat import cache_kw
 
-
 #: aten operators that only re-describe a tensor (no kernel, no copy): left out of the ``compute`` count
 VIEW_OPS = frozenset(f"aten.{n}.{o}" for n in ("view", "_unsafe_view", "t", "unsqueeze", "squeeze", "slice",
                                                "expand", "permute", "transpose", "select", "alias", "as_strided",
