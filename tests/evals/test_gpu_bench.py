@@ -380,3 +380,54 @@ def test_largest_batch_arithmetic(monkeypatch):
         peak=peaks[b], allocated=200 * b))
     r = prod.max_batch(None, "full", {}, 100, usable=10_000, cuda=True)
     assert r["per_row_bytes"] == 300 and r["fixed_bytes"] == 1000 and r["max_batch"] == 30
+
+
+# -- the prepared GPU scripts (benchmarks/gpu/) -------------------------------------------------------------------
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_gpu_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compiled_profile_kernel_arithmetic():
+    """Kernels, busy time (overlaps merged), the gaps inside steps (the steps - 1 largest gaps, between steps,
+    left out) and the span, per step."""
+    ks = _script("profile_compiled").kernel_stats([(0, 10), (5, 12), (14, 20), (100, 110), (112, 120)], steps=2)
+    assert ks["kernels"] == 2.5
+    assert ks["busy_ms"] == pytest.approx((12 + 6 + 10 + 8) / 1e3 / 2)
+    assert ks["gaps_ms"] == pytest.approx((2 + 2) / 1e3 / 2)  # the 80 us between the steps is not a gap
+    assert ks["span_ms"] == pytest.approx(120 / 1e3 / 2) and ks["median_gap_us"] == 2
+    assert _script("profile_compiled").kernel_stats([], steps=3)["kernels"] == 0.0
+
+
+@pytest.mark.slow
+def test_run_all_dry_run_end_to_end(tmp_path):
+    """``DRY=1 bash benchmarks/gpu/run_all.sh`` on the CPU (tiny shape): every stage runs and leaves its file, at
+    most 8 files in all (what the device tool brings back), the speculative rounds lossless."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    env = dict(os.environ, DRY="1", PY=sys.executable, OUT=str(out), PYTHONPATH=str(root))
+    r = subprocess.run(["bash", str(root / "benchmarks" / "gpu" / "run_all.sh")], env=env, capture_output=True,
+                       text=True, timeout=1200, check=False)
+    assert r.returncode == 0, r.stdout[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["grid-1b.json", "grid-1b.md", "grid-8b.json", "grid-8b.md", "log.txt", "ops.md", "profile.txt",
+                     "speculative.json"]
+    assert "| full | 2, 4 |" in (out / "ops.md").read_text()
+    for g in ("grid-1b", "grid-8b"):
+        rows = json.loads((out / f"{g}.json").read_text())["rows"]
+        assert rows and all(x["status"] == "ok" for x in rows), rows
+    spec = json.loads((out / "speculative.json").read_text())["rows"]
+    assert spec and all("error" not in x and x["tokens_equal"] == 1.0 for x in spec), spec
+    prof = (out / "profile.txt").read_text()
+    assert all(f"## {p} static+compile" in prof for p in ("full", "streaming", "snapkv")), prof
