@@ -431,3 +431,28 @@ def test_run_all_dry_run_end_to_end(tmp_path):
     assert spec and all("error" not in x and x["tokens_equal"] == 1.0 for x in spec), spec
     prof = (out / "profile.txt").read_text()
     assert all(f"## {p} static+compile" in prof for p in ("full", "streaming", "snapkv")), prof
+
+
+def test_grid_from_the_bench_arguments(monkeypatch, capsys):
+    """``kvkit bench --shape NAME --grid``'s code path: the bench's arguments become the grid's settings
+    (``--batch`` x each of ``--lengths`` as the cells), the tables printed."""
+    import argparse
+
+    from kvkit.evals.gpu import production as prod
+
+    seen = {}
+
+    def fake(shape, device, **kw):
+        seen.update(kw, shape=shape, device=device)
+        return dict(info={}, cells=[], rows=[], probes=[])
+
+    monkeypatch.setattr(prod, "run_grid", fake)
+    args = argparse.Namespace(shape="llama-3.1-8b", device="cuda", policies=["full", "snapkv"], steps=None, warmup=3,
+                              time_limit=100.0, out=None, compile_backend="inductor", lengths="8192,32768", batch=8)
+    assert prod.run_bench_args(args, "kvkit bench --shape llama-3.1-8b --grid") == 0
+    assert seen["cells"] == ((8, 8192), (8, 32768)) and seen["policies"] == ["full", "snapkv"]
+    assert seen["steps"] == 10 and seen["warmup"] == 3 and seen["shape"] == "llama-3.1-8b"
+    assert "# Decode grid: llama-3.1-8b" in capsys.readouterr().out
+    args.lengths, args.policies = None, None
+    prod.run_bench_args(args)
+    assert seen["cells"] is None and seen["policies"] == list(prod.DEFAULT_POLICIES)
