@@ -344,7 +344,7 @@ def test_lock_held_by_another_process_names_its_pid_and_a_killed_holder_blocks_n
 
 
 def test_same_settings_share_a_folder_only_with_resume(tmp_path):
-    """One job split over processes by --tasks (benchmarks/policies/run_cpu.sh) shares its run folders: a writer of
+    """One job split over processes by --tasks (benchmarks/policies/run_shadowkv_8k_cpu.sh) shares its run folders: a writer of
     the same settings joins with --resume; without it, or with other settings, it is refused."""
     cfg = {"benchmark": "ruler", "policy": "full", "dtype": "float32", "tasks": ["vt"]}
     with rundir.RunDir(tmp_path / "run", cfg) as a:
