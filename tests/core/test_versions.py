@@ -1,4 +1,4 @@
-"""The transformers releases kvkit claims are the ones it runs on (issue 33).
+"""The transformers releases kvkit claims are the ones it runs on.
 
 * the per-layer information is read from the config by kvkit, whatever transformers' ``get_layer_types_and_kwargs``
   returns on the installed release (absent before 5.14, one shared dict before 5.19, one dict per layer since);
