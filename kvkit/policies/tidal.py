@@ -37,7 +37,7 @@ Selection modes
     head the tokens an unrelated head of the selection layer wanted. On the default model at half the reads a
     reuse layer's copy head put 0.9-1.0 of its attention on the needle token its namesake in the selection layer
     had not selected (and previous-token heads their last tokens), and the per-head modes lost 5-6 of 7 held-out
-    needles the shared list keeps (results/needles/README.md, "Session 24").
+    needles the shared list keeps (results/needles/README.md).
     ``selection="q_head"`` (the paper's code): top-k per query head; with GQA a KV head then reads
     ``group x budget`` rows (one list per query head). ``selection="kv_head"`` (the paper's future
     work): one top-k per KV head from the softmax probabilities of its query group, combined by
