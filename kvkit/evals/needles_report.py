@@ -207,8 +207,7 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
         return True
 
     # First every label that fits on its own point's line (right, else left). A label moved down first would take
-    # the place beside a lower point that that point's label needs, and read as that point's (the session-28 Qwen
-    # figure had kvzip-p0.2's label beside chelsea-p0.2's point, and chelsea's pushed left). Then the rest, a line
+    # the place beside a lower point that that point's label needs, and read as that point's. Then the rest, a line
     # lower or more, with leader lines that cross no other.
     later = [i for i in range(len(groups)) if not place(i, range(1), last_resort=False)]
     for i in later:
