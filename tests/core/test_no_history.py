@@ -27,6 +27,7 @@ DATA = [
     ("results/*/prompts/*.jsonl", "committed evaluation prompts (haystack text)"),
     ("results/*ruler-*.jsonl", "committed RULER prompts (haystack text)"),
     ("tests/evals/fixtures/*", "LongBench rows in the official format (third-party text)"),
+    ("tests/core/test_no_history.py", "this test: its own examples of what the pattern must find"),
 ]
 
 #: binary files, checked by path only
