@@ -22,8 +22,9 @@ and 2 (eager, chunked as the bench does) and stepped twice; ``per row`` = the di
 largest batch is ``floor((usable - fixed) / per row)`` with ``usable`` = :data:`USABLE` of the card. Also the KV
 bytes per token per row the cache allocates (``allocated / length``). Compared with ``full``'s.
 
-A time limit (``--time-limit``, from the start) bounds the run: a :class:`Bench` skips the rows that would pass it,
-and a cell or probe that starts past it is skipped and marked so. Files: ``grid.json`` (every row, cell and probe)
+The probes run first (eager, no compile: seconds), then the cells. A time limit (``--time-limit``, from the start)
+bounds the run: a :class:`Bench` skips the rows that would pass it, and a cell or probe that starts past it is
+skipped and marked so. Files: ``grid.json`` (every row, cell and probe)
 and ``grid.md`` (the tables), rewritten after every cell.
 """
 
@@ -257,6 +258,25 @@ def run_grid(shape: str, device: str = "cuda", dtype=None, policies=DEFAULT_POLI
 
     log(f"building {shape} (random weights) on {dev} in {dtype} ...")
     model = build_model(shape, dev, dtype)
+    if probe:
+        usable = int(USABLE * total) if total else None
+        for name, user in rows_spec:
+            el = time.perf_counter() - t0
+            if el > time_limit:
+                result["probes"].append(dict(policy=name, length=probe_length,
+                                             error=f"skipped: time limit {time_limit:.0f} s reached",
+                                             measured=""))
+                continue
+            opts, _ = default_options(name, shape, probe_length, config)
+            opts.update({k: v for k, v in policy_class(name).static_options.items() if k not in user})
+            opts.update(user)
+            log(f"[{el:6.1f}s] largest batch at {probe_length}: {name} ...")
+            try:
+                result["probes"].append(max_batch(model, name, opts, probe_length, usable, cuda))
+            except Exception as e:  # noqa: BLE001 -- an OOM at batch 2 is a probe result, not the end of the run
+                result["probes"].append(dict(policy=name, length=probe_length, measured="",
+                                             error=f"{type(e).__name__}: {e}".replace("\n", " ")[:300]))
+            emit()
     for c in cells:
         el = time.perf_counter() - t0
         if not c["fits"]:
@@ -278,25 +298,6 @@ def run_grid(shape: str, device: str = "cuda", dtype=None, policies=DEFAULT_POLI
         result["rows"] += cell_rows
         free_memory(cuda)
         emit()
-    if probe:
-        usable = int(USABLE * total) if total else None
-        for name, user in rows_spec:
-            el = time.perf_counter() - t0
-            if el > time_limit:
-                result["probes"].append(dict(policy=name, length=probe_length,
-                                             error=f"skipped: time limit {time_limit:.0f} s reached",
-                                             measured=""))
-                continue
-            opts, _ = default_options(name, shape, probe_length, config)
-            opts.update({k: v for k, v in policy_class(name).static_options.items() if k not in user})
-            opts.update(user)
-            log(f"[{el:6.1f}s] largest batch at {probe_length}: {name} ...")
-            try:
-                result["probes"].append(max_batch(model, name, opts, probe_length, usable, cuda))
-            except Exception as e:  # noqa: BLE001 -- an OOM at batch 2 is a probe result, not the end of the run
-                result["probes"].append(dict(policy=name, length=probe_length, measured="",
-                                             error=f"{type(e).__name__}: {e}".replace("\n", " ")[:300]))
-            emit()
     info["elapsed_s"] = round(time.perf_counter() - t0, 1)
     emit()
     return result
