@@ -5,7 +5,9 @@ step through ``model.get_compiled_call``, CUDA graphs on CUDA): prefill ``--batc
 warm up, then ``--steps`` steps under ``torch.profiler`` (CPU + CUDA activities). Per policy:
 
 * ``wall ms``: host wall time per step (synchronised at the end of the profiled block);
-* ``kernels``: device kernels per step (inside CUDA-graph replays too: CUPTI reports them);
+* ``kernels``: device activities per step as the profiler records them (the kernels inside a CUDA-graph replay
+  when CUPTI traces graph nodes, as recent drivers do; not checked on a GPU yet: a count near ``graph replays``
+  would mean the replays were recorded whole);
 * ``busy ms``: the union of the kernels' intervals per step; ``gaps ms``: the time between consecutive kernels of a
   step (first kernel start to last kernel end, less ``busy``), and the median gap in microseconds;
 * ``graph replays``: ``cudaGraphLaunch`` calls per step (1: the whole step is one CUDA graph);
