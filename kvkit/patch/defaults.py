@@ -11,8 +11,9 @@ host's kernel launches. So ``static=None`` (``kvkit.patch``'s default) means:
   ``static=True`` with it on every device (a capacity is an explicit choice of the static path);
 * otherwise static when the model's parameters are all on CUDA devices (``device`` overrides where they are, for
   tests), not spread over CPU / disk offload by ``hf_device_map``, the policy has static stores
-  (``static_capable``) and a static ``KVCache`` of it builds for this model and is compileable (a model with
-  sliding-window layers is not); else the growing cache, as on the CPU.
+  (``static_capable``) with the options they need (``static_options``: shadowkv keeps its values offloaded
+  unless ``offload=False``) and a static ``KVCache`` of it builds for this model and is compileable (a model
+  with sliding-window layers is not); else the growing cache, as on the CPU.
 
 The first time the default picks the static path in a process it says so once (a :class:`StaticDefaultWarning`),
 with the way out: ``kvkit.patch(model, policy, static=False)``.
@@ -49,11 +50,15 @@ def _offloaded(model) -> bool:
 
 def static_fits(model, policy) -> str | None:
     """Why ``policy`` (a built :class:`~kvkit.policies.base.Policy`) gets no static cache on ``model`` (None when
-    it does): no static stores, or the static ``KVCache`` refuses this model / is not compileable."""
+    it does): no static stores, options its static stores do not take (``static_options``: shadowkv's default
+    ``offload=True``), or the static ``KVCache`` refuses this model / is not compileable."""
     from kvkit.cache import KVCache
 
     if not type(policy).static_capable:
         return f"{policy.name!r} has no static stores"
+    need = {k: v for k, v in type(policy).static_options.items() if getattr(policy, k, v) != v}
+    if need:  # e.g. shadowkv's offloaded values: a CUDA graph cannot read host memory
+        return f"{policy.name!r}'s static cache needs " + ", ".join(f"{k}={v!r}" for k, v in need.items())
     try:
         cache = KVCache(model, policy, static=True)
     except Exception as e:  # noqa: BLE001 -- any refusal means: keep the growing cache

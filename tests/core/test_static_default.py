@@ -60,6 +60,12 @@ def test_cuda_default_stays_dynamic_where_no_static_cache_fits():
     sliding = tiny_model("mistral")  # sliding-window layers: no static sliding store
     assert defaults.static_fits(sliding, get_policy("full")) is not None
     assert defaults.choose_static(sliding, get_policy("full"), None, device="cuda") is False
+    # shadowkv offloads its values by default (a CUDA graph cannot read them): static only with offload=False
+    assert "offload=False" in defaults.static_fits(tiny_model("llama"), get_policy("shadowkv"))
+    assert defaults.choose_static(tiny_model("llama"), get_policy("shadowkv"), None, device="cuda") is False
+    with pytest.warns(defaults.StaticDefaultWarning):
+        assert defaults.choose_static(tiny_model("llama"), get_policy("shadowkv", offload=False), None,
+                                      device="cuda") is True
     offloaded = tiny_model("llama")
     offloaded.hf_device_map = {"model.layers.0": 0, "model.layers.1": "cpu"}
     assert defaults.choose_static(offloaded, get_policy("full"), None, device="cuda") is False
