@@ -2,8 +2,8 @@
 :func:`kvkit.evals.commands.bench.cmd_bench`).
 
 The arguments are checked before anything runs (:func:`_settings`): the shape exists, no option of the bundled-model
-bench is given (``--add``, ``--budget``, ``--opt``, ``--policy``, ...; the rows and their options come with
-``--policies ROW[:KEY=VALUE,...]``), the rows parse, the device and dtype are usable. Defaults: bf16 on CUDA and fp32
+bench is given (``--budget``, ``--compression-ratio``, ``--memory``, ...; the rows and their options come with
+``--policy ROW[:KEY=VALUE,...]``, repeated, or the older ``--policies ROW ...``), the rows parse, the device and dtype are usable. Defaults: bf16 on CUDA and fp32
 on the CPU, ``--lengths 16384``, ``--batch 16`` (2 on ``tiny``), 20 timed steps. One :class:`~kvkit.evals.gpu.runner.
 Bench` runs per length, the model built once and reused; each writes ``results/bench/gpu/<shape>-b<B>-<L>/`` (or
 ``--out``; ``--out/<label>`` with several lengths) after every row, and its table is printed at the end.
@@ -26,14 +26,16 @@ from kvkit.evals.gpu.shapes import SHAPES, shape_config
 def _settings(args) -> dict:
     """The checked settings of ``args`` (ValueError for anything that does not apply or cannot run here)."""
     shape_config(args.shape)  # unknown shape: clear error before anything runs
-    for flag, bad in (("--add", args.add), ("--budget", args.budget is not None), ("--opt", args.opt),
-                      ("--policy-options", args.policy_options), ("--policy", args.policy != "full"),
+    for flag, bad in (("--budget", args.budget is not None),
+                      ("--compression-ratio", getattr(args, "compression_ratio", None) is not None),
+                      ("--opt", getattr(args, "opt", None)), ("--policy-options", getattr(args, "policy_options", None)),
                       ("--memory", args.memory is not None), ("--profile", args.profile),
                       ("--prefill-cache", args.prefill_cache), ("--model", args.model != "default")):
         if bad:
             raise ValueError(f"{flag} does not apply to --shape (random weights of a named shape); give the rows "
-                             "and their options with --policies ROW[:KEY=VALUE,...] ...")
-    rows_spec = parse_rows(args.policies)
+                             "and their options with --policy ROW[:KEY=VALUE,...] (repeatable)")
+    given = [*(args.policy or []), *(getattr(args, "shape_rows", None) or [])]
+    rows_spec = parse_rows([str(s) for s in given] or None)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available here")
@@ -41,10 +43,12 @@ def _settings(args) -> dict:
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype_name!r}")
-    lengths = [int(x) for x in (args.lengths or str(REFERENCE_LENGTH)).split(",") if x.strip()]
+    lengths = args.lengths if isinstance(args.lengths, list) else \
+        [int(x) for x in (args.lengths or str(REFERENCE_LENGTH)).split(",") if x.strip()]
     batch = args.batch or (16 if args.shape != "tiny" else 2)
     if args.threads:
-        torch.set_num_threads(int(str(args.threads).split(",")[0]))
+        torch.set_num_threads(args.threads[0] if isinstance(args.threads, list) else
+                              int(str(args.threads).split(",")[0]))
     if args.no_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:
