@@ -274,7 +274,7 @@ def add_speculate(sub) -> None:
                    help="extra plain greedy baselines over transformers caches: dynamic (DynamicCache, transformers' "
                         "default: copies the whole KV at every step) and/or static (preallocated StaticCache); "
                         "kvkit's own plain decoding appends in place. Speedups are also reported against each")
-    add_out(s, "append one JSON line per setting to this file (.jsonl)", old=("--json",))
+    add_out(s, "append one JSON line per setting to this file (.jsonl)", old=("--json",), kind="file")
     s.set_defaults(func=_lazy("kvkit.speculative.cli", "cmd_speculate"))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -284,12 +285,64 @@ def policies_of(args, default: str | None = None) -> list[PolicySpec]:
             for s in given]
 
 
-def add_out(p, help: str, *, required: bool = False, old: tuple[str, ...] = ()) -> None:
-    """``--out`` (and the hidden deprecated spellings ``old`` of it)."""
-    p.add_argument("--out", required=False, default=None, metavar="PATH",
+def check_out_folder(path, flag: str = "--out") -> None:
+    """Refuse (ValueError) an output folder that cannot be one: an existing file, or a path under a file, or a
+    missing folder whose nearest existing parent is not writable. Checked before anything runs."""
+    p = os.path.abspath(str(path))
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ValueError(f"{flag} {path} is a file, not a folder; name a folder (it is created when missing)")
+    parent = p
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder; name a folder")
+    if parent != p and not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot create it in {parent} (no write permission)")
+
+
+def check_out_file(path, flag: str = "--out") -> None:
+    """Refuse (ValueError) an output file that cannot be one: an existing folder, or a path under a file."""
+    p = os.path.abspath(str(path))
+    if os.path.isdir(p):
+        raise ValueError(f"{flag} {path} is a folder; name a file")
+    parent = os.path.dirname(p)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+
+
+def _explained(check):
+    def convert(text):
+        check(text, "")
+        return text
+
+    convert.explain = True
+    return convert
+
+
+def _strip(check):
+    """``check(path, flag)`` whose message starts with the flag: argparse names the flag itself."""
+    def run(path, flag):
+        try:
+            check(path, "@@")
+        except ValueError as e:
+            raise ValueError(str(e).replace("@@ ", "").replace("@@", "")) from None
+    return run
+
+
+#: argparse types: an output folder / file that can be written (checked when parsed, before anything runs)
+out_folder = checked(_explained(_strip(check_out_folder)), lambda v: True, "", "out_folder")
+out_file = checked(_explained(_strip(check_out_file)), lambda v: True, "", "out_file")
+
+
+def add_out(p, help: str, *, required: bool = False, old: tuple[str, ...] = (), kind: str = "folder") -> None:
+    """``--out`` (a ``kind`` "folder" or "file", checked when parsed) and the hidden deprecated spellings ``old``."""
+    typ = out_folder if kind == "folder" else out_file
+    p.add_argument("--out", required=False, default=None, metavar="PATH", type=typ,
                    help=help + (" (required)" if required else ""))
     for o in old:
-        add_alias(p, o, "out", "--out", metavar="PATH")
+        add_alias(p, o, "out", "--out", metavar="PATH", type=typ)
     if required:
         p.set_defaults(_required_out=True)
 

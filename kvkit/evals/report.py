@@ -374,8 +374,8 @@ def compare(dirs: list, out: Path | None = None, baselines: list | None = None) 
     runs = list(zip(paths, sums))
     picked = _pick_baselines(runs, baselines)
     tasks = list(dict.fromkeys(t for s in sums for t in s["scores"]))
-    header = ["benchmark", "model", "length", "policy", "budget", *tasks, "average", "retention", "KV bytes",
-              "KV vs baseline", "KV read/step", "reads vs baseline"]
+    header = ["benchmark", "model", "length", "policy", "budget", *tasks, "average", "KV bytes", "KV vs baseline",
+              "KV read/step", "reads vs baseline", "retention"]
     rows, notes = [], []
     order = sorted(range(len(runs)), key=lambda i: (sums[i]["benchmark"], str(sums[i].get("length")),
                                                     sums[i]["policy"] != "full", sums[i]["policy"],
@@ -396,9 +396,9 @@ def compare(dirs: list, out: Path | None = None, baselines: list | None = None) 
             notes.append(f"- {d}: no retention: no baseline of its settings ({_differs(s, sums[j])} against {paths[j]})")
         kv, rd = s.get("mean_kv_bytes"), s.get("mean_kv_read")
         rows.append([s["benchmark"], s.get("model"), s.get("length"), s["policy"], budget_of(s.get("options") or {}),
-                     *[s["scores"].get(t) for t in tasks], s["average"], ret,
+                     *[s["scores"].get(t) for t in tasks], s["average"],
                      fmt_bytes(kv) if kv is not None else None, kv_frac,
-                     fmt_bytes(rd) if rd is not None else None, read_frac])
+                     fmt_bytes(rd) if rd is not None else None, read_frac, ret])
     md = markdown_table(header, rows)
     if not picked:
         md += "\n(no `full` run among these folders: retention needs the full-cache baseline, or --baseline DIR)\n"

@@ -21,6 +21,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvkit.cli_grammar import check_out_folder
 from kvkit.evals.files import atomic_write_json, atomic_write_jsonl, read_rows
 
 #: config keys that do not change a row: where it ran (device), which subset of the samples this process runs
@@ -278,21 +279,6 @@ class RunDir:
         out = [json.loads(x) for x in data[:end].decode("utf-8").splitlines() if x.strip()]
         self._pos += end
         return out
-
-
-def check_out_folder(path, flag: str = "--out") -> None:
-    """Refuse (ValueError) an output folder that cannot be one: an existing file, or a path under a file. Called
-    before anything runs (the commands check their ``--out`` before the model loads)."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"{flag} {p} is a file, not a folder; name a folder (it is created when missing)")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{flag} {p}: {parent} is a file, not a folder; name a folder")
-            if not os.access(parent, os.W_OK | os.X_OK) and not p.exists():
-                raise ValueError(f"{flag} {p}: cannot create it in {parent} (no write permission)")
-            break
 
 
 def _drop_cut_line(samples: Path) -> None:

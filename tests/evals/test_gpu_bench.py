@@ -198,8 +198,8 @@ def test_unknown_shape_and_row(tmp_path, capsys):
     assert _run("--shape", "tiny", "--policies", "full", "nosuch", "--out", tmp_path / "b") == 2
     err = capsys.readouterr().err
     assert "unknown row 'nosuch'" in err and "hf-dynamic, hf-static, full, streaming" in err and "kvzip" in err
-    assert _run("--shape", "tiny", "--add", "streaming", "--out", tmp_path / "c") == 2
-    assert "--policies" in capsys.readouterr().err
+    assert _run("--shape", "tiny", "--budget", "64", "--out", tmp_path / "c") == 2
+    assert "--budget does not apply to --shape" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

@@ -143,8 +143,10 @@ def test_samples_non_positive_is_refused(no_model_load, capsys, tmp_path, bench,
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "vt/0", "task": "vt", "index": 0, "prompt": "hi",
                                                   "outputs": ["A"], "tokens_to_generate": 2,
                                                   "metric": "string_match_all"}) + "\n")
-    assert run("eval", bench, "--samples", n, *extra) == 2
-    assert re.search(rf"--samples must be a positive number.*got {n}", capsys.readouterr().err)
+    with pytest.raises(SystemExit) as e:  # refused by the parser, before anything loads
+        run("eval", bench, "--samples", n, *extra)
+    assert e.value.code == 2
+    assert re.search(rf"argument --samples: must be an integer >= 1, got {n}", capsys.readouterr().err)
 
 
 def test_samples_non_positive_refused_by_the_generators(tok, tmp_path):

@@ -78,11 +78,14 @@ def resolved(args, spec: PolicySpec) -> tuple[str, dict]:
 
 
 def policy_of(args) -> tuple[str, dict]:
-    """``--policy NAME[:KEY=VALUE,...]`` with ``--budget`` / ``--compression-ratio`` (and the hidden ``--opt``)
-    resolved against the policy's options (ValueError naming the valid ones)."""
+    """``--policy NAME[:KEY=VALUE,...]`` of a single-policy eval with ``--budget`` / ``--compression-ratio`` (and the
+    hidden ``--opt``) resolved against the policy's options (ValueError naming the valid ones: ``--policy full
+    --budget 64`` is refused, not ignored)."""
     spec = args.policy if isinstance(args.policy, PolicySpec) else parse_policy(str(args.policy or "full"))
-    budget = getattr(args, "budget", None) if spec.name != "full" else None
-    return spec.name, resolve_policy_options(spec.name, _options_of(args, spec), budget)
+    opts = {**extra_options(args), **spec.options}
+    if getattr(args, "compression_ratio", None) is not None:
+        opts["compression_ratio"] = args.compression_ratio
+    return spec.name, resolve_policy_options(spec.name, opts, getattr(args, "budget", None))
 
 
 def out_dir(args, bench: str, label: str) -> Path:
