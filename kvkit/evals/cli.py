@@ -16,6 +16,7 @@ from kvkit.cli_grammar import (
     add_max_new_tokens,
     add_out,
     add_policy_options,
+    check_device,
     choice_list,
     int_list,
     integer,
@@ -30,6 +31,8 @@ def _command(module: str, name: str):
     """The command ``kvkit.evals.commands.<module>.<name>``, imported when it is called."""
 
     def command(args) -> int:
+        if getattr(args, "device", None) is not None and not getattr(args, "shape", None):
+            check_device(args.device)  # before the command's code (and any model) loads
         return getattr(importlib.import_module(f"kvkit.evals.commands.{module}"), name)(args)
 
     command.__name__ = command.__qualname__ = name
