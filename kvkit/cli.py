@@ -27,13 +27,13 @@ from kvkit.cli_grammar import (
     add_out,
     add_policy_options,
     check_device,
-    checked,
     choice_list,
     fraction,
     int_list,
     integer,
     parse_policy,
     policies_of,
+    policy_list,
     policy_spec,
     positive_int,
 )
@@ -204,19 +204,12 @@ def print_run_table(runs: list, expected: str | None) -> None:
               f"{speed}  {r.answer!r}{ok}{off}{stop}")
 
 
-def _policy_list(text: str):
-    """``kvkit run --policy``: one ``NAME[:KEY=VALUE,...]``, or (as before) several bare names separated by commas."""
-    if ":" not in text and "," in text and "=" not in text:
-        return [parse_policy(t) for t in text.split(",") if t.strip()]
-    return parse_policy(text)
-
-
 def add_run(sub) -> None:
     r = sub.add_parser("run", help=COMMAND_HELP["run"], description=COMMAND_HELP["run"])
     r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
     add_policy_options(r, several=True, default=" ".join(f"--policy {p}" for p in DEMO_POLICIES) + " (full is "
                        "always run first)")
-    r._option_string_actions["--policy"].type = checked(_policy_list, lambda v: True, "", "policy")
+    r._option_string_actions["--policy"].type = policy_list  # also the older "duo,zipcache"
     r.add_argument("--prompt-file", default=None, help="text file with the prompt (default: built-in needle demo)")
     r.add_argument("--question", default=None, help="question appended after the prompt file (needs --prompt-file)")
     r.add_argument("--context-tokens", type=positive_int, default=None,

@@ -129,8 +129,46 @@ fraction = checked(float, lambda v: 0 <= v <= 1, "a number in [0, 1]", "fraction
 positive_float = checked(float, lambda v: 0 < v < float("inf"), "a number > 0", "positive_float")
 #: argparse type: a number >= 0 (finite)
 nonnegative_float = checked(float, lambda v: 0 <= v < float("inf"), "a number >= 0", "nonnegative_float")
+def _budget(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = None
+    if v is not None and v < 1:
+        raise ValueError(f"must be an integer >= 1, got {v}")
+    if v is None:
+        hint = ""
+        try:
+            if 0 < float(text) < 1:
+                hint = f"; for a fraction of the KV cache removed use --compression-ratio {text}"
+        except ValueError:
+            pass
+        raise ValueError(f"must be an integer >= 1 (tokens kept), got {text!r}{hint}")
+    return v
+
+
+_budget.explain = True
+#: argparse type of ``--budget``: tokens, an integer >= 1 (a fraction is pointed to ``--compression-ratio``)
+budget_tokens = checked(_budget, lambda v: True, "", "budget")
 #: argparse type: ``NAME[:KEY=VALUE,...]`` -> :class:`PolicySpec`
 policy_spec = checked(parse_policy, lambda v: True, "NAME[:KEY=VALUE,...]", "policy")
+
+
+def _policy_list(text: str):
+    """One ``NAME[:KEY=VALUE,...]``, or (as older command lines wrote them) bare names separated by commas."""
+    if ":" not in text and "," in text and "=" not in text:
+        return [parse_policy(t) for t in text.split(",") if t.strip()]
+    return parse_policy(text)
+
+
+_policy_list.explain = True
+#: argparse type: :data:`policy_spec`, or a list of them from ``a,b,c`` (bare names)
+policy_list = checked(_policy_list, lambda v: True, "", "policy")
+
+
+def flatten(items) -> list:
+    """``[a, [b, c], d]`` -> ``[a, b, c, d]`` (a repeated option whose values may be lists)."""
+    return [x for item in items or [] for x in (item if isinstance(item, list) else [item])]
 
 
 def _ints(text: str) -> list[int]:
@@ -219,7 +257,7 @@ class _Alias(argparse.Action):
                 parser.error(f"argument {option_string}: {e}")
         if self.append:
             items = list(getattr(namespace, self.dest, None) or [])
-            items.extend(values if isinstance(values, list) else [values])
+            items.extend(flatten(values if isinstance(values, list) else [values]))
             values = items
         setattr(namespace, self.dest, values)
         setattr(namespace, f"_flag_{self.dest}", option_string)  # errors about the value name the flag given
@@ -245,8 +283,8 @@ def add_policy_options(p, *, several: bool, default=None, what: str = "policy") 
         p.add_argument("--policy", type=policy_spec, default=parse_policy(default or "full"),
                        metavar="NAME[:KEY=VALUE,...]",
                        help=f"the {what} and its options, e.g. snapkv:budget=512,window=32 (see `kvkit policies`)")
-    p.add_argument("--budget", type=positive_int, default=None,
-                   help="sets `budget` in the options of every policy but full")
+    p.add_argument("--budget", type=budget_tokens, default=None,
+                   help="sets `budget` (tokens kept) in the options of every policy but full")
     p.add_argument("--compression-ratio", type=fraction, default=None, metavar="R",
                    help="sets `compression_ratio` (fraction of the KV removed) in the options of every policy but full")
     add_alias(p, "--opt", "opt", "--policy NAME:KEY=VALUE,...", append=True, metavar="KEY=VALUE")
@@ -277,7 +315,7 @@ def extra_options(args) -> dict:
 def policies_of(args, default: str | None = None) -> list[PolicySpec]:
     """Every ``--policy`` of ``args`` (a list, or one spec) with ``--budget`` / ``--compression-ratio`` / the hidden
     ``--opt`` folded into its options (:func:`with_shared`); ``[default]`` when none was given."""
-    given = args.policy if isinstance(args.policy, list) else ([args.policy] if args.policy else [])
+    given = flatten(args.policy) if isinstance(args.policy, list) else ([args.policy] if args.policy else [])
     if not given and default:
         given = [parse_policy(default)]
     extra = extra_options(args)

@@ -21,6 +21,7 @@ from kvkit.cli_grammar import (
     int_list,
     integer,
     nonnegative_int,
+    policy_list,
     policy_spec,
     positive_float,
     positive_int,
@@ -188,7 +189,7 @@ def _add_bench(sub) -> None:
                                               "setting; --shape: the rows, hf-dynamic | hf-static | full | policy)")
     add_alias(b, "--add", "policy", "--policy NAME[:KEY=VALUE,...]", append=True, type=policy_spec,
               metavar="POLICY[:KEY=VALUE,...]")
-    add_alias(b, "--policies", "shape_rows", "--policy ROW[:KEY=VALUE,...]", append=True, nargs="+", type=policy_spec,
+    add_alias(b, "--policies", "shape_rows", "--policy ROW[:KEY=VALUE,...]", append=True, nargs="+", type=policy_list,
               metavar="ROW[:KEY=VALUE,...]")
     b.add_argument("--seed", type=integer, default=None, help="seed of the prompts (default 42)")
     _device_dtype(b, dtype=None)  # float32; --shape: bfloat16 on CUDA
