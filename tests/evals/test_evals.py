@@ -197,9 +197,10 @@ def test_compare_joins_summaries_with_retention(tmp_path):
     b = fake("s512", "streaming", {"budget": 512}, {"vt": 40.0, "cwe": 30.0})
     md = compare([b, a], out=tmp_path / "cmp")
     lines = md.splitlines()
-    assert lines[0].startswith("| benchmark | model | length | policy | budget | vt | cwe | average | retention |")
-    assert "| full | - | 80.00 | 60.00 | 70.00 | 1.00 |" in md
-    assert "| streaming | 512 | 40.00 | 30.00 | 35.00 | 0.50 |" in md
+    assert lines[0].startswith("| benchmark | model | length | policy | budget | vt | cwe | average | KV bytes | "
+                               "KV vs baseline | KV read/step | reads vs baseline | retention |")
+    assert "| full | - | 80.00 | 60.00 | 70.00 | - | - | - | - | 1.00 |" in md  # (no KV bytes in these summaries)
+    assert "| streaming | 512 | 40.00 | 30.00 | 35.00 | - | - | - | - | 0.50 |" in md
     assert (tmp_path / "cmp" / "compare.csv").exists()
     with pytest.raises(ValueError, match="no summary.json"):
         compare([tmp_path / "nothing"])
