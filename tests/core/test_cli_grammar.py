@@ -246,3 +246,19 @@ def test_policies_name_explains_its_options(capsys):
     assert "budget" in out and "default 1024" in out and "why:" in out
     assert run("policies", "nosuch") == 2
     assert "known policies" in capsys.readouterr().err
+
+
+def test_each_policy_of_a_multi_run_eval_gets_a_folder_named_by_its_setting():
+    from kvkit.evals.commands import runs
+
+    args = cli.build_parser("eval").parse_args(["eval", "needles", "--out", "o", "--policy", "full", "--policy",
+                                                "snapkv", "--policy", "snapkv:window=8", "--policy",
+                                                "quantized:nbits=4", "--budget", "128"])
+    from kvkit.evals.commands.needles import _resolve
+
+    specs = runs.run_specs(args, "needles", _resolve)
+    assert [n for n, _, _ in specs] == ["full", "snapkv-budget128", "snapkv-window8-budget128", "quantized-nbits4"]
+    assert specs[1][1:] == ("snapkv", {"budget": 128}) and specs[3][2]["nbits"] == 4
+    old = cli.build_parser("eval").parse_args(["eval", "needles", "--out", "o", "--run", "base=full", "--run",
+                                               "s=snapkv:budget=64"])
+    assert [(n, p) for n, p, _ in runs.run_specs(old, "needles", _resolve)] == [("base", "full"), ("s", "snapkv")]

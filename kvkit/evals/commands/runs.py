@@ -199,17 +199,18 @@ def run_specs(args, command: str, resolve=None) -> list[tuple[str, str, dict]]:
     NAME=POLICY[:options]`` of a multi-run command, with ``--budget`` / ``--compression-ratio`` folded in and the
     options resolved (``resolve(name, options)``: :func:`resolve_policy_options` unless given); ValueError when none
     is given or two share a folder."""
-    given = [(s.label(), s) for s in (args.policy or [])] + [split_run(r) for r in (getattr(args, "run", None) or [])]
+    given = [(None, s) for s in (args.policy or [])] + [split_run(r) for r in (getattr(args, "run", None) or [])]
     if not given:
         raise ValueError(f"kvkit eval {command} needs at least one --policy NAME[:KEY=VALUE,...]")
     specs = []
     for name, spec in given:
         budget = getattr(args, "budget", None) if spec.name != "full" and not is_peer(spec.name) else None
-        opts = _options_of(args, spec)
-        if resolve is not None:
-            specs.append((name, spec.name, resolve(spec.name, opts, budget)))
-        else:
-            specs.append((name, spec.name, resolve_policy_options(spec.name, opts, budget)))
+        given = _options_of(args, spec)
+        opts = (resolve or resolve_policy_options)(spec.name, given, budget)
+        # a --policy's folder: the setting as given, as a label (snapkv-window32-budget512; --budget and
+        # --compression-ratio included, defaults left out)
+        label = PolicySpec(spec.name, {**given, **({"budget": budget} if budget is not None else {})}).label()
+        specs.append((name or label, spec.name, opts))
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"run folder names must be unique, got {names}")
