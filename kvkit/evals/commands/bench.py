@@ -22,7 +22,7 @@ from kvkit.evals import bench, gpu
 from kvkit.evals.commands import runs
 from kvkit.evals.files import atomic_write_json, atomic_write_jsonl
 from kvkit.evals.gpu.report import git_state
-from kvkit.evals.report import write_summary
+from kvkit.evals.report import SCHEMA, write_summary
 from kvkit.evals.rundir import check_out_folder
 from kvkit.evals.settings import run_label
 from kvkit.options import fmt_bytes
@@ -94,9 +94,10 @@ def _bench_batch(args, policy, options, lengths, more, threads) -> int:
     threads = threads or [torch.get_num_threads()]
     commit, dirty = git_state()
     out_root = runs.out_dir(args, "bench", run_label(args.model, policy, options, max(lengths)) + f"-b{args.batch}")
-    cfg = runs.run_config(args, "bench", policy, options, lengths=lengths, added=[list(c) for c in more],
-                          git_commit=commit, git_dirty_kvkit=dirty, device_name=_device_name(args.device),
-                          cpu_count=os.cpu_count())
+    cfg = {"schema": SCHEMA, "commit": commit,  # summary.json's layout version and the commit, as every eval's
+           **runs.run_config(args, "bench", policy, options, lengths=lengths, added=[list(c) for c in more],
+                             git_commit=commit, git_dirty_kvkit=dirty, device_name=_device_name(args.device),
+                             cpu_count=os.cpu_count())}
     for L in lengths:
         out = out_root if len(lengths) == 1 else out_root / f"len{L}"
         res = bench.decode_bench(model, tok, configs[1:], batch=args.batch, length=L, threads=threads,

@@ -21,6 +21,7 @@ from kvkit.evals.gpu.plan import REFERENCE_LENGTH, compiled_name, parse_rows
 from kvkit.evals.gpu.report import environment, write
 from kvkit.evals.gpu.runner import Bench
 from kvkit.evals.gpu.shapes import SHAPES, shape_config
+from kvkit.evals.report import SCHEMA
 
 
 def _settings(args) -> dict:
@@ -74,7 +75,7 @@ def run_cli(args, command: str = "") -> int:
                       time_limit=args.time_limit, seed=args.seed, t0=t0, model=model,
                       compiled=getattr(args, "compiled", True),
                       compile_backend=getattr(args, "compile_backend", None) or "inductor")
-        config = dict(benchmark="bench --shape", command=command, shape=args.shape, shape_config=SHAPES[args.shape],
+        config = dict(schema=SCHEMA, benchmark="bench --shape", command=command, shape=args.shape, shape_config=SHAPES[args.shape],
                       batch=batch, length=L, dtype=s["dtype_name"], device=str(device), steps=steps,
                       warmup=args.warmup, rounds=bench.rounds, time_limit_s=args.time_limit, seed=args.seed,
                       no_cudnn_sdpa=bool(args.no_cudnn_sdpa),
