@@ -85,14 +85,27 @@ def parse_policy(spec: str) -> PolicySpec:
     return PolicySpec(name, parse_pairs(opts, f"option of {name}"))
 
 
+def has_option(policy: str, option: str) -> bool:
+    """Whether the policy catalog (:mod:`kvkit.catalog`, no torch) lists ``option`` for ``policy``; True for a policy
+    it does not know (a plugin's: the registry decides)."""
+    from kvkit import catalog
+
+    try:
+        entry = catalog.entry(policy)
+    except ValueError:
+        return True
+    return any(o["name"] == option for o in entry["options"])
+
+
 def with_shared(spec: PolicySpec, budget=None, compression_ratio=None, extra: dict | None = None) -> PolicySpec:
     """``spec`` with ``extra`` (options given apart, e.g. ``--opt``), ``--budget`` and ``--compression-ratio`` added
-    to its options (the spec's own value wins over ``extra``; ``full`` takes none of them)."""
+    to its options (the spec's own value wins over ``extra``; ``full`` takes none of them, and ``--budget`` goes to
+    the policies that have a ``budget`` option: with several policies, duo or zipcache beside snapkv)."""
     if spec.name == "full":
         return spec
     opts = dict(extra or {})
     opts.update(spec.options)
-    if budget is not None:
+    if budget is not None and "budget" not in spec.options and has_option(spec.name, "budget"):
         opts["budget"] = budget
     if compression_ratio is not None:
         opts["compression_ratio"] = compression_ratio

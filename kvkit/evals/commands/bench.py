@@ -67,7 +67,7 @@ def _settings(args) -> tuple[str, dict, list[int], list[tuple[str, dict]], list[
     args.steps = 4 if args.steps is None else args.steps
     specs = args.policy or [parse_policy("full")]
     policy, options = runs.resolved(args, specs[0])
-    more = [runs.resolved(args, s) for s in specs[1:]]  # measured against the same full-cache rows
+    more = [runs.resolved(args, s, strict=False) for s in specs[1:]]  # against the same full-cache rows
     lengths = runs.ints(args.lengths or "2048,4096,8192", "--lengths")
     threads = runs.ints(args.threads, "--threads") if args.threads else None
     if (args.memory is not None or args.profile) and not args.batch:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import kvkit
-from kvkit.cli_grammar import PolicySpec, check_device, extra_options, parse_policy
+from kvkit.cli_grammar import PolicySpec, check_device, extra_options, has_option, parse_policy
 from kvkit.evals.files import atomic_write_jsonl
 from kvkit.evals.peers import is_peer
 from kvkit.evals.report import task_scores, write_summary
@@ -70,10 +70,22 @@ def _options_of(args, spec: PolicySpec) -> dict:
     return opts
 
 
-def resolved(args, spec: PolicySpec) -> tuple[str, dict]:
+def _budget_for(args, spec: PolicySpec, strict: bool):
+    """``--budget`` for ``spec``: None for full and the peers; with ``strict`` False (one of several policies) also
+    None for a policy without a ``budget`` option (duo, zipcache) or whose spec sets its own."""
+    budget = getattr(args, "budget", None)
+    if budget is None or spec.name == "full" or is_peer(spec.name):
+        return None
+    if not strict and ("budget" in spec.options or not has_option(spec.name, "budget")):
+        return None
+    return budget
+
+
+def resolved(args, spec: PolicySpec, strict: bool = True) -> tuple[str, dict]:
     """``(policy, options)`` of ``spec`` with ``--budget`` / ``--compression-ratio`` / the hidden ``--opt`` folded in,
-    resolved against the policy's options (ValueError naming the valid ones)."""
-    budget = getattr(args, "budget", None) if spec.name != "full" else None
+    resolved against the policy's options (ValueError naming the valid ones; ``strict`` False: ``--budget`` only
+    where the policy has one)."""
+    budget = _budget_for(args, spec, strict)
     return spec.name, resolve_policy_options(spec.name, _options_of(args, spec), budget)
 
 
@@ -204,7 +216,7 @@ def run_specs(args, command: str, resolve=None) -> list[tuple[str, str, dict]]:
         raise ValueError(f"kvkit eval {command} needs at least one --policy NAME[:KEY=VALUE,...]")
     specs = []
     for name, spec in given:
-        budget = getattr(args, "budget", None) if spec.name != "full" and not is_peer(spec.name) else None
+        budget = _budget_for(args, spec, strict=False)
         given = _options_of(args, spec)
         opts = (resolve or resolve_policy_options)(spec.name, given, budget)
         # a --policy's folder: the setting as given, as a label (snapkv-window32-budget512; --budget and
