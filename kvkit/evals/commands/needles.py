@@ -15,7 +15,7 @@ from kvkit.evals import needles, ruler
 from kvkit.evals.commands import runs
 from kvkit.evals.files import atomic_write_json
 from kvkit.evals.generation import check_length
-from kvkit.evals.needles_report import write_report
+from kvkit.evals.needles_report import report_title, write_report
 from kvkit.evals.peers import is_peer, peer_options
 from kvkit.evals.rundir import RunDir, check_out_folder
 from kvkit.evals.runner import run_samples
@@ -60,7 +60,7 @@ def cmd_needles(args) -> int:
     # the table covers every needle run folder under --out (earlier invocations' runs too)
     folders = sorted(d for d in root.iterdir() if (d / "config.json").is_file()
                      and json.loads((d / "config.json").read_text()).get("benchmark") == "needles")
-    md = write_report(root, folders, f"Fresh needles - {args.model} - {args.protocol}")
+    md = write_report(root, folders, report_title(args.model, max(lengths), args.protocol, args.haystack))
     write_root_summary(root, folders)
     print(md)
     return 0
