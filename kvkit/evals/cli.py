@@ -242,8 +242,11 @@ def _add_bench(sub) -> None:
                    help="--shape: do not keep kvkit full alive to interleave its steps with every row's")
     b.add_argument("--no-cudnn-sdpa", action="store_true",
                    help="--shape: torch.backends.cuda.enable_cudnn_sdp(False) for the whole run")
-    add_out(b, "output folder (default results/bench/<model>-<policy>-<len>; --shape: "
-               "results/bench/gpu/<shape>-b<B>-<L>)")
+    b.add_argument("--grid", action="store_true",
+                   help="with --shape: the production grid (batch x length cells that fit the card, transformers' "
+                        "StaticCache + compile beside kvkit's compiled rows, prefill, peak memory, largest batch)")
+    add_out(b, "output folder (default results/speed-cpu/<model>-<policy>-<len>; --shape: "
+               "results/speed-gpu/<shape>-b<B>-<L>)")
     b.set_defaults(func=_command("bench", "cmd_bench"))
 
 

@@ -5,7 +5,7 @@ The arguments are checked before anything runs (:func:`_settings`): the shape ex
 bench is given (``--budget``, ``--compression-ratio``, ``--memory``, ...; the rows and their options come with
 ``--policy ROW[:KEY=VALUE,...]``, repeated, or the older ``--policies ROW ...``), the rows parse, the device and dtype are usable. Defaults: bf16 on CUDA and fp32
 on the CPU, ``--lengths 16384``, ``--batch 16`` (2 on ``tiny``), 20 timed steps. One :class:`~kvkit.evals.gpu.runner.
-Bench` runs per length, the model built once and reused; each writes ``results/bench/gpu/<shape>-b<B>-<L>/`` (or
+Bench` runs per length, the model built once and reused; each writes ``results/speed-gpu/<shape>-b<B>-<L>/`` (or
 ``--out``; ``--out/<label>`` with several lengths) after every row, and its table is printed at the end.
 """
 
@@ -20,6 +20,7 @@ import torch
 from kvkit.evals.gpu.plan import REFERENCE_LENGTH, compiled_name, parse_rows
 from kvkit.evals.gpu.report import environment, write
 from kvkit.evals.gpu.runner import Bench
+from kvkit.evals.gpu.production import run_bench_args
 from kvkit.evals.gpu.shapes import SHAPES, shape_config
 from kvkit.evals.report import SCHEMA
 
@@ -61,6 +62,9 @@ def _settings(args) -> dict:
 
 def run_cli(args, command: str = "") -> int:
     """``kvkit bench --shape NAME ...`` (called by :func:`kvkit.evals.commands.bench.cmd_bench`)."""
+    if getattr(args, "grid", False):
+        shape_config(args.shape)  # unknown shape: clear error before anything runs
+        return run_bench_args(args, command)
     t0 = time.perf_counter()
     s = _settings(args)
     rows_spec, device, batch, steps, lengths = s["rows_spec"], s["device"], s["batch"], s["steps"], s["lengths"]
@@ -68,7 +72,7 @@ def run_cli(args, command: str = "") -> int:
     model = None
     for L in lengths:
         label = f"{args.shape}-b{batch}-{L}"
-        out = Path(args.out) / (label if len(lengths) > 1 else "") if args.out else Path("results/bench/gpu") / label
+        out = Path(args.out) / (label if len(lengths) > 1 else "") if args.out else Path("results/speed-gpu") / label
         bench = Bench(args.shape, str(device), s["dtype"], rows_spec, batch, L, steps=steps,
                       warmup=args.warmup, rounds=args.rounds, prefill_chunk=args.prefill_chunk,
                       compile_mode=None if args.no_compile else "auto", interleave=not args.no_interleave,
