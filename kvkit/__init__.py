@@ -5,12 +5,15 @@ decoding for Hugging Face transformers, installed with one line::
     kvkit.patch(model, policy="streaming", budget=512)
     model.generate(ids, max_new_tokens=64)
     kvkit.unpatch(model)
+
+    with kvkit.patched(model, "snapkv", compression_ratio=0.5):  # restored on exit
+        model.generate(ids, max_new_tokens=64)
 """
 
 from kvkit.cache import KVCache
-from kvkit.patch import patch, patched_policy, unpatch
+from kvkit.patch import patch, patched, patched_policy, unpatch
 from kvkit.prefill import prefill
 from kvkit.registry import available_policies, get_policy, policy_options
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched_policy", "prefill", "KVCache", "available_policies", "get_policy", "policy_options"]
+__all__ = ["patch", "unpatch", "patched", "patched_policy", "prefill", "KVCache", "available_policies", "get_policy", "policy_options"]

@@ -46,7 +46,8 @@ import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
-from kvkit.policies.protect_heads import check_protect, pattern_hashes, protected_heads, split_or_plain
+from kvkit.policies.knobs import budget_for, protected_share, refuse_static, slot_cost
+from kvkit.policies.protect_heads import ProtectHeads, check_protect, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -95,7 +96,7 @@ def model_taus(config) -> tuple[tuple[float, float], str]:
 
 @register("cake")
 @dataclass(frozen=True)
-class Cake(Policy):
+class Cake(ProtectHeads, Policy):
     """CAKE: per-layer budgets from attention entropy/variance, cascading eviction during prefill.
 
     Parameters
@@ -124,10 +125,11 @@ class Cake(Policy):
         True (default): with tau1/tau2/pool_kernel left at None, the model's calibrated taus and kernel
         (``kvkit calibrate cake``; found from the config by :mod:`kvkit.calibration`) before the paper's
         table and kernel 5. False: the paper's table / (1.0, 1.0) and kernel 5.
-    protect_heads : float
+    protect_heads : float or None
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
         :mod:`kvkit.policies.protect_heads`); the cascade then shares ``budget`` per layer among the evicted heads'
-        layers, and a layer's preference is computed over its evicted heads. 0 (default): the paper.
+        layers, and a layer's preference is computed over its evicted heads. None (default): 0.2 where a pattern
+        ships for the model, else 0 (warned once). 0: the paper.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -141,13 +143,15 @@ class Cake(Policy):
     tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
     calibrated: bool = True  # kvkit: the model's calibrated taus when none given; False = the paper's table
-    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("tau1", "tau2", "pool_kernel", "pool_window")
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
+    paper: ClassVar[dict] = dict(calibrated=False, protect_heads=0.0)
     test_options: ClassVar[dict] = dict(budget=16, window=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (
@@ -157,6 +161,7 @@ class Cake(Policy):
     )
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("budget", "window"):
             check_positive_int("cake", name, getattr(self, name))
         check_odd_kernel("cake", "pool_kernel", self.pool_kernel)
@@ -185,20 +190,19 @@ class Cake(Policy):
         (t1, t2), _ = model_taus(config) if config is not None else (DEFAULT_TAU, "default")
         return (self.tau1 if self.tau1 is not None else t1, self.tau2 if self.tau2 is not None else t2)
 
-    def new_shared(self, infos):
-        return CakeCascade(protected=protected_heads("cake", infos[0].config, self.protect_heads, self.protect_pattern))
-
-    def validate(self, config) -> None:
-        protected_heads("cake", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
+    def shared_state(self, mask):
+        return CakeCascade(protected=mask)
 
     def new_layer(self, info: LayerInfo):
+        refuse_static(self, info)
         p = resolve(self, info.config)
         cls = static_store(CakeStore) if info.static else CakeStore
         taus = p.taus(info.config)
-        return split_or_plain(info, lambda n: cls(info, p, *taus, num_heads=n), info.shared.protected)
+        at = None
+        if self.compression_ratio is not None:  # the mean kept per layer (window included) from the context length
+            share = protected_share(info.shared.protected, info.config)
+            at = lambda S, cost: budget_for(self.compression_ratio, S, share, floor=self.window + 1, cost=cost)  # noqa: E731
+        return split_or_plain(info, lambda n: cls(info, p, *taus, num_heads=n, budget_at=at), info.shared.protected)
 
 
 @dataclass
@@ -241,8 +245,10 @@ class CakeStore(SlotStore):
 
     _batch_tensors = SlotStore._batch_tensors + ("score", "size", "qbuf")
 
-    def __init__(self, info: LayerInfo, policy: Cake, tau1: float, tau2: float, num_heads: int | None = None):
+    def __init__(self, info: LayerInfo, policy: Cake, tau1: float, tau2: float, num_heads: int | None = None,
+                 budget_at=None):
         super().__init__(info, num_heads)
+        self.budget_at = budget_at  # compression_ratio: ``context -> budget`` at each prefill
         self.budget, self.window, self.gamma = policy.budget, policy.window, policy.gamma
         self.kernel = policy.pool_kernel if policy.pool_kernel is not None else 5
         self.pool_window = policy.pool_window or "centered"
@@ -290,6 +296,10 @@ class CakeStore(SlotStore):
 
     def nbytes(self) -> int:
         return super().nbytes() + _tensor_bytes(self.score, self.size, self.qbuf, self.first_pos)
+
+    def read_nbytes(self) -> int:
+        """What a decode step's attention reads: the held K/V and positions (not the scoring state)."""
+        return SlotStore.nbytes(self)
 
     def live(self) -> torch.Tensor:
         """Live (readable) tokens per row and KV head ``[B, H]``."""
@@ -360,6 +370,8 @@ class CakeStore(SlotStore):
 
     def on_prefill(self, query, module) -> None:
         B, Hq, S, D = query.shape
+        if self.budget_at is not None:
+            self.budget = self.budget_at(self.seen, slot_cost(self.keys))
         w = min(self.window, S)
         real = (self.pos[:, 0] >= 0).sum(-1)  # [B]
         qpos = torch.arange(S - w, S, device=query.device, dtype=torch.int32)

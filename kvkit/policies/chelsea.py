@@ -70,13 +70,8 @@ import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_kernel, check_positive_int
-from kvkit.policies.protect_heads import (
-    check_protect,
-    evicting_parts,
-    pattern_hashes,
-    protected_heads,
-    split_or_plain,
-)
+from kvkit.policies.knobs import protected_share, refuse_static, slot_cost
+from kvkit.policies.protect_heads import ProtectHeads, check_protect, evicting_parts, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -98,7 +93,7 @@ PROTECT_SCOPES = ("chunk", "context")
 
 @register("chelsea")
 @dataclass(frozen=True)
-class Chelsea(Policy):
+class Chelsea(ProtectHeads, Policy):
     """Chelsea chunked KV clustering.
 
     Parameters
@@ -151,7 +146,8 @@ class Chelsea(Policy):
     protect_heads : float
         Fraction of the KV heads kept whole, unmerged: the ones the model's DuoAttention pattern ranks highest
         (kvkit, :mod:`kvkit.policies.protect_heads`; not the same as ``protect``, which keeps tokens of a chunk
-        exact); the other heads merge as above. 0 (default): the paper, every head merged.
+        exact); the other heads merge as above. None (default): 0.2 where a pattern ships for the model, else 0
+        (warned once). 0: the paper, every head merged.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -170,7 +166,7 @@ class Chelsea(Policy):
     recon_chunk: int = 512  # kvkit: reconstruction chunk (KVzip's chunked repeat)
     protect_scope: str = "chunk"  # kvkit: "chunk" (P per chunk) or "context" (P x chunks per KV head, KVzip-like)
     calibrated: bool = True  # kvkit: the model's calibrated chunk_size / protect_*; False = the fallbacks
-    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     CHUNK: ClassVar[int] = 64  # fallback chunk_size
@@ -185,9 +181,13 @@ class Chelsea(Policy):
     calibrated_options: ClassVar[tuple[str, ...]] = (
         "chunk_size", "protect_kernel", "protect_pooling", "protect_window")
     test_options: ClassVar[dict] = dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8)
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("ratio",)
+    #: the paper: its matching over every slot (no protection), no size bias, every head merged
+    paper: ClassVar[dict] = dict(calibrated=False, size_bias=False, protect_heads=0.0)
     covering_options: ClassVar[dict | None] = dict(ratio=1.0)
 
     def __post_init__(self):
+        super().__post_init__()
         check_fraction("chelsea", "ratio", self.ratio)
         check_positive_int("chelsea", "chunk_size", self.chunk_size, allow_none=True)
         check_positive_int("chelsea", "merge_interval", self.merge_interval)
@@ -238,17 +238,36 @@ class Chelsea(Policy):
             return 0
         return min(math.ceil(self.PROTECT_SHARE * self.ratio * self.chunk - 1e-9), self.kept_per_chunk - 1)
 
-    def settings(self, config) -> Chelsea:
+    def settings(self, config, context: int | None = None, share: float = 0.0, cost: float = 1.0) -> Chelsea:
         """This policy for the model of ``config``: calibrated options filled in (when ``calibrated``, ``protect`` > 0
         -- the calibration is of the protection -- and none of them was given), then the fallbacks; every field
-        concrete."""
+        concrete. With ``compression_ratio``, ``ratio`` is resolved for a ``context``-token cache whose protected
+        heads (``share`` of them) keep everything, each slot ``cost`` times a token's K/V bytes (:meth:`ratio_for`; the
+        target share itself without a context)."""
 
         p = resolve(self, config)
+        if p.compression_ratio is not None:
+            p = dataclasses.replace(p, ratio=self.ratio_for(p.chunk, context, share, cost),
+                                    compression_ratio=None)
         k, pool, win = self.PROTECT_POOL
         return dataclasses.replace(
             p, chunk_size=p.chunk, protect=p.protect if p.protect is not None else p.protected_per_chunk / p.chunk,
             protect_kernel=p.protect_kernel if p.protect_kernel is not None else k,
             protect_pooling=p.protect_pooling or pool, protect_window=p.protect_window or win)
+
+    def ratio_for(self, chunk: int, context: int | None, share: float, cost: float = 1.0) -> float:
+        """``ratio`` that keeps ``1 - compression_ratio`` of a ``context``-token cache: the protected heads keep
+        everything, the sinks, the window and a partial chunk stay exact, the ``M`` tokens of complete chunks keep
+        ``K`` slots per ``chunk``, a slot ``cost`` times a token's K/V bytes (its position and cluster size):
+        ``share + (1 - share) cost (context - M + K M / chunk) / context = 1 - r``."""
+        kept = ((1.0 - self.compression_ratio) - share) / (1.0 - share)
+        if not context:
+            return min(1.0, max(kept, 1.0 / chunk))
+        M = max(0, (context - self.sink - self.window) // chunk) * chunk
+        if M == 0:
+            return 1.0
+        K = round((kept * context / cost - (context - M)) * chunk / M)
+        return min(chunk, max(K, 1)) / chunk
 
     def uses_calibration(self) -> bool:
         # the calibration is of the protection: the paper's matching takes none. protect=None: the calibrated chunk
@@ -257,13 +276,7 @@ class Chelsea(Policy):
 
     def validate(self, config) -> None:
         self.settings(config)  # a calibration that does not combine with the options fails at patch time
-        protected_heads("chelsea", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
-
-    def new_shared(self, infos):
-        return protected_heads("chelsea", infos[0].config, self.protect_heads, self.protect_pattern)
+        self.protection(config)
 
     def reconstructs(self) -> bool:
         """The protection is scored by a reconstruction pass (``protect_score="reconstruct"`` with slots to protect)."""
@@ -274,9 +287,14 @@ class Chelsea(Policy):
         return not self.reconstructs()  # the reconstruction runs after the prefill: a replayed one skips it
 
     def new_layer(self, info: LayerInfo):
+        refuse_static(self, info)
         cls = static_store(ChelseaStore) if info.static else ChelseaStore
-        p = self.settings(info.config)
-        return split_or_plain(info, lambda n: cls(info, p, num_heads=n), info.shared)
+        share = protected_share(info.shared, info.config)
+        p = self.settings(info.config, share=share)
+        at = None
+        if self.compression_ratio is not None:  # the ratio for the context length, at each prefill
+            at = lambda S, cost: self.settings(info.config, S, share, cost)  # noqa: E731
+        return split_or_plain(info, lambda n: cls(info, p, num_heads=n, settings_at=at), info.shared)
 
     # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
     @torch.no_grad()
@@ -312,9 +330,10 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
     _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto", "score")
     static_slot_tensors = {"size": 1}  # a static variant's free slots: a new token is a cluster of one
 
-    def __init__(self, info: LayerInfo, policy: Chelsea, num_heads: int | None = None):
+    def __init__(self, info: LayerInfo, policy: Chelsea, num_heads: int | None = None, settings_at=None):
         super().__init__(info, num_heads)
         self.p = policy
+        self.settings_at = settings_at  # compression_ratio: ``context -> settings`` (its ratio) at each prefill
         self.size: torch.Tensor | None = None  # [B, H, n] int32 cluster sizes
         self.merged_upto: torch.Tensor | None = None  # [B] tokens (from the first real one) already merged
         self.score: torch.Tensor | None = None  # [B, H, n] fp32 protection score (``protect`` > 0 only)
@@ -361,6 +380,10 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
         return _tensor_bytes(self.keys, self.values, self.pos, self.size, self.first_pos, self.merged_upto,
                              self.score)
 
+    def read_nbytes(self) -> int:
+        """What a decode step's attention reads: K/V, positions and cluster sizes (not the protection score)."""
+        return _tensor_bytes(self.keys, self.values, self.pos, self.size)
+
     def take_scores(self) -> None:
         """The reconstruction pass is over: the slots it scored take its score as their protection score."""
         acc = self.finish_scoring()
@@ -376,6 +399,8 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
 
     # ---- merging -----------------------------------------------------------------------------
     def on_prefill(self, query, module) -> None:
+        if self.settings_at is not None:
+            self.p = self.settings_at(self.seen, slot_cost(self.keys, extra_bytes=8))
         if self.by_reconstruction:
             return  # merging waits for the reconstruction pass (Chelsea.after_forward)
         if self.p.protected_per_chunk:

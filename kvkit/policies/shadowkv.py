@@ -81,6 +81,7 @@ import torch
 from kvkit.calibration import resolve
 from kvkit.kernels import lowrank_decode, lowrank_token_decode, merge_attn
 from kvkit.policies.base import Policy, check_positive_int
+from kvkit.policies.knobs import refuse_static, unreachable
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots, hf_sdpa
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -154,11 +155,14 @@ class ShadowKV(Policy):
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("rank",)
     test_options: ClassVar[dict] = dict(budget=16, min_prompt=16)
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
+    paper: ClassVar[dict] = dict(calibrated=False)  # the paper's rank (160 per 1024 key channels)
     static_capable: ClassVar[bool] = True
     static_options: ClassVar[dict] = dict(offload=False)  # a CUDA graph reads no host memory
     covering_options: ClassVar[dict | None] = dict(min_prompt=100_000)
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive_int("shadowkv", "budget", self.budget)
         check_positive_int("shadowkv", "chunk_size", self.chunk_size)
         check_positive_int("shadowkv", "rank", self.rank, allow_none=True)
@@ -202,13 +206,17 @@ class ShadowKV(Policy):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
 
         resolve(self, config).rank_for(kv * head_dim)
+        r, lm = self.compression_ratio, (2 if self.landmark == "minmax" else 1) / (2 * self.chunk_size)
+        if r is not None and r >= 1 - lm:
+            raise unreachable("shadowkv", r, 0.0, 1 - lm, f"a decode step reads every chunk's landmark, {lm:.4f} of "
+                              "full's bytes, besides the chunks it selects")
 
     def new_shared(self, infos):
         """Once per KVCache: the RoPE tables its layers share (:class:`~kvkit.stores.lowrank.RopeTables`)."""
         return RopeTables()
 
     def new_layer(self, info: LayerInfo):
-
+        refuse_static(self, info)
         rank = resolve(self, info.config).rank_for(info.num_kv_heads * info.head_dim)
         cls = static_store(ShadowKVStore) if info.static else ShadowKVStore
         return cls(info, self, rank)
@@ -231,9 +239,34 @@ class ShadowKVStore(SlotStore):
         super().__init__(info)
         self.budget, self.chunk = policy.budget, policy.chunk_size
         self.rank, self.n_out = rank, policy.num_outliers()
+        self.n_out_given = policy.outliers is not None
         self.local_chunks, self.min_prompt = policy.local_chunks, policy.min_prompt
         self.offload, self.landmark = policy.offload, policy.landmark
+        self.ratio = policy.compression_ratio
         self._clear()
+
+    def budget_for(self, S: int, first: int) -> tuple[int, int]:
+        """``(budget, outliers)`` for ``compression_ratio`` over a prompt of ``S`` held tokens (the first real one at
+        ``first``): the multiple of ``chunk_size`` whose decode reads (:meth:`read_nbytes`' terms: landmarks, their
+        ids, ``S*V^T``, the outlier chunks, the exact local window + the new token, and per selected token a row of
+        ``U`` and a value row; outliers scaling with the budget as the paper's 48 at 2048) are nearest ``1 - r`` of
+        what full reads."""
+        H, D = self.info.num_kv_heads, self.info.head_dim
+        e, c, r = self.keys.element_size(), self.chunk, self.rank
+        C = max((S - first) // c - self.local_chunks, 0)
+        local = S - first - C * c + 1
+        lmw = 2 * D if self.landmark == "minmax" else D
+        full = 2 * D * e * (S + 1)
+        best = None
+        for k in range(1, C + 1):
+            n_out = min(self.n_out if self.n_out_given else round(PAPER_OUTLIERS * k * c / PAPER_BUDGET), C)
+            lm = C - n_out
+            read = (lm * (lmw * e + 4) + r * D * 4 + (n_out * c + local) * (2 * D * e + 4)
+                    + min(k, lm) * c * (r + D) * e)
+            err = abs(read / full - (1 - self.ratio))
+            if best is None or err < best[0]:
+                best = (err, k * c, n_out)
+        return (self.budget, self.n_out) if best is None else best[1:]
 
     def _clear(self) -> None:
         self._rope_params = None  # (inv_freq on the device or None, attention_scaling) of the rotary module
@@ -350,6 +383,8 @@ class ShadowKVStore(SlotStore):
         keys, values, dev = self.keys, self.values, self.keys.device
         B, H, S, D = keys.shape
         first = self.first_pos.to(dev).long()  # [B]
+        if self.ratio is not None:
+            self.budget, self.n_out = self.budget_for(S, int(first.min()))
         n_chunks, tok, tok_valid = chunk_layout(first, S, self.chunk, self.local_chunks)
         N = tok.shape[1]
         if N == 0:  # too short to have chunks: stay exact

@@ -67,6 +67,7 @@ calls :func:`kvkit.kernels.sparse_decode` (Triton: the rows are read in place).
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -75,6 +76,7 @@ import torch
 from kvkit.calibration import resolve
 from kvkit.kernels import gather_attend
 from kvkit.policies.base import Policy, check_choice, check_positive_int
+from kvkit.policies.knobs import refuse_static, unreachable
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 from kvkit.stores.static import static_store
@@ -134,10 +136,14 @@ class Tidal(Policy):
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
     saves = "reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("select_layers", "reselect_layer", "layer_shares")
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
+    #: the paper: per-query-head lists, its selection layout (layer 2 and round(0.4 L)), uniform budgets
+    paper: ClassVar[dict] = dict(selection="q_head", calibrated=False)
     test_options: ClassVar[dict] = dict(budget=8)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive_int("tidal", "budget", self.budget)
         check_positive_int("tidal", "reselect_layer", self.reselect_layer, allow_none=True)
         check_choice("tidal", "selection", self.selection, SELECTIONS, allow_none=False)
@@ -217,6 +223,21 @@ class Tidal(Policy):
         own = [ks[layer]] if nxt == layer + 1 else []
         return max(own + ks[layer + 1: nxt])
 
+    def full_read_layers(self, num_layers: int) -> int:
+        """Layers whose decode reads every held token: those before the first selection layer and the selection
+        layers themselves."""
+        layers = self.selection_layers(num_layers)
+        return layers[0] + len(layers)
+
+    def budget_for(self, num_layers: int, groups: int, context: int) -> int:
+        """``budget`` whose decode reads are ``1 - compression_ratio`` of full's over a ``context``-token cache: ``F``
+        layers read all of it, the others ``m (budget + 1)`` rows per KV head (``m`` = the query group with
+        ``selection="q_head"``, else 1): ``(F S + (L - F) m (b + 1)) / (L S) = 1 - r``."""
+        L, F = num_layers, self.full_read_layers(num_layers)
+        m = groups if self.selection == "q_head" else 1
+        b = ((1.0 - self.compression_ratio) * L * context - F * context) / ((L - F) * m) - 1
+        return min(max(int(round(b)), 1), context)
+
     def validate(self, config) -> None:
 
         self = resolve(self, config)
@@ -228,12 +249,17 @@ class Tidal(Policy):
             )
         self.selection_layers(n)
         self.layer_budgets(n)
+        r = self.compression_ratio
+        if r is not None and r >= 1 - self.full_read_layers(n) / n:
+            F = self.full_read_layers(n)
+            raise unreachable("tidal", r, 0.0, 1 - F / n, f"{F} of the {n} layers read every token (the layers before "
+                              "the first selection layer and the selection layers)")
 
     def new_shared(self, infos):
         return TidalSelection()
 
     def new_layer(self, info: LayerInfo):
-
+        refuse_static(self, info)
         cls = static_store(TidalStore) if info.static else TidalStore
         return cls(info, resolve(self, info.config))
 
@@ -318,6 +344,13 @@ class TidalStore(SlotStore):
 
     def __init__(self, info: LayerInfo, policy: Tidal):
         super().__init__(info)
+        self.policy = policy
+        self._configure(policy)
+        self.last_read = 0  # K/V bytes read by the last decode forward
+        self.last_full_read = 0  # K/V bytes full attention would have read in that forward
+
+    def _configure(self, policy: Tidal) -> None:
+        info = self.info
         L, i = info.num_layers, info.layer_idx
         self.budget = policy.layer_budgets(L)[i]  # tokens this layer reads from a selection (reuse layers)
         self.per_kv_head = policy.selection == "kv_head"
@@ -328,8 +361,13 @@ class TidalStore(SlotStore):
         # tokens ranked when this layer selects: the largest budget of the layers that read the selection
         self.select_k = policy.select_budget(L, i) if self.role == "select" else self.budget
         self.shared_budgets = policy.layer_shares is not None  # per-layer cuts of one selection (score order)
-        self.last_read = 0  # K/V bytes read by the last decode forward
-        self.last_full_read = 0  # K/V bytes full attention would have read in that forward
+
+    def on_prefill(self, query, module) -> None:
+        """``compression_ratio``: the budget for this context length (every multi-token forward re-resolves it)."""
+        p = self.policy
+        if p.compression_ratio is not None:
+            b = p.budget_for(self.info.num_layers, self.info.groups, self.seen)
+            self._configure(dataclasses.replace(p, budget=b, compression_ratio=None))
 
     def reset(self) -> None:
         super().reset()
