@@ -251,7 +251,7 @@ class ShadowKVStore(SlotStore):
         ids, ``S*V^T``, the outlier chunks, the exact local window + the new token, and per selected token a row of
         ``U`` and a value row; outliers scaling with the budget as the paper's 48 at 2048) are nearest ``1 - r`` of
         what full reads."""
-        H, D = self.info.num_kv_heads, self.info.head_dim
+        D = self.info.head_dim
         e, c, r = self.keys.element_size(), self.chunk, self.rank
         C = max((S - first) // c - self.local_chunks, 0)
         local = S - first - C * c + 1

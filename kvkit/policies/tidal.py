@@ -66,8 +66,8 @@ calls :func:`kvkit.kernels.sparse_decode` (Triton: the rows are read in place).
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
