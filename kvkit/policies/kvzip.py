@@ -111,12 +111,12 @@ class KVzip(ProtectHeads, Policy):
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
 
-    budget: int = 1024
+    budget: int = 1024  # the eviction policies' common default (SnapKV's, CAKE's cache size 1024)
     sink: int = 4  # KVzip n_sink
-    window: int = 64
-    chunk: int = 512
+    window: int = 64  # SnapKV's observation window: the decode queries that score tokens added after a repeat
+    chunk: int = 512  # kvkit: 512-token repeats (reference: 2048) bound the reconstruction's activations
     overlap: int = 8  # KVzip prev_postfix_size
-    tail: int = 32
+    tail: int = 32  # kvkit: bulk eviction every 32 tokens keeps crop() exact
     instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
     adaptive: bool = True  # the reference ranks all layers together: per-layer budgets (mean = budget)
     normalize: str = "held"  # "held": softmax over every held slot; "chunk": the reference's local softmax

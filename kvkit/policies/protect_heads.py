@@ -48,14 +48,14 @@ def check_protect(policy) -> None:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
         raise ValueError(f"{who}: protect_heads must be a fraction of the KV heads in [0, 1) (0: none protected), got "
                          f"{fraction!r}")
+    if r is not None and r >= 1 - fraction:
+        raise unreachable(who, r, 0.0, 1 - fraction, f"protect_heads={fraction:g} keeps that share of the KV heads "
+                          "whole")
     if pattern is None:
         return
     if not fraction:
         raise ValueError(f"{who}: protect_pattern ranks the heads that protect_heads keeps whole; give protect_heads > 0 too "
                          "(e.g. protect_heads=0.2), or leave protect_pattern out")
-    if r is not None and r >= 1 - fraction:
-        raise unreachable(who, r, 0.0, 1 - fraction, f"protect_heads={fraction:g} keeps that share of the KV heads "
-                          "whole")
     object.__setattr__(policy, "protect_pattern", _frozen(who, pattern))
 
 

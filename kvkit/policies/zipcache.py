@@ -92,8 +92,8 @@ class ZipCache(Policy):
     stats: str = "float16"  # kvkit: dtype of scales / zero points ("auto": the model's 16-bit dtype, else fp32)
     probe_ratio: float = 0.05  # ZipCache: 5% recent + 5% random probe tokens
     requant_interval: int = 100  # ZipCache: streaming re-quantisation every 100 decoded tokens
-    seed: int = 0
-    probe_chunk: int = 256
+    seed: int = 0  # any fixed seed: the random probes, and so the bit split, are reproducible
+    probe_chunk: int = 256  # kvkit: bounds the prefill scoring memory, not the result
     calibrated: bool = True  # kvkit: the model's calibrated bit widths when none given; False = paper's 4/2 split
 
     description = "ZipCache: saliency (probe-query attention) picks 4-bit vs 2-bit tokens, packed KV (2405.14256)"
