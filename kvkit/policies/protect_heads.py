@@ -77,9 +77,10 @@ def protect_fraction(policy, config) -> float:
     if path is not None and path.is_file():
         return DEFAULT_PROTECT
     ident = model_identity(config) if config is not None else {}
-    name = getattr(config, "_name_or_path", "") or ident.get("model_type", "this model")
-    warn_once(("protect_heads", policy.name, str(name), str(ident)),
-              f"{policy.name}: no DuoAttention head pattern ships for {name!r}, so it evicts in every KV head "
+    name = getattr(config, "_name_or_path", "") or ""
+    what = repr(name) if name else f"this {ident.get('model_type', '')} model".replace("  ", " ")
+    warn_once(("protect_heads", policy.name, name, str(ident)),
+              f"{policy.name}: no DuoAttention head pattern ships for {what}, so it evicts in every KV head "
               f"(protect_heads=0), which can lose answers the retrieval heads need. Calibrate one with `kvkit calibrate "
               f"duo --model {name or '<model>'} --out pattern.json` and pass protect_pattern='pattern.json', or pass "
               f"protect_heads=0 to silence this")

@@ -195,7 +195,7 @@ def test_protect_pattern_is_read_once_checked_and_named_by_its_content(tmp_path)
     with pytest.raises(ValueError, match="kvzip: protect_pattern: .*not a valid DuoAttention pattern"):
         kvkit.get_policy("kvzip", protect_heads=0.5, protect_pattern=str(path))
     with pytest.raises(ValueError, match="give protect_heads > 0 too"):
-        kvkit.get_policy("snapkv", protect_pattern=[[1.0, 0.0]])
+        kvkit.get_policy("snapkv", protect_heads=0, protect_pattern=[[1.0, 0.0]])
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "cake", "kvzip", "chelsea"])
