@@ -129,8 +129,9 @@ class Cake(ProtectHeads, Policy):
         table and kernel 5. False: the paper's table / (1.0, 1.0) and kernel 5.
     protect_heads : float or None
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
-        :mod:`kvkit.policies.protect_heads`); the cascade then shares ``budget`` per layer among the evicted heads'
-        layers, and a layer's preference is computed over its evicted heads. None (default): 0.2 where a pattern
+        :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head: the cascade shares ``budget x
+        evicted heads`` head-slots among the layers by preference, and a layer's preference is computed over its
+        evicted heads. None (default): 0.2 where a pattern
         ships for the model, else 0 (warned once). 0: the paper.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.

@@ -35,13 +35,13 @@ class CakeCascade:
 
 def allocate(pref: torch.Tensor, total: int, cap: torch.Tensor) -> torch.Tensor:
     """Integer budgets ``[B, m]`` from preferences ``pref [B, m]``: shares ``pref / sum`` of ``total``, capped at
-    ``cap [B]``; the capped excess and the rounding remainder are spread equally over the uncapped layers
+    ``cap [B]`` (or per layer, ``[B, m]``); the capped excess and the rounding remainder are spread equally over the uncapped layers
     (the first ones get the remainder), so each row sums to ``total`` unless every layer is capped."""
     B, m = pref.shape
     pref = pref.double().clamp(min=0).nan_to_num(0.0)
     s = pref.sum(-1, keepdim=True)
     share = torch.where(s > 0, pref / s.clamp(min=1e-300), torch.full_like(pref, 1.0 / m))
-    capm = cap.view(B, 1).long().expand(B, m)
+    capm = (cap.view(B, 1) if cap.dim() == 1 else cap).long().expand(B, m)
     b = torch.floor(share * total).long().minimum(capm)
     for _ in range(m + 1):
         amount = total - b.sum(-1)  # [B]
@@ -216,13 +216,19 @@ class CakeStore(SlotStore):
             st.history.clear()
         st.pref[m] = pref
         layers = sorted(st.pref)
-        total = (self.budget - self.window) * len(stores)
         evict = real > self.budget + self.window  # [B] rows long enough to evict anything
         cap = (real - w).clamp(min=0)
         # Layers may live on different devices (device_map="auto"): the allocation runs on this layer's
         # device, and each store's budget and size are kept on that store's own device.
         dev = real.device
-        alloc = allocate(torch.stack([st.pref[i].to(dev) for i in layers], dim=-1), total, cap)
+        pref_m = torch.stack([st.pref[i].to(dev) for i in layers], dim=-1)
+        heads = [stores[i].num_store_heads for i in layers]
+        if len({s.num_store_heads for s in stores.values()}) == 1:  # every layer evicts in all its KV heads
+            alloc = allocate(pref_m, (self.budget - self.window) * len(stores), cap)
+        else:  # protect_heads: layers differ in evicted heads; the budget is per evicted head, shared in head-slots
+            total = (self.budget - self.window) * sum(s.num_store_heads for s in stores.values())
+            h = torch.tensor(heads, device=dev)
+            alloc = allocate(pref_m, total, cap[:, None] * h) // h
         for j, i in enumerate(layers):
             store = stores[i]
             b = torch.where(evict, alloc[:, j], cap)

@@ -55,6 +55,16 @@ def test_half_the_reads_at_compression_ratio_one_half(policy, model, bf16_model)
     assert abs(got - 0.5) <= 0.05 * 0.5, f"{policy}: read {got:.3f} of full's bytes at compression_ratio=0.5"
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "cake", "kvzip", "chelsea"])
+def test_protected_heads_count_in_the_mapping(policy, model):
+    """With a quarter of the KV heads kept whole (a pattern that leaves layers with 0, 1 or 2 evicted heads), the
+    evicted heads' budget still makes the decode step read half of full's bytes."""
+    ids = torch.randint(1, 128, (1, PROMPT), generator=torch.Generator().manual_seed(4))
+    full = read_bytes(model, "full", ids)
+    got = read_bytes(model, policy, ids, compression_ratio=0.5, protect_heads=0.25, protect_pattern=EXTRA["duo"]["pattern"])
+    assert abs(got / full - 0.5) <= 0.05 * 0.5, f"{policy}: read {got / full:.3f} of full's bytes"
+
+
 def test_the_budget_follows_the_prompt_length(model):
     """A token budget is resolved when the prompt arrives: twice the prompt, twice the slots kept."""
     kept = []
