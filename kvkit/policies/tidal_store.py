@@ -55,8 +55,7 @@ class TidalSelection:
     def _cut(self, k: int):
         """The top ``k`` plus the query tokens' own slots. The whole selection (``k`` = all of it, what every layer
         reads with uniform budgets) is put in slot order; with ``layer_shares`` every cut keeps the score order:
-        sorting the cuts costs more than the gathers they would speed up (they read whole rows in any order;
-        the timings: results/policies/README.md, "TidalDecode layer shares")."""
+        sorting the cuts costs more than the gathers they would speed up (they read whole rows in any order)."""
         r = self.ranked[..., :k]
         cur, cur_ok = self.cur
         whole = k == self.ranked.shape[-1] and self.slot_order
