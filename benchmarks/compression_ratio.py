@@ -11,13 +11,14 @@ The prompt is ``--tokens`` tokens of the Paul Graham essays (:func:`kvkit.evals.
 than ShadowKV's ``min_prompt`` (4096: shorter prompts it runs as ``full``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/compression_ratio.py [--tokens 4160]
-        [--ratios 0.25,0.5,0.75] [--policies snapkv,cake] [--dtype float32]
+        [--ratios 0.25,0.5,0.75] [--policies snapkv,cake] [--dtype float32] [--opt preset=paper]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import re
 import subprocess
@@ -29,6 +30,7 @@ import torch
 import kvkit
 from kvkit.evals.haystack import essay_words
 from kvkit.models import load_default
+from kvkit.options import parse_options
 
 
 def prompt_ids(tokenizer, tokens: int) -> torch.Tensor:
@@ -55,18 +57,21 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", default="0.25,0.5,0.75")
     ap.add_argument("--policies", default=None, help="comma-separated; default: every policy but full")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--opt", action="append", default=[], help="key=value options for every policy (e.g. preset=paper)")
     args = ap.parse_args(argv)
     ratios = [float(x) for x in args.ratios.split(",")]
+    extra = parse_options(args.opt)
     policies = args.policies.split(",") if args.policies else [p for p in kvkit.available_policies() if p != "full"]
     torch.manual_seed(0)
     model, tok = load_default(dtype=getattr(torch, args.dtype))
     ids = prompt_ids(tok, args.tokens)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit or '?'}; "
-          f"machine: {platform.machine()} {platform.processor() or ''} CPU, torch {torch.__version__}, "
+          f"machine: {platform.machine()} CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s)")
     print(f"command: {' '.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}")
-    print(f"model: SmolLM2-135M-Instruct ({args.dtype}), prompt {ids.shape[1]} tokens of the essays, one decode step\n")
+    print(f"model: SmolLM2-135M-Instruct ({args.dtype}), prompt {ids.shape[1]} tokens of the essays, one decode step"
+          + (f"; options {extra}" if extra else "") + "\n")
     full_read, full_held = measure(model, "full", ids)
     print(f"full: {full_read} bytes read per decode step, {full_held} bytes held\n")
     head = " | ".join(f"r={r:g}: read / held (target {1 - r:g})" for r in ratios)
@@ -79,7 +84,7 @@ def main(argv=None) -> int:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:
-                    read, held = measure(model, name, ids, compression_ratio=r)
+                    read, held = measure(model, name, ids, compression_ratio=r, **extra)
                 except ValueError as e:
                     m = re.search(r"reaches compression ratios in (\[[^]]*\])", str(e))
                     cells.append(f"out of reach (reaches {m.group(1)})" if m else f"refused: {e}")
