@@ -6,6 +6,9 @@ decoding for Hugging Face transformers, installed with one line::
     model.generate(ids, max_new_tokens=64)
     kvkit.unpatch(model)
 
+    with kvkit.patched(model, "snapkv", compression_ratio=0.5):  # restored on exit
+        model.generate(ids, max_new_tokens=64)
+
 The public names are imported on first use (PEP 562 ``__getattr__``), so ``import kvkit`` and the ``kvkit``
 command's help and argument checks do not import torch or transformers.
 """
@@ -17,10 +20,10 @@ import sys
 import types
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched_policy", "prefill", "KVCache", "available_policies", "get_policy", "policy_options"]
+__all__ = ["patch", "unpatch", "patched", "patched_policy", "prefill", "KVCache", "available_policies", "get_policy", "policy_options"]
 
 #: public name -> the module that defines it
-_LAZY = {"KVCache": "kvkit.cache", "patch": "kvkit.patch", "patched_policy": "kvkit.patch", "unpatch": "kvkit.patch",
+_LAZY = {"KVCache": "kvkit.cache", "patch": "kvkit.patch", "patched": "kvkit.patch", "patched_policy": "kvkit.patch", "unpatch": "kvkit.patch",
          "prefill": "kvkit.prefill", "available_policies": "kvkit.registry", "get_policy": "kvkit.registry",
          "policy_options": "kvkit.registry"}
 

@@ -89,3 +89,41 @@ def get_policy(name, **options) -> Policy:
         if f.name in options and f.type in ("bool", bool) and not isinstance(options[f.name], bool):
             raise ValueError(f"{name}: {f.name} must be true or false, got {options[f.name]!r}")
     return cls(**options)
+
+
+def describe(name: str) -> list[dict]:
+    """Every option of a policy, in order: ``{"name", "default", "meaning", "why"}`` -- ``meaning`` the first sentence
+    of its entry in the class docstring's numpy-style ``Parameters`` section, ``why`` the comment on its field line
+    (the reason for the default: the paper's value, kvkit's measurement). ``kvkit policies NAME`` prints it."""
+    import inspect
+    import re
+
+    cls = policy_class(name)
+    meanings, whys = {}, {}
+    for klass in reversed(cls.__mro__):  # the subclass's words win over a base's
+        doc = inspect.getdoc(klass) if "__doc__" in vars(klass) else None
+        if doc and "Parameters\n----------" in doc:
+            body = doc.split("Parameters\n----------", 1)[1]
+            entry = None
+            for line in body.splitlines():
+                if line and not line.startswith(" "):
+                    if not re.match(r"[A-Za-z_][\w, ]* :", line) and not re.match(r"[A-Za-z_][\w, ]*$", line):
+                        break
+                    entry = [n.strip() for n in line.split(":", 1)[0].split(",")]
+                    for n in entry:
+                        meanings[n] = ""
+                elif entry and line.strip():
+                    for n in entry:
+                        meanings[n] = (meanings[n] + " " + line.strip()).strip()
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for m in re.finditer(r"^    (\w+): [^=\n]+=[^#\n]*#\s*(.+)$", src, re.M):
+            whys[m.group(1)] = m.group(2).strip()
+    out = []
+    for opt, default in policy_options(name).items():
+        text = meanings.get(opt, "")
+        first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0] if text else ""
+        out.append({"name": opt, "default": default, "meaning": first, "why": whys.get(opt, "")})
+    return out

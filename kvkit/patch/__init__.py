@@ -36,6 +36,7 @@ The package by job: :mod:`.support` (which models and transformers releases kvki
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from transformers import AttentionInterface
@@ -139,11 +140,27 @@ def unpatch(model):
     return model
 
 
+@contextlib.contextmanager
+def patched(model, policy="full", **options):
+    """``with kvkit.patched(model, "snapkv", compression_ratio=0.5) as m: ...``: :func:`patch` for the body (the
+    same arguments), and on exit -- also when the body raises -- the model as it was: unpatched, or patched again
+    with the policy and settings it had before."""
+    before = patch_state(model)
+    patch(model, policy, **options)
+    try:
+        yield model
+    finally:
+        unpatch(model)
+        if before is not None:  # the previous patch, reinstalled as it was
+            patch(model, before.policy, allow_beyond_context=before.allow_beyond_context, static=before.static,
+                  max_length=before.max_length)
+
+
 def patched_policy(model) -> Policy | None:
     """The policy ``kvkit.patch`` installed on ``model``, or None when it is not patched (:func:`is_patched`)."""
     state = patch_state(model)
     return None if state is None else state.policy
 
 
-__all__ = ["patch", "unpatch", "patched_policy", "patch_state", "is_patched", "PatchState", "check_model",
+__all__ = ["patch", "unpatch", "patched", "patched_policy", "patch_state", "is_patched", "PatchState", "check_model",
            "check_context", "check_foreign_cache", "context_limit", "Cache"]

@@ -10,12 +10,27 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from kvkit.policies.knobs import check_common
 from kvkit.stores import LayerInfo
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Base of every kvkit policy (subclasses are frozen dataclasses registered by name)."""
+    """Base of every kvkit policy (subclasses are frozen dataclasses registered by name).
+
+    Parameters
+    ----------
+    compression_ratio : float or None
+        Fraction of full's KV bytes a decode step no longer reads (and, for a policy that evicts or quantizes, the
+        memory saved), in (0, 1); mapped to the policy's native knobs (:mod:`kvkit.policies.knobs`). None: the
+        native knobs as given.
+    preset : str
+        ``"kvkit"`` (kvkit's defaults) or ``"paper"`` (the paper's own settings for the options left at their
+        defaults).
+    """
+
+    compression_ratio: float | None = None  # one knob for every policy; None = the native knobs as given
+    preset: str = "kvkit"  # kvkit's defaults keep the answer; "paper" reproduces the published settings
 
     name: ClassVar[str] = "base"
     #: one line for ``kvkit policies`` and the README table
@@ -44,6 +59,14 @@ class Policy:
     #: the options a per-model calibration (:mod:`kvkit.calibration`) may set, applied only when the user left all
     #: of them at their defaults (written by the policy's calibrator, ``kvkit/calibrate/<name>.py``); empty: none
     calibrated_options: ClassVar[tuple[str, ...]] = ()
+    #: the native options ``compression_ratio`` sets (giving one of them away from its default with it is refused);
+    #: empty: the policy compresses nothing
+    ratio_knobs: ClassVar[tuple[str, ...]] = ()
+    #: ``preset="paper"``: the options that differ from kvkit's defaults, at the paper's values
+    paper: ClassVar[dict] = {}
+
+    def __post_init__(self):
+        check_common(self)
 
     def new_layer(self, info: LayerInfo):
         """Return the store for one full-attention layer."""

@@ -39,19 +39,24 @@ unknown models). Options ``tau1``/``tau2`` override.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
-
-import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
-from kvkit.policies.protect_heads import check_protect, pattern_hashes, protected_heads, split_or_plain
+from kvkit.policies.cake_store import (  # noqa: F401  (re-exported: kvkit.policies.cake.<name> as before)
+    EPS,
+    QUERY_SLACK,
+    CakeCascade,
+    CakeStore,
+    allocate,
+    cascade_history,
+)
+from kvkit.policies.knobs import budget_for, protected_share, refuse_static
+from kvkit.policies.protect_heads import ProtectHeads, check_protect, split_or_plain
 from kvkit.registry import register
-from kvkit.stores import LayerInfo, SlotStore
-from kvkit.stores import tensor_bytes as _tensor_bytes
-from kvkit.stores.base import new_ring, ring_last, ring_write
-from kvkit.stores.scored import POOL_WINDOWS, pool_group, window_attention
+from kvkit.stores import LayerInfo
+from kvkit.stores.scored import POOL_WINDOWS
 from kvkit.stores.static import static_store
 
 #: CAKE's tau1/tau2 at cache size 1024 (paper / reference config): name fragment -> (tau1, tau2)
@@ -69,8 +74,6 @@ _SHAPES = {
     ("qwen2", 28, 3584, 4, 152064): "qwen2.5-7b",
     ("llama", 32, 4096, 32, 32000): "llama-2-7b",
 }
-QUERY_SLACK = 64  # decode queries kept beyond `tail`, so crop of up to 64 tokens keeps the scoring exact
-EPS = 1e-10  # CAKE entropy epsilon
 
 
 def model_taus(config) -> tuple[tuple[float, float], str]:
@@ -95,7 +98,7 @@ def model_taus(config) -> tuple[tuple[float, float], str]:
 
 @register("cake")
 @dataclass(frozen=True)
-class Cake(Policy):
+class Cake(ProtectHeads, Policy):
     """CAKE: per-layer budgets from attention entropy/variance, cascading eviction during prefill.
 
     Parameters
@@ -124,10 +127,12 @@ class Cake(Policy):
         True (default): with tau1/tau2/pool_kernel left at None, the model's calibrated taus and kernel
         (``kvkit calibrate cake``; found from the config by :mod:`kvkit.calibration`) before the paper's
         table and kernel 5. False: the paper's table / (1.0, 1.0) and kernel 5.
-    protect_heads : float
+    protect_heads : float or None
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
-        :mod:`kvkit.policies.protect_heads`); the cascade then shares ``budget`` per layer among the evicted heads'
-        layers, and a layer's preference is computed over its evicted heads. 0 (default): the paper.
+        :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head: the cascade shares ``budget x
+        evicted heads`` head-slots among the layers by preference, and a layer's preference is computed over its
+        evicted heads. None (default): 0.2 where a pattern
+        ships for the model, else 0 (warned once). 0: the paper.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -141,13 +146,15 @@ class Cake(Policy):
     tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
     calibrated: bool = True  # kvkit: the model's calibrated taus when none given; False = the paper's table
-    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("tau1", "tau2", "pool_kernel", "pool_window")
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
+    paper: ClassVar[dict] = dict(calibrated=False, protect_heads=0.0)
     test_options: ClassVar[dict] = dict(budget=16, window=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (
@@ -157,6 +164,7 @@ class Cake(Policy):
     )
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("budget", "window"):
             check_positive_int("cake", name, getattr(self, name))
         check_odd_kernel("cake", "pool_kernel", self.pool_kernel)
@@ -185,267 +193,16 @@ class Cake(Policy):
         (t1, t2), _ = model_taus(config) if config is not None else (DEFAULT_TAU, "default")
         return (self.tau1 if self.tau1 is not None else t1, self.tau2 if self.tau2 is not None else t2)
 
-    def new_shared(self, infos):
-        return CakeCascade(protected=protected_heads("cake", infos[0].config, self.protect_heads, self.protect_pattern))
-
-    def validate(self, config) -> None:
-        protected_heads("cake", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
+    def shared_state(self, mask):
+        return CakeCascade(protected=mask)
 
     def new_layer(self, info: LayerInfo):
+        refuse_static(self, info)
         p = resolve(self, info.config)
         cls = static_store(CakeStore) if info.static else CakeStore
         taus = p.taus(info.config)
-        return split_or_plain(info, lambda n: cls(info, p, *taus, num_heads=n), info.shared.protected)
-
-
-@dataclass
-class CakeCascade:
-    """One cache's cascade state: every layer's store, preference and budget ``[B]`` so far."""
-
-    stores: dict = field(default_factory=dict)  # layer -> CakeStore
-    pref: dict = field(default_factory=dict)  # layer -> [B] preference
-    budgets: dict = field(default_factory=dict)  # layer -> [B] evictable budget
-    history: list = field(default_factory=list)  # budgets after each layer's prefill
-    protected: torch.Tensor | None = None  # [L, H] bool: the KV heads kept whole (``protect_heads``), or None
-
-
-def allocate(pref: torch.Tensor, total: int, cap: torch.Tensor) -> torch.Tensor:
-    """Integer budgets ``[B, m]`` from preferences ``pref [B, m]``: shares ``pref / sum`` of ``total``, capped at
-    ``cap [B]``; the capped excess and the rounding remainder are spread equally over the uncapped layers
-    (the first ones get the remainder), so each row sums to ``total`` unless every layer is capped."""
-    B, m = pref.shape
-    pref = pref.double().clamp(min=0).nan_to_num(0.0)
-    s = pref.sum(-1, keepdim=True)
-    share = torch.where(s > 0, pref / s.clamp(min=1e-300), torch.full_like(pref, 1.0 / m))
-    capm = cap.view(B, 1).long().expand(B, m)
-    b = torch.floor(share * total).long().minimum(capm)
-    for _ in range(m + 1):
-        amount = total - b.sum(-1)  # [B]
-        free = b < capm
-        nfree = free.sum(-1)
-        if not bool(((amount > 0) & (nfree > 0)).any()):
-            break
-        per = amount.clamp(min=0) // nfree.clamp(min=1)
-        rem = amount.clamp(min=0) % nfree.clamp(min=1)
-        rank = free.long().cumsum(-1) - 1
-        b = (b + torch.where(free, per[:, None] + (rank < rem[:, None]).long(), 0)).minimum(capm)
-    return b
-
-
-class CakeStore(SlotStore):
-    """One CAKE layer: per-KV-head positions (``pos [B, H, n]``), the prefill indicator while the cascade
-    runs, the live-token size of each row for decode and the last decode queries for decode scoring."""
-
-    _batch_tensors = SlotStore._batch_tensors + ("score", "size", "qbuf")
-
-    def __init__(self, info: LayerInfo, policy: Cake, tau1: float, tau2: float, num_heads: int | None = None):
-        super().__init__(info, num_heads)
-        self.budget, self.window, self.gamma = policy.budget, policy.window, policy.gamma
-        self.kernel = policy.pool_kernel if policy.pool_kernel is not None else 5
-        self.pool_window = policy.pool_window or "centered"
-        self.tail = policy.tail if policy.tail is not None else policy.window
-        self.tau1, self.tau2 = tau1, tau2
-        self.score: torch.Tensor | None = None  # [B, H, n] prefill indicator (+inf window, -inf dead)
-        self.size: torch.Tensor | None = None  # [B] live tokens a row keeps at decode (budget + window)
-        self.qbuf: torch.Tensor | None = None  # [B, Hq, nq, D] last decode queries (static: a ring, see below)
-        self.qbuf_pos: torch.Tensor | None = None  # static: [tail + QUERY_SLACK] the ring's positions
-        #: tokens still to append before some row reaches ``size + tail`` live slots (the compression trigger),
-        #: counted on the host so a decode step reads nothing from the device; None: re-read at the next check
-        self.countdown: int | None = None
-        self.scaling = info.head_dim**-0.5
-        info.shared.stores[info.layer_idx] = self
-
-    def reset(self) -> None:
-        super().reset()
-        self.score = self.size = self.qbuf = self.qbuf_pos = self.countdown = None
-
-    def arm(self) -> None:
-        """Read how many tokens may be appended before the first row triggers a compression (one host read, at
-        prefill or a compression event). Every appended token is counted off; a row whose new token is padding
-        gains no live slot, so the countdown can only run out early, never late (an early check compresses no
-        row: :meth:`compress` decides per row on the device)."""
-        self.countdown = None if self.size is None else int((self.size + self.tail - self.live()[:, 0]).min())
-        if self.static and self.size is not None:  # the capacity follows the decode size (a host read here too)
-            self._bound = int(self.size.max()) + self.tail + 1
-            self._fit()
-            if self.qbuf is None:  # the decode-query ring exists before the first compiled step (fixed inputs)
-                B, _, _, D = self.keys.shape
-                self.qbuf, self.qbuf_pos = new_ring(B, self.num_store_heads * self.info.groups, self.tail + QUERY_SLACK, D,
-                                                    self.keys.dtype, self.keys.device)
-
-    def slots_bound(self) -> int | None:
-        """Static capacity: the largest row's decode size + ``tail`` (known once the cascade ran)."""
-        return getattr(self, "_bound", None)
-
-    def appended(self, T: int) -> None:
-        if self.countdown is not None:
-            self.countdown -= T
-
-    def _apply_batch(self, fn) -> None:
-        super()._apply_batch(fn)
-        self.countdown = None
-
-    def nbytes(self) -> int:
-        return super().nbytes() + _tensor_bytes(self.score, self.size, self.qbuf, self.first_pos)
-
-    def live(self) -> torch.Tensor:
-        """Live (readable) tokens per row and KV head ``[B, H]``."""
-        return (self.pos >= 0).sum(-1)
-
-    # ---- bookkeeping -------------------------------------------------------------------------
-    def keep_slots(self, idx: torch.Tensor) -> None:
-        super().keep_slots(idx)
-        if self.score is not None:
-            self.score = self.score.gather(2, idx.expand(-1, self.score.shape[1], -1))
-
-    def _drop_last(self, n: int) -> None:
-        super()._drop_last(n)
-        self.countdown = None  # the dropped tokens may have been padding: re-read
-        if self.score is not None:
-            self.score = self.score[..., :-n]
-        if self.qbuf is not None and self.static:
-            self.qbuf_pos.masked_fill_(self.qbuf_pos >= self.seen - n, -1)
-        elif self.qbuf is not None:
-            self.qbuf = self.qbuf[:, :, : max(self.qbuf.shape[2] - n, 0)]
-
-    def _evict_to(self, score: torch.Tensor, keep: torch.Tensor) -> None:
-        """Keep the ``keep [B]`` best live slots of every (row, KV head) by ``score [B, H, n]``; the rest of a
-        row's rectangle becomes dead slots (position -1), placed before its live slots in slot order."""
-        n = self.keys.shape[-2]
-        kmax = min(int(keep.max()), n)
-        if kmax >= n and bool((self.live() <= keep[:, None]).all()):
-            return
-        score = score.masked_fill(self.pos < 0, float("-inf"))
-        top = score.topk(kmax, dim=-1)
-        ok = (torch.arange(kmax, device=score.device).view(1, 1, kmax) < keep.view(-1, 1, 1)) & (
-            top.values > float("-inf")
-        )
-        order = torch.where(ok, top.indices + n, top.indices).argsort(dim=-1)  # dead first, live in slot order
-        idx = top.indices.gather(-1, order)
-        ok = ok.gather(-1, order)
-        self.keep_slots(idx)
-        self.pos = torch.where(ok, self.pos, -1).contiguous()
-        if self.score is not None:
-            self.score = self.score.masked_fill(~ok, float("-inf"))
-
-    # ---- prefill: preference, indicator, cascade -------------------------------------------------
-    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        self.scaling = scaling
-        out = super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-        self.record_queries(query)
-        return out
-
-    def record_queries(self, query: torch.Tensor) -> None:
-        """A decode forward's queries, for decode scoring: the last ``tail + QUERY_SLACK`` of them (a static store
-        keeps them in a ring written in place, :func:`~kvkit.stores.base.ring_write`)."""
-        T = query.shape[2]
-        if self.static:
-            if torch.compiler.is_compiling() or self.seen > T:
-                self.qbuf, self.qbuf_pos = ring_write(self.qbuf, self.qbuf_pos, query.detach(), self.seen_t - T,
-                                                      self.tail + QUERY_SLACK)
-            return
-        if self.seen > T:
-            q = query.detach()
-            self.qbuf = q if self.qbuf is None else torch.cat([self.qbuf, q], dim=2)
-            self.qbuf = self.qbuf[:, :, -(self.tail + QUERY_SLACK) :]
-
-    def _window_attention(self, qw: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
-        return window_attention(qw, self.keys, self.pos, qpos, self.scaling)
-
-    def _pool_group(self, x: torch.Tensor) -> torch.Tensor:
-        return pool_group(x, self.kernel, self.keys.shape[1], window=self.pool_window)
-
-    def on_prefill(self, query, module) -> None:
-        B, Hq, S, D = query.shape
-        w = min(self.window, S)
-        real = (self.pos[:, 0] >= 0).sum(-1)  # [B]
-        qpos = torch.arange(S - w, S, device=query.device, dtype=torch.int32)
-        A = self._window_attention(query[:, :, S - w :], qpos)  # [B, Hq, w, S]
-        a_nw = A[..., : S - w]
-        # layer preference (CAKE eq.: entropy and variance on the non-window keys), float64 for the powers
-        ent = -(a_nw * torch.log(a_nw + EPS)).sum(dim=(1, 2, 3)).double()
-        var_w = a_nw.var(dim=2) if w > 1 else torch.zeros_like(a_nw[:, :, 0])
-        var = var_w.sum(dim=(1, 2)).double()
-        pref = ent.clamp(min=0) ** (1.0 / self.tau1) * var.clamp(min=0) ** (1.0 / self.tau2)  # [B]
-        # eviction indicator: mean + gamma * variance over window queries, pooled, group-averaged
-        ind = A.mean(dim=2) + self.gamma * (A.var(dim=2) if w > 1 else 0.0)
-        nw = self._pool_group(ind[..., : S - w])
-        win = torch.full((B, nw.shape[1], w), float("inf"), device=nw.device)
-        self.score = torch.cat([nw, win], dim=-1).masked_fill(self.pos < 0, float("-inf"))
-        self._cascade(pref, real, w)
-
-    def _cascade(self, pref: torch.Tensor, real: torch.Tensor, w: int) -> None:
-        st = self.info.shared
-        stores = st.stores
-        m = self.info.layer_idx
-        if m == min(stores):  # first layer of a new prompt
-            st.pref.clear()
-            st.budgets.clear()
-            st.history.clear()
-        st.pref[m] = pref
-        layers = sorted(st.pref)
-        total = (self.budget - self.window) * len(stores)
-        evict = real > self.budget + self.window  # [B] rows long enough to evict anything
-        cap = (real - w).clamp(min=0)
-        # Layers may live on different devices (device_map="auto"): the allocation runs on this layer's
-        # device, and each store's budget and size are kept on that store's own device.
-        dev = real.device
-        alloc = allocate(torch.stack([st.pref[i].to(dev) for i in layers], dim=-1), total, cap)
-        for j, i in enumerate(layers):
-            store = stores[i]
-            b = torch.where(evict, alloc[:, j], cap)
-            prev = st.budgets.get(i)
-            if prev is not None:
-                b = b.minimum(prev.to(dev))
-            sdev = store.pos.device
-            st.budgets[i] = b.to(sdev)
-            if prev is None or bool((b < prev.to(dev)).any()):
-                store._evict_to(store.score, (b + w).to(sdev))
-            store.size = torch.where(evict, b + w, real.clamp(min=self.budget)).to(sdev)
-        st.history.append({i: st.budgets[i] for i in layers})
-        if m == max(stores):  # cascade done: the prefill indicators are no longer needed
-            for store in stores.values():
-                store.score = None
-                store.arm()
-
-    # ---- decode ------------------------------------------------------------------------------
-    def should_compress(self) -> bool:
-        if self.size is None:
-            return False
-        if self.countdown is None:
-            self.arm()
-        return self.countdown <= 0
-
-    def compress(self) -> None:
-        live = self.live()[:, 0]
-        trig = live >= self.size + self.tail
-        keep = torch.where(trig, self.size, live)
-        self._evict_to(self._decode_score(), keep)
-        self.arm()
-
-    def _decode_score(self) -> torch.Tensor:
-        """Indicator ``[B, H, n]`` from the last ``tail`` decode queries: mean softmax over held slots, the
-        non-window part pooled and group-averaged; the last ``window`` slots +inf."""
-        n = self.keys.shape[-2]
-        w = min(self.window, n)
-        B, H = self.keys.shape[:2]
-        if self.qbuf is None or self.qbuf.shape[2] == 0 or (self.static and not bool((self.qbuf_pos >= 0).any())):
-            return self.pos.float()  # no decode query yet: keep the newest
-        if self.static:
-            q, qpos = ring_last(self.qbuf, self.qbuf_pos, self.tail, self.seen)
-        else:
-            q = self.qbuf[:, :, -self.tail :]
-            nq = q.shape[2]
-            qpos = torch.arange(self.seen - nq, self.seen, device=q.device, dtype=torch.int32)
-        A = self._window_attention(q, qpos).mean(dim=2)  # [B, Hq, n]
-        nw = self._pool_group(A[..., : n - w])
-        win = torch.full((B, H, w), float("inf"), device=nw.device)
-        return torch.cat([nw, win], dim=-1)
-
-
-def cascade_history(cache) -> list[dict[int, torch.Tensor]]:
-    """Per-layer budgets ``[B]`` after each layer's prefill (the cascade), for inspection and tests."""
-    return list(cache.shared.history)
+        at = None
+        if self.compression_ratio is not None:  # the mean kept per layer (window included) from the context length
+            share = protected_share(info.shared.protected, info.config)
+            at = lambda S, cost: budget_for(self.compression_ratio, S, share, floor=self.window + 1, cost=cost)  # noqa: E731
+        return split_or_plain(info, lambda n: cls(info, p, *taus, num_heads=n, budget_at=at), info.shared.protected)

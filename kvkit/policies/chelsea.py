@@ -70,26 +70,15 @@ import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_kernel, check_positive_int
-from kvkit.policies.protect_heads import (
-    check_protect,
-    evicting_parts,
-    pattern_hashes,
-    protected_heads,
-    split_or_plain,
+from kvkit.policies.chelsea_store import (  # noqa: F401  (re-exported: kvkit.policies.chelsea.<name> as before)
+    ChelseaStore,
 )
+from kvkit.policies.knobs import protected_share, refuse_static
+from kvkit.policies.protect_heads import ProtectHeads, check_protect, evicting_parts, split_or_plain
 from kvkit.registry import register
-from kvkit.stores import LayerInfo, SlotStore, attend_slots
-from kvkit.stores import tensor_bytes as _tensor_bytes
-from kvkit.stores.merge import (
-    chunk_grid,
-    compact_valid,
-    merge_chunks,
-    merge_keep_top,
-    merge_keep_top_context,
-    take_slots,
-)
-from kvkit.stores.reconstruct import ReconstructionScoring, forward_to_repeat, reconstruct
-from kvkit.stores.scored import POOL_WINDOWS, pool_group, window_attention
+from kvkit.stores import LayerInfo
+from kvkit.stores.reconstruct import forward_to_repeat, reconstruct
+from kvkit.stores.scored import POOL_WINDOWS
 from kvkit.stores.static import static_store
 
 PROTECT_SCORES = ("window", "reconstruct")
@@ -98,7 +87,7 @@ PROTECT_SCOPES = ("chunk", "context")
 
 @register("chelsea")
 @dataclass(frozen=True)
-class Chelsea(Policy):
+class Chelsea(ProtectHeads, Policy):
     """Chelsea chunked KV clustering.
 
     Parameters
@@ -151,7 +140,8 @@ class Chelsea(Policy):
     protect_heads : float
         Fraction of the KV heads kept whole, unmerged: the ones the model's DuoAttention pattern ranks highest
         (kvkit, :mod:`kvkit.policies.protect_heads`; not the same as ``protect``, which keeps tokens of a chunk
-        exact); the other heads merge as above. 0 (default): the paper, every head merged.
+        exact); the other heads merge as above. None (default): 0.2 where a pattern ships for the model, else 0
+        (warned once). 0: the paper, every head merged.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -170,7 +160,7 @@ class Chelsea(Policy):
     recon_chunk: int = 512  # kvkit: reconstruction chunk (KVzip's chunked repeat)
     protect_scope: str = "chunk"  # kvkit: "chunk" (P per chunk) or "context" (P x chunks per KV head, KVzip-like)
     calibrated: bool = True  # kvkit: the model's calibrated chunk_size / protect_*; False = the fallbacks
-    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     CHUNK: ClassVar[int] = 64  # fallback chunk_size
@@ -185,9 +175,13 @@ class Chelsea(Policy):
     calibrated_options: ClassVar[tuple[str, ...]] = (
         "chunk_size", "protect_kernel", "protect_pooling", "protect_window")
     test_options: ClassVar[dict] = dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8)
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("ratio",)
+    #: the paper: its matching over every slot (no protection), no size bias, every head merged
+    paper: ClassVar[dict] = dict(calibrated=False, size_bias=False, protect_heads=0.0)
     covering_options: ClassVar[dict | None] = dict(ratio=1.0)
 
     def __post_init__(self):
+        super().__post_init__()
         check_fraction("chelsea", "ratio", self.ratio)
         check_positive_int("chelsea", "chunk_size", self.chunk_size, allow_none=True)
         check_positive_int("chelsea", "merge_interval", self.merge_interval)
@@ -238,17 +232,36 @@ class Chelsea(Policy):
             return 0
         return min(math.ceil(self.PROTECT_SHARE * self.ratio * self.chunk - 1e-9), self.kept_per_chunk - 1)
 
-    def settings(self, config) -> Chelsea:
+    def settings(self, config, context: int | None = None, share: float = 0.0, cost: float = 1.0) -> Chelsea:
         """This policy for the model of ``config``: calibrated options filled in (when ``calibrated``, ``protect`` > 0
         -- the calibration is of the protection -- and none of them was given), then the fallbacks; every field
-        concrete."""
+        concrete. With ``compression_ratio``, ``ratio`` is resolved for a ``context``-token cache whose protected
+        heads (``share`` of them) keep everything, each slot ``cost`` times a token's K/V bytes (:meth:`ratio_for`; the
+        target share itself without a context)."""
 
         p = resolve(self, config)
+        if p.compression_ratio is not None:
+            p = dataclasses.replace(p, ratio=self.ratio_for(p.chunk, context, share, cost),
+                                    compression_ratio=None)
         k, pool, win = self.PROTECT_POOL
         return dataclasses.replace(
             p, chunk_size=p.chunk, protect=p.protect if p.protect is not None else p.protected_per_chunk / p.chunk,
             protect_kernel=p.protect_kernel if p.protect_kernel is not None else k,
             protect_pooling=p.protect_pooling or pool, protect_window=p.protect_window or win)
+
+    def ratio_for(self, chunk: int, context: int | None, share: float, cost: float = 1.0) -> float:
+        """``ratio`` that keeps ``1 - compression_ratio`` of a ``context``-token cache: the protected heads keep
+        everything, the sinks, the window and a partial chunk stay exact, the ``M`` tokens of complete chunks keep
+        ``K`` slots per ``chunk``, a slot ``cost`` times a token's K/V bytes (its position and cluster size):
+        ``share + (1 - share) cost (context - M + K M / chunk) / context = 1 - r``."""
+        kept = ((1.0 - self.compression_ratio) - share) / (1.0 - share)
+        if not context:
+            return min(1.0, max(kept, 1.0 / chunk))
+        M = max(0, (context - self.sink - self.window) // chunk) * chunk
+        if M == 0:
+            return 1.0
+        K = round((kept * context / cost - (context - M)) * chunk / M)
+        return min(chunk, max(K, 1)) / chunk
 
     def uses_calibration(self) -> bool:
         # the calibration is of the protection: the paper's matching takes none. protect=None: the calibrated chunk
@@ -257,13 +270,7 @@ class Chelsea(Policy):
 
     def validate(self, config) -> None:
         self.settings(config)  # a calibration that does not combine with the options fails at patch time
-        protected_heads("chelsea", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
-
-    def new_shared(self, infos):
-        return protected_heads("chelsea", infos[0].config, self.protect_heads, self.protect_pattern)
+        self.protection(config)
 
     def reconstructs(self) -> bool:
         """The protection is scored by a reconstruction pass (``protect_score="reconstruct"`` with slots to protect)."""
@@ -274,9 +281,14 @@ class Chelsea(Policy):
         return not self.reconstructs()  # the reconstruction runs after the prefill: a replayed one skips it
 
     def new_layer(self, info: LayerInfo):
+        refuse_static(self, info)
         cls = static_store(ChelseaStore) if info.static else ChelseaStore
-        p = self.settings(info.config)
-        return split_or_plain(info, lambda n: cls(info, p, num_heads=n), info.shared)
+        share = protected_share(info.shared, info.config)
+        p = self.settings(info.config, share=share)
+        at = None
+        if self.compression_ratio is not None:  # the ratio for the context length, at each prefill
+            at = lambda S, cost: self.settings(info.config, S, share, cost)  # noqa: E731
+        return split_or_plain(info, lambda n: cls(info, p, num_heads=n, settings_at=at), info.shared)
 
     # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
     @torch.no_grad()
@@ -302,181 +314,3 @@ class Chelsea(Policy):
             layer.take_scores()
             layer.compress()
             layer.committed = layer.seen
-
-
-class ChelseaStore(ReconstructionScoring, SlotStore):
-    """Merged centroids (first ``n_merged`` slots) + exact slots (sinks, unmerged, window, new); each slot carries its
-    cluster ``size`` ``[B, H, n]`` int32. Static (``static_store(ChelseaStore)``): keys, values, pos and size live in
-    fixed-capacity buffers; merges (eager, between compiled steps) rewrite their prefix in place."""
-
-    _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto", "score")
-    static_slot_tensors = {"size": 1}  # a static variant's free slots: a new token is a cluster of one
-
-    def __init__(self, info: LayerInfo, policy: Chelsea, num_heads: int | None = None):
-        super().__init__(info, num_heads)
-        self.p = policy
-        self.size: torch.Tensor | None = None  # [B, H, n] int32 cluster sizes
-        self.merged_upto: torch.Tensor | None = None  # [B] tokens (from the first real one) already merged
-        self.score: torch.Tensor | None = None  # [B, H, n] fp32 protection score (``protect`` > 0 only)
-        self.n_merged = 0
-        self.by_reconstruction = policy.protected_per_chunk > 0 and policy.protect_score == "reconstruct"
-
-    def reset(self) -> None:
-        super().reset()
-        self.size = self.merged_upto = self.score = None
-        self.n_merged = 0
-
-    def append(self, k, v) -> None:
-        B, H, T, _ = k.shape
-        if self.pos is not None and self.pos.shape[1] == 1:
-            self.pos = self.pos.expand(-1, H, -1).contiguous()
-        super().append(k, v)
-        if self.pos.shape[1] == 1:
-            self.pos = self.pos.expand(-1, H, -1).contiguous()  # centroids differ per head
-        one = torch.ones(B, H, T, dtype=torch.int32, device=k.device)
-        self.size = one if self.size is None else torch.cat([self.size, one], -1)
-        self._grow_score()
-
-    def appended(self, T: int) -> None:
-        super().appended(T)
-        if self.static:  # the static variant appends without ``append`` past its first tokens (and after compiled
-            self._grow_score()  # steps): its ``size`` buffer already holds 1 on the new slots
-
-    def _grow_score(self) -> None:
-        """The protection score covers every held slot: new tokens have no observation score (0); with
-        ``protect_score="reconstruct"`` the reconstruction pass after the forward scores them."""
-        B, H, n = self.keys.shape[:3]
-        if self.score is not None and self.score.shape[2] < n:
-            self.score = torch.cat([self.score, self.score.new_zeros(B, H, n - self.score.shape[2])], -1)
-        elif self.score is None and self.by_reconstruction:
-            self.score = torch.zeros(B, H, n, device=self.keys.device)
-
-    def _drop_last(self, n: int) -> None:
-        super()._drop_last(n)
-        self.size = self.size[..., :-n]
-        if self.score is not None:
-            self.score = self.score[..., :-n]
-
-    def nbytes(self) -> int:
-        return _tensor_bytes(self.keys, self.values, self.pos, self.size, self.first_pos, self.merged_upto,
-                             self.score)
-
-    def take_scores(self) -> None:
-        """The reconstruction pass is over: the slots it scored take its score as their protection score."""
-        acc = self.finish_scoring()
-        if acc is not None:
-            self.score = torch.where(acc >= 0, acc, self.score)
-
-    def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        self.last_forward_tokens = query.shape[2]
-        if self.scoring:  # centroids weigh log(size) as in decoding (the repeated tokens, exact, weigh 0)
-            lw = self.size.float().clamp(min=1).log() if self.p.size_bias and self.n_merged else None
-            return self.scoring_attend(query, attention_mask, scaling, log_weight=lw)
-        return super().attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-
-    # ---- merging -----------------------------------------------------------------------------
-    def on_prefill(self, query, module) -> None:
-        if self.by_reconstruction:
-            return  # merging waits for the reconstruction pass (Chelsea.after_forward)
-        if self.p.protected_per_chunk:
-            w = max(1, min(self.p.window, query.shape[2]))
-            qpos = torch.arange(self.seen - w, self.seen, device=query.device)
-            scaling = getattr(module, "scaling", None) or self.info.head_dim**-0.5
-            a = window_attention(query[:, :, -w:], self.keys, self.pos, qpos, scaling).sum(dim=2)  # [B, Hq, n]
-            self.score = pool_group(a, self.p.protect_kernel, self.keys.shape[1], mode=self.p.protect_pooling,
-                                    window=self.p.protect_window)
-        self.compress()
-
-    def should_compress(self) -> bool:
-        return not self.scoring and self.p.ratio < 1 and self.seen - self.committed >= self.p.merge_interval
-
-    def slots_bound(self) -> int | None:
-        """With a ``max_length`` (a static cache's capacity in tokens): the most slots held, the centroids of every
-        chunk it can hold (``ceil(max_length / chunk_size) x kept_per_chunk``) + the sinks + the recent window + a
-        partial chunk + the tokens of one merge interval; None (no bound: the buffers grow) without one."""
-        p, L = self.p, self.info.max_length
-        if not L or p.ratio >= 1:
-            return None
-        return -(-L // p.chunk_size) * p.kept_per_chunk + p.sink + p.window + p.chunk_size + p.merge_interval
-
-    def compress(self) -> None:
-        """Merge each row's complete chunks between the sinks and the recent window (those not merged yet) into
-        ``kept_per_chunk`` centroids each; the centroids join the merged region (the first ``n_merged`` slots)."""
-        p = self.p
-        if p.ratio >= 1:
-            return
-        B, dev = self.keys.shape[0], self.keys.device
-        first = self.first_pos.long()  # [B]
-        if self.merged_upto is None:
-            self.merged_upto = torch.full((B,), p.sink, dtype=torch.long, device=dev)
-        mu = self.merged_upto
-        chunks = ((self.seen - first - p.window - mu) // p.chunk_size).clamp(min=0)  # [B] complete chunks to merge
-        C = int(chunks.max()) if chunks.numel() else 0
-        if C == 0:
-            return
-        # the exact slots (after the centroids) have the same positions on every head, position-sorted
-        grid, merging, real = chunk_grid(self.pos[:, 0, self.n_merged :].long(), first, mu, chunks, C, p.chunk_size)
-        merged = self._merge_grid(grid + self.n_merged, chunks)
-        self._install(*merged, keep=real & ~merging)
-        self.merged_upto = mu + chunks * p.chunk_size
-
-    def _merge_grid(self, grid, chunks):
-        """The slots ``grid [B, C * L]`` (C chunks of L) merged chunk by chunk, with the protection in effect:
-        k, v ``[B, H, C, K, D]`` fp32, pos ``[B, H, C, K]`` (-1 in a row's chunks past ``chunks [B]``), size
-        ``[B, H, C, K]`` float, ``K = kept_per_chunk``."""
-        p = self.p
-        B, H, _, D = self.keys.shape
-        L, K, P = p.chunk_size, p.kept_per_chunk, p.protected_per_chunk
-        C = grid.shape[1] // L
-        gk = take_slots(self.keys, grid).float().view(B, H, C, L, D)
-        gv = take_slots(self.values, grid).float().view(B, H, C, L, D)
-        gp = take_slots(self.pos, grid).view(B, H, C, L)
-        gs = take_slots(self.size, grid).float().view(B, H, C, L)
-        if P and self.score is not None and p.protect_scope == "context":
-            gsc = take_slots(self.score, grid).float().view(B, H, C, L)
-            mk, mv, mp, ms = merge_keep_top_context(gk, gv, gp, gs, gsc, chunks, P, K)
-        elif P and self.score is not None:
-            gsc = take_slots(self.score, grid).view(B, H, C, L)
-            mk, mv, mp, ms = merge_keep_top(gk, gv, gp, gs, gsc, P, K)
-        else:
-            mk, mv, mp, ms = merge_chunks(gk, gv, gp, gs, K)
-        ok = (torch.arange(C, device=grid.device)[None, :] < chunks[:, None])[:, None, :, None]  # [B, 1, C, 1]
-        return mk, mv, torch.where(ok, mp, torch.full_like(mp, -1)), ms
-
-    def _install(self, mk, mv, mp, ms, keep) -> None:
-        """New centroids ``[B, H, C, K(, D)]`` (pos -1: none) appended to the merged region, and of the exact slots
-        only ``keep [B, n - n_merged]`` (sinks, partial chunk, window, new tokens) kept; padding compacted away."""
-        k, v, pos, size, nm = self.keys, self.values, self.pos, self.size, self.n_merged
-        B, H, C, K, D = mk.shape
-        new_k = mk.to(k.dtype).reshape(B, H, C * K, D)
-        new_v = mv.to(v.dtype).reshape(B, H, C * K, D)
-        new_p = mp.to(pos.dtype).reshape(B, H, C * K)
-        new_s = ms.round().to(torch.int32).reshape(B, H, C * K)
-        # merged region: old centroids + new ones, invalid (padding) slots compacted away
-        mk_all = torch.cat([k[:, :, :nm], new_k], 2)
-        mv_all = torch.cat([v[:, :, :nm], new_v], 2)
-        mp_all = torch.cat([pos[:, :, :nm], new_p], 2)
-        ms_all = torch.cat([size[:, :, :nm], new_s], 2)
-        sel_m = compact_valid(mp_all[:, 0] >= 0)
-        # exact region: what stays; padding dropped
-        sel_r = compact_valid(keep) + nm
-        keep_sel = keep.gather(1, sel_r - nm)
-        rp = take_slots(pos, sel_r)
-        rp = torch.where(keep_sel[:, None, :], rp, torch.full_like(rp, -1))
-        self.keys = torch.cat([take_slots(mk_all, sel_m), take_slots(k, sel_r)], 2)
-        self.values = torch.cat([take_slots(mv_all, sel_m), take_slots(v, sel_r)], 2)
-        self.pos = torch.cat([take_slots(mp_all, sel_m), rp], 2)
-        self.size = torch.cat([take_slots(ms_all, sel_m), take_slots(size, sel_r)], 2)
-        if self.score is not None:  # centroids are never merged again: their score no longer matters
-            self.score = torch.cat([self.score.new_zeros(B, H, sel_m.shape[1]), take_slots(self.score, sel_r)], 2)
-        self.n_merged = sel_m.shape[1]
-
-    # ---- attention ---------------------------------------------------------------------------
-    def decode(self, query, qpos, scaling):
-        """Slot attention with ``log(cluster size)`` added to each merged key's score (``size_bias``): one
-        :func:`attend_slots` call over all slots (a single-token step on the Triton path is one fused
-        :func:`kvkit.kernels.decode` launch with the log-weights and pos/qpos causality)."""
-        T = query.shape[2]
-        lw = self.size.float().clamp(min=1).log() if self.p.size_bias else None
-        return attend_slots(query, self.keys, self.values, self.pos, qpos, scaling, log_weight=lw,
-                            dense=self.dense_decode(T))

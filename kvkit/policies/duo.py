@@ -26,6 +26,7 @@ policy is built, and the policy keeps its content and sha256 (``Duo.pattern_sha2
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -113,6 +114,7 @@ class Duo(Policy):
     recent: int = 256  # paper deploy setting
     tail: int = 32  # kvkit: bulk eviction every `tail` tokens keeps crop() exact
 
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("sparsity",)
     static_capable: ClassVar[bool] = True
     description = "DuoAttention: full KV for retrieval heads, sink+recent for streaming heads (2410.10819)"
     saves = "memory+reads"
@@ -120,6 +122,7 @@ class Duo(Policy):
     covering_options: ClassVar[dict | None] = dict(pattern=[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]], sparsity=0.5, sink=2, recent=4096)
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive_int("duo", "recent", self.recent)
         check_positive_int("duo", "tail", self.tail)
         if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
@@ -233,13 +236,47 @@ class Duo(Policy):
     def validate(self, config) -> None:
         self.retrieval_heads(config)
 
+    def sparsity_for(self, context: int) -> float:
+        """``compression_ratio`` r as a sparsity for a ``context``-token cache: a streaming head keeps
+        ``w = min(context, sink + recent)`` tokens, so ``1 - s + s w / context = 1 - r`` gives ``s = r / (1 - w /
+        context)``; at most 1 (a short context cannot lose more than its streaming heads' share)."""
+        w = min(context, self.sink + self.recent)
+        if w >= context:
+            return 1.0
+        return min(1.0, self.compression_ratio / (1.0 - w / context))
+
     def new_shared(self, infos):
-        """Once per KVCache: the pattern read and binarised, ``[L, H]`` bool (True = retrieval head)."""
-        return self.retrieval_heads(infos[0].config, _layer_types(infos[0].config))
+        """Once per KVCache: the pattern read and binarised, ``[L, H]`` bool (True = retrieval head); with
+        ``compression_ratio`` a :class:`RatioSplit` that binarises it at the first forward (the prompt's length)."""
+        types = _layer_types(infos[0].config)
+        if self.compression_ratio is not None:
+            self.load_alpha(infos[0].config)  # a missing or mismatched pattern fails now, not at the first forward
+            return RatioSplit(self, infos[0].config, types)
+        return self.retrieval_heads(infos[0].config, types)
 
     def new_layer(self, info: LayerInfo):
+        if isinstance(info.shared, RatioSplit):
+            if info.static:
+                raise ValueError("duo: compression_ratio sets the sparsity from the prompt length, which a static "
+                                 "cache does not know when its buffers are sized; give sparsity=... for a static cache")
+            return DuoStore(info, None, self.sink, self.recent, self.tail)
         retrieval = info.shared[info.layer_idx].tolist()
         return DuoStore(info, retrieval, self.sink, self.recent, self.tail)
+
+
+class RatioSplit:
+    """``compression_ratio``'s head split of one cache: the retrieval mask binarised for the first forward's length
+    (:meth:`Duo.sparsity_for`), computed once and shared by the layers."""
+
+    def __init__(self, policy: Duo, config, layer_types):
+        self.policy, self.config, self.layer_types = policy, config, layer_types
+        self.mask: torch.Tensor | None = None
+
+    def retrieval(self, layer_idx: int, context: int) -> list[bool]:
+        if self.mask is None:
+            p = dataclasses.replace(self.policy, compression_ratio=None, sparsity=self.policy.sparsity_for(context))
+            self.mask = p.retrieval_heads(self.config, self.layer_types)
+        return self.mask[layer_idx].tolist()
 
 
 # ---- the store -----------------------------------------------------------------------------------------
@@ -248,10 +285,54 @@ class DuoStore(HeadSplitStore):
     bulk-evicted every ``tail`` tokens): a :class:`~kvkit.stores.split.HeadSplitStore`. In a static cache the
     streaming part's capacity is ``sink + recent + tail``."""
 
-    def __init__(self, info: LayerInfo, retrieval: list[bool], sink: int, recent: int, tail: int):
+    def __init__(self, info: LayerInfo, retrieval: list[bool] | None, sink: int, recent: int, tail: int):
+        self.sink, self.recent, self.tail = sink, recent, tail
+        if retrieval is None:  # compression_ratio: the heads are split at the first forward (its length)
+            super(HeadSplitStore, self).__init__()
+            self.info, self.parts, self.deferred = info, [], True
+            return
+        self.deferred = False
         stream_cls = static_store(StreamingStore) if info.static else StreamingStore
         super().__init__(info, retrieval, lambda n: stream_cls(info, sink + recent, sink, tail, num_heads=n), "duo")
-        self.sink, self.recent, self.tail = sink, recent, tail
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        if self.deferred:  # the split for this prompt's length, then the parts as any head-split layer
+            retrieval = self.info.shared.retrieval(self.info.layer_idx, key_states.shape[-2])
+            DuoStore.__init__(self, self.info, retrieval, self.sink, self.recent, self.tail)
+        super().lazy_initialization(key_states, value_states)
+
+    # before the first forward a deferred layer holds nothing
+    def get_seq_length(self):
+        return super().get_seq_length() if self.parts else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return super().get_mask_sizes(query_length) if self.parts else (query_length, 0)
+
+    @property
+    def seen(self) -> int:
+        return self.parts[0][0].seen if self.parts else 0
+
+    @property
+    def keys(self):
+        return self.parts[0][0].keys if self.parts else None
+
+    @keys.setter
+    def keys(self, value):
+        pass
+
+    @property
+    def values(self):
+        return self.parts[0][0].values if self.parts else None
+
+    @values.setter
+    def values(self, value):
+        pass
+
+    def num_slots(self) -> int:
+        return super().num_slots() if self.parts else 0
+
+    def head_slots(self) -> list[int]:
+        return super().head_slots() if self.parts else [0] * self.info.num_kv_heads
 
     @property
     def retrieval(self) -> list[bool]:

@@ -39,13 +39,8 @@ from typing import ClassVar
 import torch
 
 from kvkit.policies.base import Policy, check_positive_int
-from kvkit.policies.protect_heads import (
-    check_protect,
-    evicting_parts,
-    pattern_hashes,
-    protected_heads,
-    split_or_plain,
-)
+from kvkit.policies.knobs import budget_for, protected_share, refuse_static, slot_cost
+from kvkit.policies.protect_heads import ProtectHeads, check_protect, evicting_parts, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.base import SlotStore, tensor_bytes
@@ -72,7 +67,7 @@ class Pending:
 
 @register("kvzip")
 @dataclass(frozen=True)
-class KVzip(Policy):
+class KVzip(ProtectHeads, Policy):
     """KVzip context-reconstruction eviction, per KV head.
 
     Parameters
@@ -110,27 +105,31 @@ class KVzip(Policy):
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
         :mod:`kvkit.policies.protect_heads`: the fix for the question-agnostic needle losses, whose answer heads are not
         the heads that copy the context); ``budget`` is then per evicted head, and the reconstruction scores only
-        those. 0 (default): the paper, every head evicted.
+        those. None (default): 0.2 where a pattern ships for the model, else 0 (warned once). 0: the paper, every
+        head evicted.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
 
-    budget: int = 1024
+    budget: int = 1024  # the eviction policies' common default (SnapKV's, CAKE's cache size 1024)
     sink: int = 4  # KVzip n_sink
-    window: int = 64
-    chunk: int = 512
+    window: int = 64  # SnapKV's observation window: the decode queries that score tokens added after a repeat
+    chunk: int = 512  # kvkit: 512-token repeats (reference: 2048) bound the reconstruction's activations
     overlap: int = 8  # KVzip prev_postfix_size
-    tail: int = 32
+    tail: int = 32  # kvkit: bulk eviction every 32 tokens keeps crop() exact
     instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
     adaptive: bool = True  # the reference ranks all layers together: per-layer budgets (mean = budget)
     normalize: str = "held"  # "held": softmax over every held slot; "chunk": the reference's local softmax
-    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
     saves = "memory+reads"
     test_options: ClassVar[dict] = dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4)
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
+    #: the reference: its instruction prompt, its local softmax, every head evicted
+    paper: ClassVar[dict] = dict(instruct=True, normalize="chunk", protect_heads=0.0)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     #: the reconstruction is a model forward run from kvkit's hook after the prefill: a replayed prefill skips it
     replayable: ClassVar[bool] = False
@@ -139,6 +138,7 @@ class KVzip(Policy):
         "would compress differently from one-token decoding")
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("budget", "window", "chunk", "tail"):
             check_positive_int("kvzip", name, getattr(self, name))
         for name in ("sink", "overlap"):
@@ -154,16 +154,19 @@ class KVzip(Policy):
             raise ValueError(f"kvzip: budget ({self.budget}) must exceed window + sink ({self.window + self.sink})")
         check_protect(self)
 
-    def new_shared(self, infos):
-        return Pending(protected=protected_heads("kvzip", infos[0].config, self.protect_heads, self.protect_pattern))
+    def shared_state(self, mask):
+        return Pending(protected=mask)
 
-    def validate(self, config) -> None:
-        protected_heads("kvzip", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
+    def budget_for_context(self, cache, seen: int, cost: float = 1.0) -> int:
+        """The per-head budget: ``budget``, or with ``compression_ratio`` the one that reads ``1 - r`` of a
+        ``seen``-token context (the protected heads counted)."""
+        if self.compression_ratio is None:
+            return self.budget
+        share = protected_share(cache.shared.protected, cache.infos[0].config)
+        return budget_for(self.compression_ratio, seen, share, floor=self.window + self.sink + 1, cost=cost)
 
     def new_layer(self, info: LayerInfo):
+        refuse_static(self, info)
         cls = static_store(KVzipStore) if info.static else KVzipStore
         return split_or_plain(info, lambda n: cls(info, self, num_heads=n), info.shared.protected)
 
@@ -185,7 +188,10 @@ class KVzip(Policy):
             st.masks.clear()
         st.ids.append(input_ids[:, -T:])
         st.masks.append(full_mask[:, -T:] if full_mask is not None else torch.ones_like(input_ids[:, -T:]))
-        if max(layer.num_slots() for layer in layers) <= self.budget:
+        budget = self.budget_for_context(cache, seen, slot_cost(layers[0].keys))
+        for layer in layers:
+            layer.budget = budget
+        if max(layer.num_slots() for layer in layers) <= budget:
             return
         ids, m = torch.cat(st.ids, dim=1), torch.cat(st.masks, dim=1)
         st.ids.clear()
@@ -197,12 +203,12 @@ class KVzip(Policy):
         for layer in layers:
             layer.finish_scoring()
         if self.adaptive:
-            self._layer_budgets(layers)
+            self._layer_budgets(layers, budget)
         for layer in layers:
             layer.compress()
             layer.committed = layer.seen
 
-    def _layer_budgets(self, layers) -> None:
+    def _layer_budgets(self, layers, budget: int) -> None:
         """``adaptive``: the reference ranks the scores of all layers together; here, per row, the slots above its
         global threshold (its ``budget x KV heads x layers`` best, protected slots first) are counted per layer and
         the layer keeps that many per KV head (the mean over its heads; at least sink + window + 1), so a row holds
@@ -211,7 +217,7 @@ class KVzip(Policy):
         (never read, evicted first), so every row keeps exactly what it keeps alone."""
         scores = [layer.priority() for layer in layers]
         B = scores[0].shape[0]
-        total = sum(self.budget * sc.shape[1] for sc in scores)  # per row
+        total = sum(budget * sc.shape[1] for sc in scores)  # per row
         home = scores[0].device  # layers may sit on several devices (device_map): rank on the first layer's
         flat = torch.cat([sc.reshape(B, -1).to(home) for sc in scores], dim=1)  # [B, all slots of all layers]
         if flat.shape[1] <= total:

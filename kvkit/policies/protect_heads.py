@@ -8,7 +8,8 @@ context's last queries, its reconstruction): per-head eviction removes the value
 answer. DuoAttention's calibrated gate (alpha per KV head, ``kvkit calibrate duo``) names the heads that need the
 whole context; those two rank 4th and 6th of the default model's 90 KV heads.
 
-``protect_heads = f`` (a fraction in [0, 1)): the ``round(f x N)`` KV heads (of the ``N`` heads of the model's
+``protect_heads = f`` (a fraction in [0, 1); None, the default: :data:`DEFAULT_PROTECT` where a DuoAttention pattern
+ships for the model or ``protect_pattern`` is given, else 0 with a one-time warning; ``preset="paper"``: 0): the ``round(f x N)`` KV heads (of the ``N`` heads of the model's
 full-attention layers) with the highest alpha keep every token (:class:`~kvkit.stores.split.HeadSplitStore`'s
 whole part); the others are the policy's usual store over those heads only (``num_heads``), with its own
 ``budget`` per head. Memory: ``f`` of the full KV plus ``(1 - f) x budget`` per token slot; a policy at a target
@@ -21,8 +22,14 @@ from __future__ import annotations
 
 from kvkit.model_info import layer_types as _layer_types
 from kvkit.policies.duo import Duo  # the pattern loader and its checks are duo's
-from kvkit.policies.duo_patterns import PatternFile
+from kvkit.policies.duo_patterns import PatternFile, model_identity, shipped_pattern
+from kvkit.policies.knobs import protected_share, unreachable, warn_once
 from kvkit.stores.split import HeadSplitStore
+
+#: ``protect_heads`` left at None where a head pattern ships: the share of KV heads kept whole. On the fresh-needle
+#: essay set at about half the bytes it keeps 0.83-1.00 of full's needles where the paper settings keep 0.22-0.52
+#: (results/needles/README.md)
+DEFAULT_PROTECT = 0.2
 
 
 def check_protect(policy) -> None:
@@ -30,19 +37,54 @@ def check_protect(policy) -> None:
     in [0, 1); ``protect_pattern`` (only with ``protect_heads`` > 0) read and checked now, once, as duo reads its
     ``pattern`` (a file's content and sha256 kept, values made a tuple): later caches never re-read the file."""
     who, fraction, pattern = policy.name, policy.protect_heads, policy.protect_pattern
+    r = policy.compression_ratio
+    if fraction is None:
+        if r is not None and r >= 1 - DEFAULT_PROTECT and pattern is not None:
+            raise unreachable(who, r, 0.0, 1 - DEFAULT_PROTECT, f"protect_heads keeps {DEFAULT_PROTECT:g} of the KV "
+                              "heads whole; give protect_heads=0 for more")
+        if pattern is not None:
+            object.__setattr__(policy, "protect_pattern", _frozen(who, pattern))
+        return
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
         raise ValueError(f"{who}: protect_heads must be a fraction of the KV heads in [0, 1) (0: none protected), got "
                          f"{fraction!r}")
+    if r is not None and r >= 1 - fraction:
+        raise unreachable(who, r, 0.0, 1 - fraction, f"protect_heads={fraction:g} keeps that share of the KV heads "
+                          "whole")
     if pattern is None:
         return
     if not fraction:
         raise ValueError(f"{who}: protect_pattern ranks the heads that protect_heads keeps whole; give protect_heads > 0 too "
                          "(e.g. protect_heads=0.2), or leave protect_pattern out")
+    object.__setattr__(policy, "protect_pattern", _frozen(who, pattern))
+
+
+def _frozen(who, pattern):
     try:
-        frozen = Duo(pattern=pattern).pattern
+        return Duo(pattern=pattern).pattern
     except ValueError as e:
         raise ValueError(f"{who}: protect_pattern: {e}") from e
-    object.__setattr__(policy, "protect_pattern", frozen)
+
+
+def protect_fraction(policy, config) -> float:
+    """The ``protect_heads`` in effect for a model: the option; with None, :data:`DEFAULT_PROTECT` when a pattern is
+    given or ships for the model, else 0, warning once (what it falls back to, how to calibrate)."""
+    if policy.protect_heads is not None:
+        return float(policy.protect_heads)
+    if policy.protect_pattern is not None:
+        return DEFAULT_PROTECT
+    path = shipped_pattern(config) if config is not None else None
+    if path is not None and path.is_file():
+        return DEFAULT_PROTECT
+    ident = model_identity(config) if config is not None else {}
+    name = getattr(config, "_name_or_path", "") or ""
+    what = repr(name) if name else f"this {ident.get('model_type', '')} model".replace("  ", " ")
+    warn_once(("protect_heads", policy.name, name, str(ident)),
+              f"{policy.name}: no DuoAttention head pattern ships for {what}, so it evicts in every KV head "
+              f"(protect_heads=0), which can lose answers the retrieval heads need. Calibrate one with `kvkit calibrate "
+              f"duo --model {name or '<model>'} --out pattern.json` and pass protect_pattern='pattern.json', or pass "
+              f"protect_heads=0 to silence this")
+    return 0.0
 
 
 def pattern_hashes(policy, config=None) -> dict:
@@ -52,7 +94,7 @@ def pattern_hashes(policy, config=None) -> dict:
     p = policy.protect_pattern
     if isinstance(p, PatternFile):
         return {"protect_pattern": p.sha256}
-    if p is None and policy.protect_heads and config is not None:
+    if p is None and config is not None and protect_fraction(policy, config):
         sha = Duo().pattern_sha256_for(config)
         return {"protect_pattern": sha} if sha is not None else {}
     return {}
@@ -94,3 +136,33 @@ def evicting_parts(cache, cls) -> tuple[list, list]:
             stores.append(part)
             layers.append(layer)
     return stores, layers
+
+
+class ProtectHeads:
+    """What the eviction policies with ``protect_heads`` share (snapkv, cake, kvzip, chelsea): the checks, the
+    cache's protection mask (``new_shared``, wrapped by :meth:`shared_state`), the model check and the pattern's
+    hash. A policy mixes it in before :class:`~kvkit.policies.base.Policy`."""
+
+    def shared_state(self, mask):
+        """The cache's shared state around the ``[L, H]`` protection mask (or None); default: the mask itself."""
+        return mask
+
+    def protection(self, config):
+        """``[L, H]`` bool mask of the KV heads kept whole for this model, or None; ``compression_ratio`` beyond
+        what the protected heads leave is refused here (ValueError with the reachable range)."""
+        fraction = protect_fraction(self, config)
+        mask = protected_heads(self.name, config, fraction, self.protect_pattern)
+        r, share = self.compression_ratio, protected_share(mask, config)
+        if r is not None and 1 - r <= share:
+            raise unreachable(self.name, r, 0.0, 1 - share, f"protect_heads keeps {share:.3f} of the KV heads whole; "
+                              "give protect_heads=0 for more")
+        return mask
+
+    def new_shared(self, infos):
+        return self.shared_state(self.protection(infos[0].config))
+
+    def validate(self, config) -> None:
+        self.protection(config)
+
+    def content_hashes(self, config=None) -> dict:
+        return pattern_hashes(self, config)

@@ -28,7 +28,8 @@ from typing import ClassVar
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
-from kvkit.policies.protect_heads import check_protect, pattern_hashes, protected_heads, split_or_plain
+from kvkit.policies.knobs import budget_for, protected_share, refuse_static, slot_cost
+from kvkit.policies.protect_heads import ProtectHeads, check_protect, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
@@ -37,7 +38,7 @@ from kvkit.stores.static import static_store
 
 @register("snapkv")
 @dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(ProtectHeads, Policy):
     """SnapKV observation-window eviction, per KV head.
 
     Parameters
@@ -61,10 +62,10 @@ class SnapKV(Policy):
     calibrated : bool
         True (default): ``kernel`` / ``pooling`` / ``pool_window`` left at None take the model's calibration when
         one is found from its config. False: the paper's kernel 5, average pooling, centered.
-    protect_heads : float
+    protect_heads : float or None
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
-        :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head. 0 (default): the paper, every head
-        evicted.
+        :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head. None (default): 0.2 where a pattern
+        ships for the model, else 0 (warned once). 0: the paper, every head evicted.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -77,13 +78,15 @@ class SnapKV(Policy):
     sink: int = 0  # not in the paper
     tail: int = 32  # kvkit: bulk decode eviction
     calibrated: bool = True  # kvkit: the model's calibrated kernel / pooling; False = the paper's (5, avg)
-    protect_heads: float = 0.0  # kvkit: fraction of KV heads kept whole (DuoAttention's top heads); 0 = the paper
+    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
     description = "SnapKV: observation-window attention, pooled, per-head top-k of the prompt (2404.14469)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("kernel", "pooling", "pool_window")
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
+    paper: ClassVar[dict] = dict(calibrated=False, protect_heads=0.0)
     test_options: ClassVar[dict] = dict(budget=16, window=4, kernel=3, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (
@@ -93,6 +96,7 @@ class SnapKV(Policy):
     )
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("budget", "window", "tail"):
             check_positive_int("snapkv", name, getattr(self, name))
         check_odd_kernel("snapkv", "kernel", self.kernel)
@@ -115,26 +119,32 @@ class SnapKV(Policy):
         p = resolve(self, config)
         return (p.kernel if p.kernel is not None else 5), (p.pooling or "avg"), (p.pool_window or "centered")
 
-    def new_shared(self, infos):
-        return protected_heads("snapkv", infos[0].config, self.protect_heads, self.protect_pattern)
-
-    def validate(self, config) -> None:
-        protected_heads("snapkv", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
+    def budget_at(self, info: LayerInfo):
+        """``context -> budget`` per evicted head for ``compression_ratio`` (None without it)."""
+        if self.compression_ratio is None:
+            return None
+        share = protected_share(info.shared, info.config)
+        return lambda S, cost: budget_for(self.compression_ratio, S, share, floor=self.window + self.sink + 1, cost=cost)
 
     def new_layer(self, info: LayerInfo):
+        refuse_static(self, info)
         cls = static_store(SnapKVStore) if info.static else SnapKVStore
         settings = self.settings(info.config)
-        return split_or_plain(info, lambda n: cls(info, self, *settings, num_heads=n), info.shared)
+        at = self.budget_at(info)
+        return split_or_plain(info, lambda n: cls(info, self, *settings, num_heads=n, budget_at=at), info.shared)
 
 
 class SnapKVStore(ScoredStore):
     def __init__(self, info: LayerInfo, p: SnapKV, kernel: int, pooling: str, pool_window: str = "centered",
-                 num_heads: int | None = None):
+                 num_heads: int | None = None, budget_at=None):
         super().__init__(info, p.budget, p.sink, p.window, p.tail, observe=p.window, num_heads=num_heads)
         self.kernel, self.pooling, self.pool_window = kernel, pooling, pool_window
+        self.budget_at = budget_at  # compression_ratio: the budget from the context length at each prefill
+
+    def on_prefill(self, query, module) -> None:
+        if self.budget_at is not None:
+            self.budget = self.budget_at(self.seen, slot_cost(self.keys))
+        super().on_prefill(query, module)
 
     def score(self):
         q, qpos = self.observed()

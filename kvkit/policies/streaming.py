@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from kvkit.policies.base import Policy, check_positive_int
+from kvkit.policies.knobs import budget_for, refuse_static, slot_cost
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import ScoredStore
@@ -47,15 +48,17 @@ class Streaming(Policy):
 
     budget: int = 1024  # StreamingLLM default cache size
     sink: int = 4  # StreamingLLM: 4 initial tokens
-    tail: int = 32
+    tail: int = 32  # kvkit: bulk eviction every 32 tokens keeps crop() exact at a small memory overhead
 
     static_capable: ClassVar[bool] = True
     description = "StreamingLLM: sink tokens + recent window, middle evicted (2309.17453)"
     saves = "memory+reads"
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     test_options: ClassVar[dict] = dict(budget=16, sink=2, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive_int("streaming", "budget", self.budget)
         check_positive_int("streaming", "tail", self.tail)
         if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
@@ -67,8 +70,12 @@ class Streaming(Policy):
             )
 
     def new_layer(self, info: LayerInfo):
+        refuse_static(self, info)
         cls = static_store(StreamingStore) if info.static else StreamingStore
-        return cls(info, self.budget, self.sink, self.tail)
+        store = cls(info, self.budget, self.sink, self.tail)
+        if self.compression_ratio is not None:
+            store.budget_at = lambda S, cost: budget_for(self.compression_ratio, S, floor=self.sink + 1, cost=cost)
+        return store
 
 
 class StreamingStore(ScoredStore):
@@ -78,6 +85,13 @@ class StreamingStore(ScoredStore):
     def __init__(self, info: LayerInfo, budget: int, sink: int, tail: int, num_heads: int | None = None):
         super().__init__(info, budget, sink, budget - sink, tail, num_heads=num_heads)
         self.rolled_back = False  # a rollback ended a speculative round: compress early at the next update
+        self.budget_at = None  # compression_ratio: ``context -> budget`` at each prefill
+
+    def on_prefill(self, query, module) -> None:
+        if self.budget_at is not None:
+            self.budget = self.budget_at(self.seen, slot_cost(self.keys, heads_sharing=self.keys.shape[1]))
+            self.window = self.budget - self.sink
+        super().on_prefill(query, module)
 
     def should_compress(self) -> bool:
         held = self.keys.shape[-2]

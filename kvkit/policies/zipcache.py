@@ -25,6 +25,7 @@ key statistics + ``D * 4`` value pre-scale + an int64 length; plus the tail and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -33,6 +34,7 @@ import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_fraction, check_positive_int
+from kvkit.policies.knobs import refuse_static, unreachable
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, QuantizedSegmentStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -101,8 +103,8 @@ class ZipCache(Policy):
     stats: str = "float16"  # kvkit: dtype of scales / zero points ("auto": the model's 16-bit dtype, else fp32)
     probe_ratio: float = 0.05  # ZipCache: 5% recent + 5% random probe tokens
     requant_interval: int = 100  # ZipCache: streaming re-quantisation every 100 decoded tokens
-    seed: int = 0
-    probe_chunk: int = 256
+    seed: int = 0  # any fixed seed: the random probes, and so the bit split, are reproducible
+    probe_chunk: int = 256  # kvkit: bounds the prefill scoring memory, not the result
     calibrated: bool = True  # kvkit: the model's calibrated bit widths when none given; False = paper's 4/2 split
 
     description = "ZipCache: saliency (probe-query attention) picks 4-bit vs 2-bit tokens, packed KV (2405.14256)"
@@ -110,6 +112,9 @@ class ZipCache(Policy):
     static_capable: ClassVar[bool] = True
     calibrated_options: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
     test_options: ClassVar[dict] = dict(requant_interval=4)
+    ratio_knobs: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
+    #: the paper: one key statistic per channel per part, the model's 16-bit statistics, the 60% 4-bit / 40% 2-bit split
+    paper: ClassVar[dict] = dict(key_group=None, stats="auto", calibrated=False)
     covering_options: ClassVar[dict | None] = None
     speculative_refusal: ClassVar[str | None] = (
         "ZipCache re-quantises every requant_interval tokens with saliencies from the current queries; a "
@@ -118,6 +123,7 @@ class ZipCache(Policy):
     )
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("high_bits", "low_bits", "key_bits"):
             check_bits(name, getattr(self, name), allow_none=name == "key_bits")
         if self.low_bits > self.high_bits:
@@ -136,6 +142,9 @@ class ZipCache(Policy):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"zipcache: seed must be an integer, got {self.seed!r}")
 
+    def uses_calibration(self) -> bool:
+        return self.compression_ratio is None  # the calibrated options are the bit widths the ratio sets
+
     def validate(self, config) -> None:
         heads = config.num_attention_heads
         d = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -144,7 +153,32 @@ class ZipCache(Policy):
 
         resolve(self, config)  # a malformed calibration file for this model is refused at patch time
 
+        if self.compression_ratio is not None:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            e = torch.empty(0, dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4
+            self.bits_for(e, d)
+
+    def bits_for(self, element_size: int, head_dim: int) -> ZipCache:
+        """This policy with ``compression_ratio`` as bit widths for a model of ``element_size`` bytes per value:
+        per token and KV head a ``(key bits + value bits) / (16 x element_size)`` share of full's bytes in codes,
+        plus the statistics' ``o`` (value scale and zero point per token, key scale and zero point per channel per
+        ``key_group`` tokens); ``high_ratio`` of the tokens at the wider of two adjacent widths (2/4 or 4/8):
+        ``h 2 high + (1 - h) 2 low = 16 e (1 - r - o)``. Raises ValueError (the reachable range) beyond 2 or 8 bits."""
+        e, D, r = element_size, head_dim, self.compression_ratio
+        s = {"float16": 2, "float32": 4}.get(self.stats, 2 if e == 2 else 4)
+        o = (2 * s + (2 * D * s / self.key_group if self.key_group else 0)) / (2 * D * e)
+        bits = (16 * e) * (1 - r - o)  # key + value bits per token on average
+        lo, hi = 2 * BITS[0], 2 * BITS[-1]
+        if not lo <= bits <= hi:
+            raise unreachable("zipcache", r, 1 - hi / (16 * e) - o, 1 - lo / (16 * e) - o,
+                              f"{BITS[0]} to {BITS[-1]} bits per value of a {8 * e}-bit model, with its statistics")
+        low, high = (2, 4) if bits <= 8 else (4, 8)
+        h = (bits - 2 * low) / (2 * (high - low))
+        return dataclasses.replace(self, compression_ratio=None, high_ratio=min(max(h, 0.0), 1.0), high_bits=high,
+                                   low_bits=low, key_bits=None, calibrated=False)
+
     def new_layer(self, info: LayerInfo):
+        refuse_static(self, info)
         cls = static_store(ZipCacheStore) if info.static else ZipCacheStore
         return cls(info, resolve(self, info.config))
 
@@ -270,6 +304,8 @@ class ZipCacheStore(QuantizedSegmentStore):
         return self.sal_sum / self.sal_cnt.clamp(min=1)
 
     def on_prefill(self, query, module) -> None:
+        if self.p.compression_ratio is not None:  # the bit widths for the model's element size
+            self.p = self.p.bits_for(self.keys.element_size(), self.keys.shape[-1])
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         self.compress_tail(self._saliency_prefill(query, scaling))
         self.reserve_segments()

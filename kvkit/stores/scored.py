@@ -169,3 +169,8 @@ class ScoredStore(SlotStore):
 
     def nbytes(self) -> int:
         return super().nbytes() + tensor_bytes(self.obs)
+
+    def read_nbytes(self) -> int:
+        """What a decode step's attention reads: the held K/V and their positions (the observed queries are
+        scoring state, read only by an eviction)."""
+        return SlotStore.nbytes(self)

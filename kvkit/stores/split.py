@@ -199,6 +199,9 @@ class HeadSplitStore(SeenLength, StoreMixin, CacheLayerMixin):
     def nbytes(self) -> int:
         return sum(store.nbytes() for store, _, _ in self.parts)
 
+    def read_nbytes(self) -> int:
+        return sum(store.read_nbytes() for store, _, _ in self.parts)
+
     def num_slots(self) -> int:
         return max(store.num_slots() for store, _, _ in self.parts)
 
