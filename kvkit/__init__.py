@@ -7,6 +7,7 @@ decoding for Hugging Face transformers, installed with one line::
     kvkit.unpatch(model)
 """
 
+import kvkit.policies  # noqa: F401  (registers the built-in policies with kvkit.registry)
 from kvkit.cache import KVCache
 from kvkit.patch import patch, patched_policy, unpatch
 from kvkit.prefill import prefill
