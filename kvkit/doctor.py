@@ -55,9 +55,9 @@ def environment() -> dict:
 
 
 def small_options(policy: str) -> dict:
-    from kvkit.registry import policy_class
+    from kvkit.testing import tiny_options
 
-    return dict(policy_class(policy).test_options)
+    return tiny_options(policy)
 
 
 @torch.no_grad()

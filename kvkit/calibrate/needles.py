@@ -141,7 +141,7 @@ def _chat(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[s
 
 def answer_logprob(model, tokenizer, s: NeedleSample, rec, question_aware: bool = False) -> float:
     """Mean log-probability of the needle's answer tokens, teacher-forced after the question, under the policy
-    ``model`` is patched with (the context replayed from ``rec``, as :func:`kvkit.evals.generation.generate` does).
+    ``model`` is patched with (the context replayed from ``rec``, as :func:`kvkit.workloads.generation.generate` does).
 
     The question is fed in one forward on top of the compressed context, then the answer one token per forward
     (decode steps, so every policy runs its decode path). A margin: how far a policy is from losing the answer,
@@ -157,7 +157,7 @@ def answer_score(model, tokenizer, s: NeedleSample, rec, question_aware: bool = 
 
     import kvkit
     from kvkit.evals.generation import encode
-    from kvkit.evals.shared_prefill import replay_prefill
+    from kvkit.workloads.shared_prefill import replay_prefill
 
     q = encode(tokenizer, s.prompt if question_aware else s.prompt[s.context_end:])
     full = encode(tokenizer, (s.prompt if question_aware else s.prompt[s.context_end:]) + " " + s.answer)[0]
@@ -195,7 +195,7 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
     """
     import kvkit
     from kvkit.evals.generation import encode, generate
-    from kvkit.evals.shared_prefill import record_prefill
+    from kvkit.workloads.shared_prefill import record_prefill
 
     t0 = time.perf_counter()
     out = {"full": [], **{c[0]: [] for c in candidates}, "predictions": {}}

@@ -46,7 +46,7 @@ import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
-from kvkit.policies.protect_heads import check_protect, pattern_hashes, protected_heads, split_or_plain
+from kvkit.policies.protect_heads import check_protect, protected_heads, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, SlotStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -148,7 +148,6 @@ class Cake(Policy):
     description = "CAKE: layer budgets from attention entropy+variance, cascading eviction, mean+var indicator (2503.12491)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("tau1", "tau2", "pool_kernel", "pool_window")
-    test_options: ClassVar[dict] = dict(budget=16, window=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (
         "CAKE evicts in bulk when its tail fills, ranking tokens by the attention of the buffered decode "
@@ -190,9 +189,6 @@ class Cake(Policy):
 
     def validate(self, config) -> None:
         protected_heads("cake", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
 
     def new_layer(self, info: LayerInfo):
         p = resolve(self, info.config)

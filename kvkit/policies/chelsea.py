@@ -73,7 +73,6 @@ from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_
 from kvkit.policies.protect_heads import (
     check_protect,
     evicting_parts,
-    pattern_hashes,
     protected_heads,
     split_or_plain,
 )
@@ -184,7 +183,6 @@ class Chelsea(Policy):
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = (
         "chunk_size", "protect_kernel", "protect_pooling", "protect_window")
-    test_options: ClassVar[dict] = dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8)
     covering_options: ClassVar[dict | None] = dict(ratio=1.0)
 
     def __post_init__(self):
@@ -259,9 +257,6 @@ class Chelsea(Policy):
         self.settings(config)  # a calibration that does not combine with the options fails at patch time
         protected_heads("chelsea", config, self.protect_heads, self.protect_pattern)
 
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
-
     def new_shared(self, infos):
         return protected_heads("chelsea", infos[0].config, self.protect_heads, self.protect_pattern)
 
@@ -269,9 +264,6 @@ class Chelsea(Policy):
         """The protection is scored by a reconstruction pass (``protect_score="reconstruct"`` with slots to protect)."""
         return self.protect_score == "reconstruct" and self.ratio < 1 and (
             self.protect is None and self.calibrated or bool(self.protect))
-
-    def replays_prefill(self) -> bool:
-        return not self.reconstructs()  # the reconstruction runs after the prefill: a replayed one skips it
 
     def new_layer(self, info: LayerInfo):
         cls = static_store(ChelseaStore) if info.static else ChelseaStore

@@ -42,7 +42,6 @@ from kvkit.policies.base import Policy, check_positive_int
 from kvkit.policies.protect_heads import (
     check_protect,
     evicting_parts,
-    pattern_hashes,
     protected_heads,
     split_or_plain,
 )
@@ -130,10 +129,8 @@ class KVzip(Policy):
     static_capable: ClassVar[bool] = True
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
     saves = "memory+reads"
-    test_options: ClassVar[dict] = dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     #: the reconstruction is a model forward run from kvkit's hook after the prefill: a replayed prefill skips it
-    replayable: ClassVar[bool] = False
     speculative_refusal: ClassVar[str | None] = (
         "kvzip re-scores after every multi-token forward (a reconstruction pass), so a verification forward "
         "would compress differently from one-token decoding")
@@ -159,9 +156,6 @@ class KVzip(Policy):
 
     def validate(self, config) -> None:
         protected_heads("kvzip", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
 
     def new_layer(self, info: LayerInfo):
         cls = static_store(KVzipStore) if info.static else KVzipStore

@@ -153,9 +153,7 @@ class ShadowKV(Policy):
     description = "ShadowKV: low-rank pre-RoPE keys + landmarks on device, values offloaded, top-k chunks (2410.21465)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("rank",)
-    test_options: ClassVar[dict] = dict(budget=16, min_prompt=16)
     static_capable: ClassVar[bool] = True
-    static_options: ClassVar[dict] = dict(offload=False)  # a CUDA graph reads no host memory
     covering_options: ClassVar[dict | None] = dict(min_prompt=100_000)
 
     def __post_init__(self):

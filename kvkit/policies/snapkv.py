@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
-from kvkit.policies.protect_heads import check_protect, pattern_hashes, protected_heads, split_or_plain
+from kvkit.policies.protect_heads import check_protect, protected_heads, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import POOL_WINDOWS, ScoredStore, pool_group, window_attention
@@ -84,7 +84,6 @@ class SnapKV(Policy):
     description = "SnapKV: observation-window attention, pooled, per-head top-k of the prompt (2404.14469)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("kernel", "pooling", "pool_window")
-    test_options: ClassVar[dict] = dict(budget=16, window=4, kernel=3, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (
         "SnapKV evicts in bulk when its tail fills, ranking tokens by the attention of its observation-window "
@@ -120,9 +119,6 @@ class SnapKV(Policy):
 
     def validate(self, config) -> None:
         protected_heads("snapkv", config, self.protect_heads, self.protect_pattern)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)
 
     def new_layer(self, info: LayerInfo):
         cls = static_store(SnapKVStore) if info.static else SnapKVStore

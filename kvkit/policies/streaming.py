@@ -52,7 +52,6 @@ class Streaming(Policy):
     static_capable: ClassVar[bool] = True
     description = "StreamingLLM: sink tokens + recent window, middle evicted (2309.17453)"
     saves = "memory+reads"
-    test_options: ClassVar[dict] = dict(budget=16, sink=2, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):

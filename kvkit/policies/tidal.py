@@ -134,7 +134,6 @@ class Tidal(Policy):
     description = "TidalDecode: top-k tokens picked at 2 selection layers, other layers read only those (2410.05076)"
     saves = "reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("select_layers", "reselect_layer", "layer_shares")
-    test_options: ClassVar[dict] = dict(budget=8)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):

@@ -98,7 +98,6 @@ class ZipCache(Policy):
     saves = "memory+reads"  # decode reads the packed codes (Triton quant_decode on CUDA)
     static_capable: ClassVar[bool] = True
     calibrated_options: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
-    test_options: ClassVar[dict] = dict(requant_interval=4)
     covering_options: ClassVar[dict | None] = None
     speculative_refusal: ClassVar[str | None] = (
         "ZipCache re-quantises every requant_interval tokens with saliencies from the current queries; a "

@@ -34,9 +34,10 @@ multi-token forward) is appended as an ordinary segment.
 Decode: the tail goes to :func:`kvkit.stores.attend_slots` with ``return_lse=True`` (causal by position,
 padding); all parts of the other segments go to :func:`kvkit.kernels.quant_decode` in one call (one softmax over
 their union: Triton on CUDA, the packed-code C kernel on CPU, the torch reference otherwise) with the
-tail's ``(out, lse)`` as ``prior``, merged through the log-sum-exp. A single-token eager step on the Triton path
-(:func:`kvkit.kernels.use_triton`) is instead ONE :func:`kvkit.kernels.decode` call over a
-:class:`~kvkit.kernels.DecodeView`: the tail as its own keys (pos/qpos), the packed parts as its ``parts``. Compression of the tail happens only at the start of ``update`` (or right after prefill), so ``crop``
+tail's ``(out, lse)`` as ``prior``, merged through the log-sum-exp. A single-token step is first offered to
+:func:`kvkit.kernels.decode` as ONE :class:`~kvkit.kernels.DecodeView` (the tail as its own keys, pos/qpos, the
+packed parts as its ``parts``): where the kernels package picks Triton (and in every compiled step) that call is the
+whole read; elsewhere it hands the read back and the path above runs. Compression of the tail happens only at the start of ``update`` (or right after prefill), so ``crop``
 of the tail is exact (the :class:`~kvkit.stores.SlotStore` contract).
 """
 
@@ -58,7 +59,7 @@ from kvkit.kernels import (
     quant_decode,
     quantize,
 )
-from kvkit.stores.attend import attend_slots, seam_open, seam_view
+from kvkit.stores.attend import attend_slots, seam_view
 from kvkit.stores.base import LayerInfo, SlotStore, tensor_bytes
 
 
@@ -398,22 +399,20 @@ class QuantizedSegmentStore(SlotStore):
         tail = self.keys is not None and self.keys.shape[-2] > 0
         if not (tail or base is not None):
             return None
-        held = (self.keys, self.values) if tail else ()
-        packed = [p.data for p in base[0] + base[1]] if base is not None else []
+
+        def view():
+            parts = ()
+            if base is not None:
+                ks, vs, ns = base
+                parts = tuple(PackedPart(k, v, n) for k, v, n in zip(ks, vs, ns))
+            if tail:
+                dense = self.dense_decode(1)
+                return DecodeView(self.keys, self.values, pos=None if dense else self.pos,
+                                  qpos=None if dense else qpos[-1], parts=parts)
+            return DecodeView(None, None, parts=parts)
+
         # a compiled step (static variant) always reads through the seam: its operators pick the path at run time
-        if not (torch.compiler.is_compiling() or seam_open(query, *held, *packed)):
-            return None
-        parts = ()
-        if base is not None:
-            ks, vs, ns = base
-            parts = tuple(PackedPart(k, v, n) for k, v, n in zip(ks, vs, ns))
-        if tail:
-            dense = self.dense_decode(1)
-            view = DecodeView(self.keys, self.values, pos=None if dense else self.pos,
-                              qpos=None if dense else qpos[-1], parts=parts)
-        else:
-            view = DecodeView(None, None, parts=parts)
-        r = seam_view(query, view, scaling)
+        r = seam_view(query, view, scaling, "reference" if torch.compiler.is_compiling() else "caller")
         return None if r is None else (r[0][:, None], r[1][:, :, None])
 
 

@@ -13,7 +13,7 @@ policy without a static store gets no compiled row; :func:`static_refusal` says 
 
 Options (:func:`default_options`), before the user's own: on the real shapes :data:`GPU_OPTIONS` (budgets chosen for
 the reference workload of :data:`REFERENCE_LENGTH` tokens; streaming keeps a quarter of the length); on ``tiny`` each
-policy's ``test_options``. duo always gets a seeded random gate pattern (random weights have no calibrated one).
+policy's tiny-model options (:data:`kvkit.testing.TEST_OPTIONS`). A compiled row adds :data:`STATIC_OPTIONS`. duo always gets a seeded random gate pattern (random weights have no calibrated one).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvkit.cache import KVCache, static_policies
 from kvkit.evals.settings import resolve_policy_options
 from kvkit.options import parse_options
 from kvkit.registry import available_policies, policy_class
+from kvkit.testing import tiny_options
 
 #: the transformers rows (unpatched model)
 HF_ROWS = ("hf-dynamic", "hf-static")
@@ -33,6 +34,9 @@ DEFAULT_ROWS = ("hf-dynamic", "hf-static", "full", "streaming", "snapkv", "tidal
 #: the suffix of a kvkit policy's compiled row (``static=True`` caches, decode steps through
 #: ``model.get_compiled_call``): ``"full static+compile"``, ``"streaming static+compile"``, ...
 COMPILED_SUFFIX = "static+compile"
+#: options a policy's static cache needs on a GPU, which its compiled row adds unless the user set them (shadowkv: its
+#: values on the device, as a CUDA graph reads no host memory)
+STATIC_OPTIONS: dict[str, dict] = {"shadowkv": dict(offload=False)}
 #: the length the default budgets below were chosen for (the reference workload: 16 rows x 16,384 tokens)
 REFERENCE_LENGTH = 16384
 #: GPU-sensible options per policy at long context (streaming: a quarter of the length, see :func:`default_options`)
@@ -105,13 +109,13 @@ def static_refusal(model, policy: str, options: dict) -> str:
 def default_options(policy: str, shape: str, length: int, config, seed: int = 0) -> tuple[dict, dict]:
     """``(options, label options)`` for ``policy`` on this shape and length, before the user's own.
 
-    Real shapes: :data:`GPU_OPTIONS` (streaming keeps ``length // 4``). ``tiny``: the policy's ``test_options``
+    Real shapes: :data:`GPU_OPTIONS` (streaming keeps ``length // 4``). ``tiny``: the policy's tiny-model options
     (budgets of a few tokens) with streaming at ``length // 4``, chelsea ratio 0.25, duo sparsity 0.5. duo always
     gets a random gate pattern ``[layers, kv_heads]`` (seeded; random weights have no calibrated one), shown as
     ``pattern=random`` in labels."""
     if policy in ("full", *HF_ROWS):
         return {}, {}
-    opts = dict(policy_class(policy).test_options) if shape == "tiny" else dict(GPU_OPTIONS.get(policy, {}))
+    opts = tiny_options(policy) if shape == "tiny" else dict(GPU_OPTIONS.get(policy, {}))
     if policy == "streaming":
         opts["budget"] = max(8, length // 4)
     if shape == "tiny" and policy == "chelsea":
