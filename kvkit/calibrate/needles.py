@@ -19,8 +19,12 @@ import random
 import time
 from dataclasses import dataclass
 
+import kvkit
 from kvkit.calibrate.haystack import calibration_text
 from kvkit.compat import cache_kw
+from kvkit.workloads.generation import generate
+from kvkit.workloads.prompts import encode
+from kvkit.workloads.shared_prefill import record_prefill, replay_prefill
 
 WORDS = (
     "amber anchor apricot arrow aspen badger basalt beacon birch bison bramble bronze cactus canyon cedar "
@@ -155,10 +159,6 @@ def answer_score(model, tokenizer, s: NeedleSample, rec, question_aware: bool = 
     every answer token is the model's top choice after the ones before it (greedy decoding would write the answer)."""
     import torch
 
-    import kvkit
-    from kvkit.evals.generation import encode
-    from kvkit.workloads.shared_prefill import replay_prefill
-
     q = encode(tokenizer, s.prompt if question_aware else s.prompt[s.context_end:])
     full = encode(tokenizer, (s.prompt if question_aware else s.prompt[s.context_end:]) + " " + s.answer)[0]
     if full.shape[0] <= q.shape[1] or not torch.equal(full[: q.shape[1]], q[0]):  # the prefix re-tokenized
@@ -193,10 +193,6 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
     prompt, question included, in one forward (the policy compresses with the question seen: SnapKV's and
     CAKE's setting) instead of the shared context prefill with the question fed after it.
     """
-    import kvkit
-    from kvkit.evals.generation import encode, generate
-    from kvkit.workloads.shared_prefill import record_prefill
-
     t0 = time.perf_counter()
     out = {"full": [], **{c[0]: [] for c in candidates}, "predictions": {}}
     if margin:

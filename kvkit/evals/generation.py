@@ -3,7 +3,14 @@
 generation under a policy's cache)."""
 
 from kvkit.workloads.generation import Generation, generate
-from kvkit.workloads.prompts import build_prompt, check_length, count_tokens, encode, has_chat_template, model_context
+from kvkit.workloads.prompts import (
+           build_prompt,
+           check_length,
+           count_tokens,
+           encode,
+           has_chat_template,
+           model_context,
+)
 
 __all__ = ["Generation", "build_prompt", "check_length", "count_tokens", "encode", "generate", "has_chat_template",
            "model_context"]

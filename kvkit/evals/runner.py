@@ -14,10 +14,10 @@ from tqdm.auto import tqdm
 
 import kvkit
 from kvkit import env
-from kvkit.workloads.generation import Generation, generate
-from kvkit.workloads.prompts import encode
-from kvkit.workloads.peers import is_peer
 from kvkit.evals.rundir import RunDir, sample_digest
+from kvkit.workloads.generation import Generation, generate
+from kvkit.workloads.peers import is_peer
+from kvkit.workloads.prompts import encode
 from kvkit.workloads.shared_prefill import record_prefill, replayable
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from kvkit.calibration import CALIBRATED_OPTIONS, lookup, resolve
-from kvkit.workloads.peers import is_peer
 from kvkit.models import load
 from kvkit.policies.duo_patterns import PatternFile
 from kvkit.policies.protect_heads import pattern_hashes
 from kvkit.registry import policy_class, policy_options
+from kvkit.workloads.peers import is_peer
 
 
 def file_sha256(path) -> str:
@@ -55,10 +55,10 @@ def policy_files(model, policy: str, options: dict, built=None) -> dict:
     every record."""
     if is_peer(policy):
         return {}
-    return option_files(built if built is not None else policy_class(policy)(**options), model.config)
+    return file_hashes(built if built is not None else policy_class(policy)(**options), model.config)
 
 
-def option_files(policy, config=None) -> dict[str, str]:
+def file_hashes(policy, config=None) -> dict[str, str]:
     """``{option: sha256}`` of the files the built ``policy`` read, and froze, when it was built (an option holding a
     :class:`~kvkit.policies.duo_patterns.PatternFile`: duo's ``pattern``, the ``protect_pattern`` of the policies with
     ``protect_heads``): the content its caches use, which a run's record names rather than the path. Given the model's

@@ -9,8 +9,8 @@ import torch
 
 from . import reference as _ref
 from ._common import debug, default_scale
-from .dispatch import launch_failed, on_device, record_launch_failure, use_triton
 from .decode_op import compiled_decode
+from .dispatch import launch_failed, on_device, record_launch_failure, use_triton
 from .view import DecodeView, check_view, check_view_ranges
 
 #: ``torch_path`` values of :func:`decode`

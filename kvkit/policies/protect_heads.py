@@ -46,7 +46,7 @@ def check_protect(policy) -> None:
 
 
 def pattern_hashes(policy, config=None) -> dict:
-    """``{"protect_pattern": sha256}`` when the policy read a pattern file (``kvkit.evals.settings.option_files``), else {}. With
+    """``{"protect_pattern": sha256}`` when the policy read a pattern file (``kvkit.evals.settings.file_hashes``), else {}. With
     the model's ``config`` also the pattern shipped for the model, when
     ``protect_heads`` > 0 ranks by it (no ``protect_pattern`` given): a run's record then changes with that file."""
     p = policy.protect_pattern

@@ -29,7 +29,6 @@ from kvkit.cache import KVCache
 from kvkit.compat import cache_kw
 from kvkit.registry import available_policies, policy_class
 
-
 #: policies whose prefill is not exact attention into the cache with some options: name -> a function of the built
 #: policy giving why its recorded prefill cannot be replayed, or None where it can. Every other policy prefills with
 #: exact attention and hands the store the prompt's K/V unchanged (``SlotStore.attend``: ``hf_sdpa``, then

@@ -26,8 +26,8 @@ from kvkit.evals.bench.prompts import batch_prompts
 from kvkit.evals.bench.replay import record_prefill_spilled
 from kvkit.evals.bench.runs import DecodeRun, prefill_run
 from kvkit.evals.bench.timing import decode_rounds, pair_rows, profile_runs, step_rows
-from kvkit.workloads.prompts import check_length
 from kvkit.evals.runner import progress
+from kvkit.workloads.prompts import check_length
 from kvkit.workloads.shared_prefill import replayable
 
 

@@ -23,7 +23,7 @@ import torch
 from kvkit.cache import KVCache, static_policies
 from kvkit.evals.settings import resolve_policy_options
 from kvkit.options import parse_options
-from kvkit.registry import available_policies, policy_class
+from kvkit.registry import available_policies
 from kvkit.testing import tiny_options
 
 #: the transformers rows (unpatched model)

@@ -50,7 +50,6 @@ from kvkit.evals.gpu.report import mib
 from kvkit.evals.gpu.rows import HFDynamic, HFStatic, Row
 from kvkit.evals.gpu.shapes import build_model, shape_config
 from kvkit.evals.gpu.timing import StepWatch, free_memory, measure_bandwidth, step_stats, sync, time_block
-from kvkit.registry import policy_class
 
 
 class Bench:
