@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 from kvkit.model_info import layer_infos, make_rope_fn, text_config
 from kvkit.registry import available_policies, get_policy, policy_class
 from kvkit.state import patch_state
-from kvkit.stores.base import crop_count
+from kvkit.stores.buffers import crop_count
 from kvkit.stores.full import SlidingStore
 
 

@@ -49,10 +49,10 @@ def decode(q, view: DecodeView | Callable[[], DecodeView], *, scale=None, return
         return None  # no kernel reads the view: it is not built
     if callable(view):
         view = view()
+    q3, squeeze = check_view("decode", q, view)
     triton = launch_failed() is None and use_triton(q, *view.tensors())
     if caller and not triton:
         return None
-    q3, squeeze = check_view("decode", q, view)
     scale = default_scale(scale, q3.shape[-1])
     if debug():
         check_view_ranges("decode", view)
