@@ -1,4 +1,5 @@
-"""Decode-step timing of several caches in one process (issue 17): before/after and policy vs `full`.
+"""Decode-step timing of several caches in one process: each policy vs `full`, and a policy against its own
+file at another git revision (``--rev``).
 
 Every cache holds the same prompt (random tokens or essays, batch x length): ``--fill replay`` records one
 exact prefill and replays it into each cache (``kvkit.evals.shared_prefill``); ``--fill copy`` runs one
@@ -15,8 +16,17 @@ over the first spec (``full``), the KV bytes read per step (``KVCache.read_nbyte
 
 Run from the repository root: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_ab.py ...``.
 """
-import argparse, json, os, statistics, subprocess, sys, time, types
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+
 import torch
+
 import kvkit
 import kvkit.models
 from kvkit.evals.shared_prefill import record_prefill, replay_prefill
@@ -100,7 +110,7 @@ def main():
             else:
                 cache = kvkit.KVCache(model, name, **opts)
                 T = a.length
-                for i, (src, st) in enumerate(zip(full_cache.layers, cache.layers)):
+                for src, st in zip(full_cache.layers, cache.layers):
                     st.update(src.keys.clone(), src.values.clone())
                     st.mark_padding(None, T)
                     if hasattr(st, "_record_positions"):

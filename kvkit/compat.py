@@ -29,6 +29,17 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidi
 TRANSFORMERS_SUPPORTED = ("5.16", "5.25")
 #: the lowest supported release, exactly: what ``scripts/install_low.sh`` installs and CI tests
 TRANSFORMERS_LOWEST = "5.16.0"
+#: the oldest torch and Python any run of kvkit has used (the GPU machines' torch 2.11; CI's Python 3.11):
+#: ``pyproject.toml`` states exactly these lower bounds (``tests/core/test_versions.py`` checks)
+TORCH_LOWEST = "2.11"
+PYTHON_LOWEST = "3.11"
+#: the one statement of what kvkit supports; README.md and docs/USAGE.md quote it verbatim (a test checks)
+SUPPORT_STATEMENT = (
+    f"Python >= {PYTHON_LOWEST}, torch >= {TORCH_LOWEST} and transformers {TRANSFORMERS_SUPPORTED[0]} to "
+    f"{TRANSFORMERS_SUPPORTED[1].split('.')[0]}.{int(TRANSFORMERS_SUPPORTED[1].split('.')[1]) - 1}: CI runs torch 2.13 "
+    f"on CPUs with transformers {TRANSFORMERS_LOWEST} and the newest supported release; the GPU runs used torch "
+    f"{TORCH_LOWEST}."
+)
 #: the installed release, as a tuple of ints (``(5, 24, 0)``)
 RELEASE = Version(transformers.__version__).release
 

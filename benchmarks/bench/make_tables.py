@@ -1,12 +1,14 @@
-"""Issue-17 tables (markdown) and the "decode throughput vs batch" figure from `kvkit bench --batch` runs.
+"""Markdown tables and the "decode throughput vs batch" figure from `kvkit bench --batch` runs.
 
-    python benchmarks/bench/make_tables.py --before results/bench/batch-8x4096-before \
-        --after results/bench/batch-8x4096-after [--small-before ... --small-after ...] \
-        [--memory results/bench/batch-memory2-...] [--figure results/bench/throughput_vs_batch.png]
+    python benchmarks/bench/make_tables.py --after results/speed-cpu/decode-b8x4096-2026-11-26 \
+        --small-after results/speed-cpu/decode-b1x1024-2026-11-26 \
+        --memory results/speed-cpu/decode-fit-4gib-b8x4096-2026-11-24 [--figure throughput_vs_batch.png]
 
-Prints markdown: per thread count, each policy's speed-up over full / byte bound / fraction of the bound before
-and after, against the issue-17 targets (8 x 4096: speed-up >= 1 + 0.7 (bound - 1); 1 x 1024: speed-up >= 0.9;
---memory: fits >= 0.9 x (full's bytes / the policy's) as many sequences as full, and more throughput).
+`--after` / `--small-after` are the runs reported (a KV-dominated shape such as 8 x 4096, and a small one such as
+1 x 1024); `--before` / `--small-before` optionally add a second run of the same command (another commit or
+machine) as side-by-side columns. Prints, per thread count, each policy's speed-up over full, byte bound and
+fraction of the bound, against these goals: large shape, speed-up >= 1 + 0.7 (bound - 1); small shape, speed-up
+>= 0.9; --memory, fits >= 0.9 x (full's bytes / the policy's) as many sequences as full, and more throughput.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def _meets(x, tgt, key):
 
 
 def target_table(before, after, threads):
+    """Per policy: bytes, byte bound, goal speed-up and the measured speed-ups (the --before run's when given)."""
     out = []
     b, a = rows_by(before, threads) if before else {}, rows_by(after, threads) if after else {}
     ref = a or b
@@ -68,12 +71,13 @@ def target_table(before, after, threads):
     def cpu(d):
         return f"{d['full']['cpu_ms']:.0f}" if d.get("full") and d["full"].get("cpu_ms") else "-"
 
-    out.append(f"**{any_row['batch']} x {any_row['length']}, {threads} thread(s)** - full's median step: before "
-               f"{step(b)} ms wall, after {step(a)} ms wall / {cpu(a)} ms CPU time\n")
-    out.append("| policy | KV held vs full | read/step vs full | byte bound | target speed-up | before: speed-up, "
-               "wall (fraction) | after: speed-up, wall (fraction) | after: speed-up, CPU time (fraction) | "
-               "meets (after: wall / CPU time) |")
-    out.append("|---|---|---|---|---|---|---|---|---|")
+    head = f"**{any_row['batch']} x {any_row['length']}, {threads} thread(s)** - full's median step: "
+    out.append(head + (f"--before {step(b)} ms wall, " if b else "") + f"{step(a)} ms wall / {cpu(a)} ms CPU time\n")
+    cols = ["policy", "KV held vs full", "read/step vs full", "byte bound", "goal speed-up"]
+    cols += ["--before: speed-up, wall (fraction)"] if b else []
+    cols += ["speed-up, wall (fraction)", "speed-up, CPU time (fraction)", "meets the goal (wall / CPU time)"]
+    out.append("| " + " | ".join(cols) + " |")
+    out.append("|" + "---|" * len(cols))
     for lab in labels:
         r = a.get(lab) or b.get(lab)
         bound = r["bound"]
@@ -83,30 +87,34 @@ def target_table(before, after, threads):
             meet = "(reads as much as full: no bound)"
         else:
             meet = f"{_meets(ra, tgt, 'speedup')} / {_meets(ra, tgt, 'cpu_speedup')}"
-        out.append(f"| {lab} | {f2(r['kv_held_vs_full'])} | {f2(r['kv_read_vs_full'])} | {f2(bound)} | "
-                   f"{f2(tgt)} | {_cell(b.get(lab))} | {_cell(ra)} | {_cell(ra, 'cpu_speedup', 'cpu_fraction')} | "
-                   f"{meet} |")
+        cells = [lab, f2(r["kv_held_vs_full"]), f2(r["kv_read_vs_full"]), f2(bound), f2(tgt)]
+        cells += [_cell(b.get(lab))] if b else []
+        cells += [_cell(ra), _cell(ra, "cpu_speedup", "cpu_fraction"), meet]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
 def small_table(before, after, threads):
+    """Per policy: the speed-up over full, wall and CPU time (the --small-before run's when given), goal >= 0.9."""
     b, a = rows_by(before, threads) if before else {}, rows_by(after, threads) if after else {}
     ref = a or b
 
     def step(d, k="step_ms"):
         return f"{d['full'][k]:.0f}" if d.get("full") and d["full"].get(k) else "-"
 
-    out = [f"**{ref['full']['batch']} x {ref['full']['length']}, {threads} thread(s)** - full's median step: before "
-           f"{step(b)} ms wall / {step(b, 'cpu_ms')} ms CPU, after {step(a)} ms wall / {step(a, 'cpu_ms')} ms CPU\n",
-           "| policy | before: speed-up wall | before: CPU time | after: speed-up wall | after: CPU time | "
-           "target >= 0.90 (after: wall / CPU time) |", "|---|---|---|---|---|---|"]
+    head = f"**{ref['full']['batch']} x {ref['full']['length']}, {threads} thread(s)** - full's median step: "
+    cols = ["policy"] + (["--before: speed-up wall", "--before: CPU time"] if b else [])
+    cols += ["speed-up wall", "speed-up CPU time", "goal >= 0.90 (wall / CPU time)"]
+    out = [head + (f"--before {step(b)} ms wall / {step(b, 'cpu_ms')} ms CPU, " if b else "")
+           + f"{step(a)} ms wall / {step(a, 'cpu_ms')} ms CPU\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for lab in dict.fromkeys(list(a) + list(b)):
         if lab == "full":
             continue
         ra, rb = a.get(lab), b.get(lab)
-        out.append(f"| {lab} | {_cell(rb, 'speedup', None)} | {_cell(rb, 'cpu_speedup', None)} | "
-                   f"{_cell(ra, 'speedup', None)} | {_cell(ra, 'cpu_speedup', None)} | "
-                   f"{_meets(ra, 0.9, 'speedup')} / {_meets(ra, 0.9, 'cpu_speedup')} |")
+        cells = [lab] + ([_cell(rb, "speedup", None), _cell(rb, "cpu_speedup", None)] if b else [])
+        cells += [_cell(ra, "speedup", None), _cell(ra, "cpu_speedup", None),
+                  f"{_meets(ra, 0.9, 'speedup')} / {_meets(ra, 0.9, 'cpu_speedup')}"]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -114,7 +122,7 @@ def memory_table(mem):
     fits = {f["label"]: f for f in mem["fits"]}
     out = [f"**--memory {mem['memory_gib']} GiB, context {mem['length']}** (decode headroom {mem['headroom_tokens']} "
            f"tokens per sequence; measured at min(fit, --max-batch {mem['max_batch']}))\n",
-           "| policy | KV held / seq | full's bytes / policy's | fits | fits vs full | target >= 0.9 x bytes ratio | "
+           "| policy | KV held / seq | full's bytes / policy's | fits | fits vs full | goal >= 0.9 x bytes ratio | "
            "meets | measured batch | tok/s (full's at its batch, same rounds) | throughput vs full |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for lab, f in fits.items():
@@ -133,8 +141,11 @@ def memory_table(mem):
 
 
 def profile_table(before, after, top=4):
+    """Per policy: self CPU ms per profiled step and its top ops (the --before run's column when given)."""
     pb, pa = (before or {}).get("profile", {}), (after or {}).get("profile", {})
-    out = [f"| policy | before: self CPU ms per step, top {top} ops (% of it) | after: the same |", "|---|---|---|"]
+    cols = ["policy"] + ([f"--before: self CPU ms per step, top {top} ops (% of it)"] if pb else [])
+    cols += [f"self CPU ms per step, top {top} ops (% of it)"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
     def cell(p):
         if not p:
@@ -143,7 +154,7 @@ def profile_table(before, after, top=4):
                                                       for o in p["ops"][:top])
 
     for lab in dict.fromkeys(list(pb) + list(pa)):
-        out.append(f"| {lab} | {cell(pb.get(lab))} | {cell(pa.get(lab))} |")
+        out.append("| " + " | ".join([lab] + ([cell(pb.get(lab))] if pb else []) + [cell(pa.get(lab))]) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -160,7 +171,7 @@ def main():
     before, after = load(args.before), load(args.after)
     sb, sa = load(args.small_before), load(args.small_after)
     md = []
-    for s, name in ((before, "before"), (after, "after"), (sb, "1x1024 before"), (sa, "1x1024 after")):
+    for s, name in ((before, "--before"), (after, "--after"), (sb, "--small-before"), (sa, "--small-after")):
         if s:
             md.append(f"- {name}: commit `{(s.get('git_commit') or '?')[:10]}`, `{s.get('command')}`")
     md.append("")
@@ -178,7 +189,7 @@ def main():
         md.append(f"Profile, {ref and (after or before)['batch']} x {(after or before)['length']}:\n")
         md.append(profile_table(before, after))
     if sb or sa:
-        md.append("Profile, 1 x 1024:\n")
+        md.append(f"Profile, {(sa or sb)['batch']} x {(sa or sb)['length']}:\n")
         md.append(profile_table(sb, sa))
     print("\n".join(md))
     if args.figure:

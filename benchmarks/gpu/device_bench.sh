@@ -30,7 +30,7 @@
 # estimate (compile included) fits the limit, so a run may overrun its limit by one misestimated row: ~445 s
 # planned; timeout_s=540 leaves ~95 s of overrun, and with the machine's start (~1-1.5 min) the call takes ~10-11
 # minutes of the 15-minute device budget.
-# First run (2026-11-26, an earlier version of this script): results/bench/gpu/h100-b16-16k-2026-11-26/.
+# Runs: results/speed-gpu/ (H200 and H100, 16 x 16K).
 #
 # Prepare here (the machine has no network; wheels/ is git-ignored and travels as a carried path):
 #   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 transformers==5.24.0 -d wheels/

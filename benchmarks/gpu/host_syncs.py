@@ -3,7 +3,7 @@
 the prefill. Prints a markdown table: the median over the steps between compression events, the largest count in
 a compression step, and unpatched transformers' count for the same steps.
 
-    .venv/bin/python benchmarks/gpu/host_syncs.py > results/bench/gpu/host-syncs.md
+    .venv/bin/python benchmarks/gpu/host_syncs.py > results/speed-gpu/host-syncs-tiny-llama-DATE/host-syncs.md
 """
 import statistics
 import sys

@@ -1,8 +1,7 @@
-"""DuoAttention's noise floor: which heads a calibration cannot rank, and what calibration data says of them (issue 36,
-session 27).
+"""DuoAttention's noise floor: which heads a calibration cannot rank, and what calibration data says of them .
 
-At sparsity 0.5 the shipped recipe keeps 4-7 heads whose gates are below 2e-4 (``results/duo/README.md``, "Session
-27"); two calibrations pick different ones, and the needle sets swing with them. This script measures, on
+At sparsity 0.5 the shipped recipe keeps 4-7 heads whose gates are below 2e-4; two calibrations pick different ones,
+and the needle sets swing with them. This script measures, on
 calibration samples only (:class:`kvkit.calibrate.duo_data.PasskeyData`: the passkey task on the text no evaluation
 reads), how much the streaming window changes each KV head's attention output at the end of the first question
 (``|o_full - o_window| / |o_full|``, max over the head's query group, mean over ``--samples`` samples: the
@@ -10,7 +9,7 @@ quantity of :mod:`duo_heads`). It then lists the heads whose gate is below ``--f
 that change and each pattern's choice (``R`` kept whole, ``S`` streamed), and which of them a tie-break by the
 change would keep: as many as the pattern keeps from its floor.
 
-    python benchmarks/needles/duo_floor.py --pattern shipped --pattern results/duo/session27/duo-disjoint-1k.json
+    python benchmarks/needles/duo_floor.py --pattern shipped --pattern results/calibration/duo-patterns/smollm2-4k-disjoint.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which KV heads DuoAttention's streaming window starves, on one fresh needle (issue 36, session 26).
+"""Which KV heads DuoAttention's streaming window starves, on one fresh needle.
 
 Teacher-forced and exact: the needle's context is prefilled, then its question, then the reference answer one token
 per forward, all with exact attention. At every answer step it measures, per query head, the attention mass on

@@ -1,8 +1,8 @@
 r"""Paired comparison of needle runs on the samples full answers: per pair, the needles one keeps and the other loses,
-with an exact two-sided sign test (issue 36: can a needle set tell two duo patterns apart?).
+with an exact two-sided sign test (can a needle set tell two settings apart?).
 
     python benchmarks/needles/paired_runs.py results/needles/default-4k-agnostic \
-        duo duo-disjoint duo-reg001 duo4k-120 duo-merged3 duo-refined
+        duo snapkv-1526-protect-heads-0.2 kvzip-1526-protect-heads-0.2
 
 ROOT is a ``kvkit eval needles`` root; each RUN a folder under it with ``samples.jsonl`` (its ``full`` folder is the
 reference). Only the samples full answers and every run scored are compared. Prints, per pair, ``x vs y`` (needles

@@ -1,9 +1,8 @@
-r"""Needles kept x full, pooled over several needle sets, with a paired bootstrap 95% interval (issue 36: how far
-apart are the duo patterns once both sets count?).
+r"""Needles kept x full, pooled over several needle sets, with a paired bootstrap 95% interval (how far
+apart are two settings once both sets count?).
 
     python benchmarks/needles/pooled_ratio.py --roots results/needles/default-4k-agnostic \
-        results/needles/heldout-squad-4k-agnostic-48 --runs duo duo-disjoint duo-reg001 duo4k-120 \
-        duo-merged3 duo-refined duo4k-reg001
+        results/needles/heldout-squad-4k-agnostic-48 --runs duo
 
 Each ROOT is a ``kvkit eval needles`` root whose ``full`` folder is the reference; each RUN a folder under every
 root with ``samples.jsonl``. Only the samples that ``full`` and every run scored count, so all runs are compared on

@@ -1,4 +1,4 @@
-r"""Screen policy settings on chosen fresh needles, without a run folder (issue 36 diagnosis).
+r"""Screen policy settings on chosen fresh needles, without a run folder.
 
     python benchmarks/needles/screen.py heldout 1,2,3,7,9,13,15 'ship=tidal:budget=2048,selection=q_head' \
         'shared1169=tidal:budget=1169,selection=shared,select_layers=[2,6,10,14,18,22,26]'
@@ -7,7 +7,7 @@ r"""Screen policy settings on chosen fresh needles, without a run folder (issue 
 ``essay``: the set of ``results/needles/default-4k-agnostic`` (33 needles, the default seed). The indices pick samples
 (4,096 tokens, question-agnostic: the context prefilled and compressed before the question, as ``kvkit eval
 needles``). Each ``NAME=POLICY[:KEY=VALUE,...]`` runs on the default model; prints each answer, its score and a total.
-The session-24 TidalDecode screen (``results/needles/README.md``) ran this way, at one thread per process.
+Run one process per setting, at one thread each.
 """
 
 import sys

@@ -1,4 +1,4 @@
-"""Which heads ShadowKV's chunk selection starves, on one fresh needle (issue 36, session 25).
+"""Which heads ShadowKV's chunk selection starves, on one fresh needle.
 
 Teacher-forced and exact: the needle's context is prefilled, then its question, then the reference answer one token
 per forward, all with exact attention (nothing sparse). At every answer step it builds, per layer, the read that

@@ -1,4 +1,4 @@
-"""Which heads a TidalDecode selection starves, on one fresh needle (issue 36, session 24).
+"""Which heads a TidalDecode selection starves, on one fresh needle.
 
 Teacher-forced: the needle prompt is prefilled with exact attention, then the reference answer is fed one token per
 forward (``output_attentions``, eager attention, nothing sparse). At every answer step it builds the selection that

@@ -1,9 +1,11 @@
 #!/bin/bash
-# Regenerates compare.md / compare.csv (every run scored on the samples it shares with the full run)
-# and the short table in README.md.
+# Regenerates the RULER tables and figure from the committed run folders (after benchmarks/policies/run_policy_table.sh):
+# results/ruler/policies-smollm2-4k.md/.csv, policies-qwen05-4k.md/.csv, retention.png, and the 8K comparison
+# results/ruler/smollm2-8k/compare.md (ShadowKV at 8K against full attention on the samples both have).
 cd "$(dirname "$0")/../.."
-.venv/bin/kvkit eval compare --matched results/ruler/full-4k results/ruler/streaming2048-4k \
-  results/ruler/streaming1024-4k results/policies/*-4k results/policies/cake1024-4k-qaware --out results/policies
-.venv/bin/python benchmarks/policies/short_table.py
-# ShadowKV at 8K (its regime) against full attention's 8K rows, on the samples both have
-.venv/bin/kvkit eval compare --matched results/policies/full-8k results/policies/shadowkv-8k --out results/policies/compare-8k
+export PYTHONPATH=$PWD
+.venv/bin/python benchmarks/policies/policy_table.py --model default > /dev/null
+.venv/bin/python benchmarks/policies/policy_table.py --model qwen05 > /dev/null
+.venv/bin/python benchmarks/policies/retention_figure.py
+.venv/bin/python -m kvkit.cli eval compare --matched results/ruler/smollm2-8k/full-8k results/ruler/smollm2-8k/shadowkv-8k \
+  --out results/ruler/smollm2-8k

@@ -20,7 +20,7 @@ ap.add_argument("--profile", action="store_true")
 args = ap.parse_args()
 torch.set_num_threads(1)
 root = pathlib.Path(__file__).resolve().parents[2]
-s = json.loads((root / "results/policies/ruler-4096-s5.jsonl").open().readline())
+s = json.loads((root / "results/ruler/prompts/ruler-4096-s5.jsonl").open().readline())
 model, tok = load("default")
 ctx = tok(s["prompt"][: s["context_end"]], return_tensors="pt").input_ids
 for pol, opts in [("full", {}), ("kvzip", dict(budget=2048))]:

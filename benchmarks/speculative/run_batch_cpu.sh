@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Batched self-speculative decoding on CPU (issue 18): default model (SmolLM2-135M) fp32, essay continuation,
+# Batched self-speculative decoding on CPU: default model (SmolLM2-135M) fp32, essay continuation,
 # 64 new tokens per row, streaming and retrieval drafts of 512 slots, gamma 2 and 4, plain batched greedy over kvkit's `full` and over
 # transformers' DynamicCache as baselines, 2 interleaved repeats. Run from the repository root; appends to
 # results/speculative/batch_cpu.jsonl and writes one log per batch x length.

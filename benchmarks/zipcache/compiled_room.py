@@ -8,7 +8,7 @@ Bundled default model, fp32, random token ids. Per room: a fresh static cache an
 ``compile s`` (trace + compile + one step), then ``--steps`` steps (median); then ``--steps`` eager steps on the
 same cache (median). Every process compiles cold (inductor's cache in a fresh temporary folder). Also printed: the ``packed_decode`` operators in the traced graph (one dynamo trace with a
 counting backend, separate from the timed compile). Run it with ``PYTHONPATH=<another checkout>`` to time another
-version of kvkit with the same script (results/zipcache/README.md, "Session 32").
+version of kvkit with the same script (results/zipcache/README.md).
 """
 
 import argparse

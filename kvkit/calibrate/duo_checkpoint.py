@@ -155,7 +155,7 @@ def load_checkpoint(path: Path, cfg: DuoCalibration, ident: dict) -> dict | None
                          f"{m.get('num_layers')} layers); delete it or choose another --out")
     want = asdict(cfg)
     settings = ck.get("settings") if isinstance(ck.get("settings"), dict) else {}
-    # a setting added after the checkpoint was written (``task``, session 26) reads as its default, which is
+    # a setting added after the checkpoint was written (``task``) reads as its default, which is
     # what that run used; every other key must still match
     settings = {**{k: v for k, v in _ADDED_SETTINGS.items() if k not in settings}, **settings}
     if settings != want:

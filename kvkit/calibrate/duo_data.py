@@ -117,7 +117,7 @@ class DuoCalibration:
     ----------
     steps : int
         Optimiser steps (paper: 2000 on 8 GPUs; CPU default 60). Per-step times of the shipped calibration on
-        a CPU: results/duo/README.md.
+        a CPU: results/calibration/README.md.
     length : int
         Longest sample in tokens (paper: contexts up to the model's limit, 32K). Sample lengths are
         spread linearly from ``min_length`` to ``length``.

@@ -2,10 +2,10 @@
 
 Why: a calibration's gates split the KV heads into a clear majority (the heads every run ranks above or below the
 sparsity cut) and a few heads near the cut, whose side depends on the run's text, length, regulariser and seed
-(for the default model three runs on the calibration text agree on 40 of their 45 retrieval heads at sparsity 0.5;
-``results/duo/README.md``). Averaging *ranks* rather than gate values keeps one run's scale from outvoting the
-others: a 1K run's gates collapse to ~1e-4 below the cut while a 4K run's sit near 0.05, so a mean of values is
-decided by whichever run has the larger gates.
+(for the default model three runs on the calibration text agree on 40 of their 45 retrieval heads at sparsity
+0.5). Averaging *ranks* rather than gate values keeps one run's scale from outvoting the others: a 1K run's gates
+collapse to ~1e-4 below the cut while a 4K run's sit near 0.05, so a mean of values is decided by whichever run
+has the larger gates.
 
 Algorithm, for patterns ``alpha_r [L, H]`` (r = 1..R, same model):
 

@@ -15,7 +15,7 @@ from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
 from kvkit.calibrate.search import picked, pool_label, pooling_sweep, window_option
 
 #: (kernel, pooling[, pool_window]) candidates: the paper's first, then wider average pooling, then max
-#: pooling (the sweep on the default model: results/policies/README.md).
+#: pooling (the sweep on the default model: results/calibration/README.md).
 SNAPKV_POOLING = ((5, "avg"), (15, "avg"), (21, "avg"), (31, "avg"), (41, "avg"), (61, "avg"),
                   (15, "max"), (21, "max"), (31, "max"),
                   # kvkit: the trailing window (a token pooled with the kernel - 1 before it; see POOL_WINDOWS)

@@ -271,8 +271,7 @@ def tidal_shares_from_curves(curves: dict, num_layers: int, fraction: float, gri
     """Per-layer shares (one per model layer, 1.0 for the layers that are not reuse layers) from
     :func:`tidal_share_steps`: each reuse layer's steps over their mean. Layers whose attention is spread over
     many tokens gain budget, layers whose attention is concentrated (where a uniform budget misses the least)
-    give it up; what this does on the default model: results/policies/README.md ("TidalDecode layer
-    shares")."""
+    give it up; what this does on the default model: results/ruler/README.md."""
     return _shares_from_steps(tidal_share_steps(curves, fraction, grid), num_layers)
 
 

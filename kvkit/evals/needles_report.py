@@ -64,7 +64,8 @@ def table(runs: list[tuple[str, dict, list[dict]]]) -> tuple[list[str], list[lis
         reads = None
         if all("kv_read" in r for r in shared):
             reads = sum(r["kv_read"] for r in shared) / max(1, sum(x.get("kv_read", x["kv_bytes"]) for x in b))
-        rec = dict(run=name, policy=cfg.get("policy"), options=cfg.get("options") or {}, accuracy=acc,
+        rec = dict(run=name, policy=cfg.get("policy"), options=cfg.get("options") or {},
+                   label=point_label(cfg.get("policy"), cfg.get("options") or {}), accuracy=acc,
                    x_full=acc / bacc if bacc else None, kept=kept, kv_fraction=kvb, read_fraction=reads,
                    samples=len(shared),
                    per_format={f: (sum(v) / len(v) if v else None) for f, v in per.items()})
@@ -89,6 +90,37 @@ def options_label(options: dict, picked: dict | None = None) -> str:
     return ",".join(parts) or "-"
 
 
+#: how a figure label reads an option (``None``: left out, it does not tell settings apart at a glance)
+LABEL_OPTIONS = {"protect_heads": lambda v: f"protect heads {float(v):.0%}", "landmark": lambda v: f"{v} landmark",
+                 "selection": lambda v: {"shared": "shared selection", "q_head": "per query head",
+                                         "kv_head": "per KV head"}.get(v, f"selection {v}"),
+                 "pool_window": lambda v: f"{v} window", "key_bits": lambda v: f"{v}-bit keys",
+                 "key_group": lambda v: "per-channel statistics" if v is None else f"key groups of {v}",
+                 "pattern": lambda v: f"pattern {Path(str(v)).stem}", "protect": lambda v: f"protect {v}",
+                 "adaptive": lambda v: "ranked together" if v else "uniform per layer",
+                 "min_prompt": None, "protect_pattern": None, "kernel": None, "pool_kernel": None, "pooling": None,
+                 "stats": None, "high_bits": None, "low_bits": None, "high_ratio": None}
+LABEL_SIZE = ("budget", "ratio", "sparsity")  # the option a label puts right after the policy's name
+
+
+def point_label(policy: str, options: dict) -> str:
+    """A figure label that names the policy and its setting in words: ``snapkv 1526, protect heads 20%``,
+    ``zipcache, 8-bit keys``, ``quanto 4-bit`` (transformers' QuantizedCache). Options that only fine-tune a setting
+    (pooling kernels, ``min_prompt``, pattern files) are left to the table's ``options`` column."""
+    if policy == "quantized":
+        return f"quanto {options.get('nbits', '?')}-bit"
+    size = next((options[k] for k in LABEL_SIZE if k in options), None)
+    head = policy if size is None else f"{policy} {size:g}" if isinstance(size, float) else f"{policy} {size}"
+    parts = []
+    for k in sorted(options):
+        if k in LABEL_SIZE:
+            continue
+        fmt = LABEL_OPTIONS.get(k, lambda v, k=k: f"{k}={v}")
+        if fmt is not None:
+            parts.append(fmt(options[k]))
+    return ", ".join([head, *parts])
+
+
 def uncompressed(records: list[dict]) -> list[str]:
     """The runs of a compressing policy that held and read (about) all of full's bytes and offloaded nothing: they
     ran as ``full`` (e.g. every prompt was at most the policy's ``min_prompt``), so their accuracy says nothing of
@@ -103,22 +135,23 @@ LABEL_LINE, LABEL_CHAR = 0.036, 0.0115
 LABEL_WRAP = 30  # characters per line of a shared label ("a, b, c" wraps after a comma)
 
 
-def wrap_names(names: list[str], width: int = LABEL_WRAP) -> list[str]:
-    """The lines of a shared label: ``names`` joined by ", ", a new line before a name that would pass ``width``
+def wrap_names(names: list[str], width: int = LABEL_WRAP, sep: str = ", ") -> list[str]:
+    """The lines of a shared label: ``names`` joined by ``sep``, a new line before a name that would pass ``width``
     (a single longer name keeps its own line)."""
     lines, cur = [], ""
     for n in names:
-        if cur and len(cur) + 2 + len(n) > width:
-            lines.append(cur + ",")
+        if cur and len(cur) + len(sep) + len(n) > width:
+            lines.append(cur + sep.rstrip())
             cur = n
         else:
-            cur = f"{cur}, {n}" if cur else n
+            cur = f"{cur}{sep}{n}" if cur else n
     return lines + [cur]
 
 
 def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
     """Where the figure's labels go, in data units (x in decades of the log axis), so that the overlap test and the
-    placement agree: runs at the same point share one label (``"a, b"``, wrapped into lines of ``LABEL_WRAP``
+    placement agree: a run's label is its ``label`` (:func:`point_label`; its ``run`` name without one); runs at the
+    same point share one label (``"a, b"``, wrapped into lines of ``LABEL_WRAP``
     characters by :func:`wrap_names`); a label goes right of its point, else left of it, else a line lower (then with
     a leader line), never over another label or a marker. Labels that fit on their point's line are placed before the
     moved ones; a moved label keeps clear of the places beside other points, and its leader line crosses no other.
@@ -151,7 +184,8 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
         False, or with ``last_resort`` the right side of the last line."""
         g = groups[i]
         x, y0 = math.log10(g[0]["kv_fraction"]), g[0]["x_full"]
-        lines = wrap_names([r["run"] for r in g])
+        # worded labels hold commas themselves ("snapkv 1526, protect heads 20%"): several at a point part with "; "
+        lines = wrap_names([r.get("label", r["run"]) for r in g], sep="; " if any("label" in r for r in g) else ", ")
         w = char * max(len(line) for line in lines)
         h = LABEL_LINE * (len(lines) - 1) + 0.9 * LABEL_LINE  # lines stack upwards from the bottom one
         others = [b for j, b in enumerate(beside) if j != i]
@@ -173,8 +207,7 @@ def label_spots(shown: list[dict], decades: float = 1.0) -> list[tuple]:
         return True
 
     # First every label that fits on its own point's line (right, else left). A label moved down first would take
-    # the place beside a lower point that that point's label needs, and read as that point's (the session-28 Qwen
-    # figure had kvzip-p0.2's label beside chelsea-p0.2's point, and chelsea's pushed left). Then the rest, a line
+    # the place beside a lower point that that point's label needs, and read as that point's. Then the rest, a line
     # lower or more, with leader lines that cross no other.
     later = [i for i in range(len(groups)) if not place(i, range(1), last_resort=False)]
     for i in later:
@@ -236,7 +269,7 @@ def figure_png(records: list[dict], title: str) -> bytes:
     ax.set_xlabel("KV bytes held / full's (log scale)")
     ax.set_xscale("log")
     ax.set_xlim(10 ** x0, 10 ** x1)
-    ticks = [t for t in (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0) if 10 ** lo / 1.2 <= t <= 1.2 * 10 ** hi]
+    ticks = [t for t in (0.1, 0.2, 0.3, 0.5, 0.7, 1.0) if 10 ** lo / 1.2 <= t <= 1.2 * 10 ** hi]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -250,6 +283,11 @@ def figure_png(records: list[dict], title: str) -> bytes:
     fig.savefig(buf, format="png", dpi=130)
     plt.close(fig)
     return buf.getvalue()
+
+
+def report_title(model: str, length: int, protocol: str, haystack: str) -> str:
+    """The report's title and the figure's: ``Fresh needles: default, 4096 tokens of essay, question-agnostic``."""
+    return f"Fresh needles: {model}, {length} tokens of {haystack}, question-{protocol}"
 
 
 def write_report(root: Path, folders: list[Path], title: str) -> str:

@@ -6,7 +6,7 @@ step), so the compiled graph launches the fused split-K Triton kernel (``fused_d
 SDPA over the whole buffer. Why: inductor's attention over a static buffer is SDPA with a boolean mask, i.e.
 the memory-efficient kernel: one program per (row, KV head) walking every key, no split over the keys, so a
 decode step runs few, long programs; the split-K kernel spreads the keys over many programs and reads the KV
-at the memory bandwidth (the two compared on an H100: results/bench/gpu/h100-b16-16k-2026-11-26/README.md).
+at the memory bandwidth (the two compared on an H100: results/speed-gpu/README.md, results/speed-gpu/h100-llama-3.2-1b-b16-16k-2026-11-26).
 
 The operator takes a :class:`~kvkit.kernels.view.DecodeView` without parts as its tensors:
 

@@ -121,7 +121,7 @@ def _lowrank_attn_kernel(
     store_partial(OP, LP, acc, m_i, l_i, row, row_ok, offs_d, d_ok, S, split, D)
 
 
-TUNING = {"block_n": 64, "num_warps": 8, "num_stages": 2}  # best of bench --sweep on an H100 (results/kernels)
+TUNING = {"block_n": 64, "num_warps": 8, "num_stages": 2}  # best of bench --sweep on an H100 (results/speed-gpu/h100-kernels-2026-11-23)
 
 
 def lowrank_decode_triton(q4, U, SV, v, idx, chunk_size, inv_freq, *, positions=None, position_offset=None,

@@ -194,10 +194,10 @@ def _quant_attn_kernel(
     tl.store(LP + orow * S + split, lse, mask=row_ok)
 
 
-TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # best of bench --sweep on an H100 (results/kernels)
+TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # best of bench --sweep on an H100 (results/speed-gpu/h100-kernels-2026-11-23)
 #: the most query rows (G heads x Tq tokens) one program holds: more rows go to more programs (grid axis 2). One
 #: tile of all the rows of a long prefill chunk (4096 rows: 1024 tokens at G = 4) does not fit a GPU's shared
-#: memory (the H100 failure: results/bench/gpu/h100-b16-16k-2026-11-26/log.txt)
+#: memory (the H100 failure: results/speed-gpu/h100-llama-3.2-1b-b16-16k-2026-11-26/log.txt)
 MAX_BLOCK_M = 64
 
 

@@ -99,7 +99,7 @@ def _gather_attn_kernel(
     store_partial(OP, LP, acc, m_i, l_i, row, row_ok, offs_d, d_ok, S, split, D)
 
 
-TUNING = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # best of bench --sweep on an H100 (results/kernels)
+TUNING = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # best of bench --sweep on an H100 (results/speed-gpu/h100-kernels-2026-11-23)
 
 
 def gather_attn(q4, k, v, idx, *, mode, scale, mask=None, bias=None, num_splits=None, block_n=None):

@@ -31,7 +31,7 @@ queries attend to (with the question at the end of the prompt: what the question
 pooling are per-model calibrated options (``kvkit calibrate chelsea``, used only when ``protect`` > 0); the fallbacks
 are 64-token chunks and SnapKV's max-pooled kernel 7, centered. The default (``protect=None``) protects
 ``PROTECT_SHARE`` of the slots a chunk keeps (``protect = PROTECT_SHARE * ratio``; at most all but one of them;
-how it was chosen: results/policies/README.md); ``protect=0`` (or ``calibrated=False``) is the paper.
+how it was chosen: results/ruler/README.md); ``protect=0`` (or ``calibrated=False``) is the paper.
 
 Question-agnostic protection (kvkit, ``protect_score="reconstruct"``): without the question the observation window is
 the context's last sentence, which need not attend to what a later question asks for. Then the protection score is
@@ -116,7 +116,7 @@ class Chelsea(Policy):
         New tokens between two merges during decoding (kvkit; one chunk).
     size_bias : bool
         Add ``log(cluster size)`` to merged keys' scores (ToMe proportional attention; kvkit's
-        option; how the default was chosen: results/chelsea/README.md).
+        option).
     protect : float or None
         Fraction of each chunk kept exact by observation-window attention (kvkit, beyond the paper;
         0 = the paper's matching). Must stay below ``ratio``. None (default): ``PROTECT_SHARE * ratio`` (that share of
@@ -160,7 +160,7 @@ class Chelsea(Policy):
     sink: int = 4  # StreamingLLM's 4 sink tokens, kept exact
     window: int = 32  # recent tokens kept exact
     merge_interval: int = 64  # one chunk of new tokens between merges
-    size_bias: bool = True  # kvkit's default (results/chelsea/README.md)
+    size_bias: bool = True  # kvkit's default
     protect: float | None = None  # kvkit: None = PROTECT_SHARE * ratio; 0 = the paper's matching over every slot
     protect_kernel: int | None = None  # None: calibrated, else SnapKV's paper kernel 7 (max-pooled)
     protect_pooling: str | None = None  # None: calibrated, else "max"
@@ -174,7 +174,7 @@ class Chelsea(Policy):
 
     CHUNK: ClassVar[int] = 64  # fallback chunk_size
     PROTECT_POOL: ClassVar[tuple] = (7, "max", "centered")  # fallback protect_kernel / pooling / window
-    #: protect=None: the share of a chunk's kept slots protected (kvkit's default, results/policies/README.md)
+    #: protect=None: the share of a chunk's kept slots protected (kvkit's default, results/ruler/README.md)
     PROTECT_SHARE: ClassVar[float] = 0.8
     RECON_OVERLAP: ClassVar[int] = 8  # KVzip's prev_postfix_size: tokens of the previous chunk before each repeat
 

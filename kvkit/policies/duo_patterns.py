@@ -45,7 +45,7 @@ SHIPPED_PATTERNS = {name: dict(zip(_IDENTITY_FIELDS, row)) for name, row in {
     # Gemma-3-270m (base): 15 sliding-window layers keep the model's own 512-token window; only the gates
     # of the 3 global layers (5, 11, 17) were calibrated (the sliding layers' stay at 1 and are never used)
     "duo_gemma-3-270m.json": ("gemma3_text", 18, 1, 4, 640, 262144),
-    # Qwen2.5-Coder-0.5B-Instruct (results/duo/README.md). Qwen2.5-0.5B(-Instruct) has the same config shape and
+    # Qwen2.5-Coder-0.5B-Instruct (results/calibration/README.md). Qwen2.5-0.5B(-Instruct) has the same config shape and
     # would match too; calibrate your own pattern for it (`kvkit calibrate duo`)
     "duo_qwen2.5-coder-0.5b-instruct.json": ("qwen2", 24, 2, 14, 896, 151936),
 }.items()}

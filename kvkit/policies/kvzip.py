@@ -99,7 +99,7 @@ class KVzip(Policy):
     adaptive : bool
         Rank the scores of all layers together, as the reference does: each layer keeps per KV head the number of
         its slots above the global threshold, so layers share ``budget x layers`` (heads within a layer stay
-        uniform, kvkit's rectangular store). Default True (results/policies/README.md compares the two). False:
+        uniform, kvkit's rectangular store). Default True (results/ruler/README.md compares the two). False:
         every layer keeps ``budget``.
     normalize : str
         The softmax a slot's score is a probability of: ``"held"`` (default, kvkit) the model's own, over every held

@@ -1,7 +1,7 @@
 """``protect_heads``: the eviction policies' protected heads -- the KV heads a DuoAttention pattern ranks as retrieval
 heads keep every token; the policy evicts only in the others (kvkit, after RazorAttention / HeadKV).
 
-Why (results/needles/README.md, "KVzip diagnosis"): question-agnostic, an eviction policy scores the context
+Why (results/needles/README.md): question-agnostic, an eviction policy scores the context
 without the question, and on the default model the heads that read a needle's value when the question comes (two
 heads, attention on the value up to 0.99) rank those tokens low under every question-agnostic score tried (the
 context's last queries, its reconstruction): per-head eviction removes the value from exactly the heads that

@@ -13,7 +13,7 @@ covers a number Llama-3 writes in 3 tokens; tokenizers that write one token per 
 wider one. kvkit adds a ``trailing`` pooling window (``pool_window``): a token pools its own score with the
 ``kernel - 1`` tokens *before* it, so the whole value after the key the window attends to inherits the key's
 score, where the reference's centered window spends half its reach on tokens before the key (a long value's
-last tokens can be lost; the two windows compared: results/policies/README.md). With ``kernel``, ``pooling``
+last tokens can be lost; the two windows compared: results/ruler/README.md). With ``kernel``, ``pooling``
 and ``pool_window`` left at None the model's calibrated values apply (:mod:`kvkit.calibration`), else the
 paper's (5, avg, centered); ``calibrated=False`` always gives the paper's.
 Decoding (kvkit's extension, the paper compresses the prompt only): new tokens are appended and, every ``tail``

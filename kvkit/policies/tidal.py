@@ -19,7 +19,7 @@ read everything.
 Per-layer budgets (kvkit, beyond the paper: ``layer_shares``): the paper gives every reuse layer the same
 ``budget``, but reuse layers differ in how much of their attention the same top-k catches, and a needle lost
 in the layers that catch the least is not recovered by re-selecting there (the per-layer figures of the
-default model: results/policies/README.md, "TidalDecode layer shares"). With
+default model: the tidal evidence in kvkit/data/calibration/smollm2-135m-instruct.json). With
 ``layer_shares`` the selection layer ranks once, at the largest budget of the layers reading its selection, and
 each reuse layer takes its own top-k of that ranking; the budgets' mean over the reuse layers stays ``budget``, so
 the reads do too. ``kvkit calibrate tidal`` picks the shares that equalise the captured attention mass
@@ -37,7 +37,7 @@ Selection modes
     head the tokens an unrelated head of the selection layer wanted. On the default model at half the reads a
     reuse layer's copy head put 0.9-1.0 of its attention on the needle token its namesake in the selection layer
     had not selected (and previous-token heads their last tokens), and the per-head modes lost 5-6 of 7 held-out
-    needles the shared list keeps (results/needles/README.md, "Session 24").
+    needles the shared list keeps (results/needles/README.md).
     ``selection="q_head"`` (the paper's code): top-k per query head; with GQA a KV head then reads
     ``group x budget`` rows (one list per query head). ``selection="kv_head"`` (the paper's future
     work): one top-k per KV head from the softmax probabilities of its query group, combined by
@@ -273,8 +273,7 @@ class TidalSelection:
     def _cut(self, k: int):
         """The top ``k`` plus the query tokens' own slots. The whole selection (``k`` = all of it, what every layer
         reads with uniform budgets) is put in slot order; with ``layer_shares`` every cut keeps the score order:
-        sorting the cuts costs more than the gathers they would speed up (they read whole rows in any order;
-        the timings: results/policies/README.md, "TidalDecode layer shares")."""
+        sorting the cuts costs more than the gathers they would speed up (they read whole rows in any order)."""
         r = self.ranked[..., :k]
         cur, cur_ok = self.cur
         whole = k == self.ranked.shape[-1] and self.slot_order

@@ -30,7 +30,7 @@ def test_generate_refuses_prompt_beyond_context(arch, policy):
 def test_refused_when_generation_crosses_the_limit():
     model = _model()
     kvkit.patch(model, "streaming", budget=16, sink=2, tail=4)
-    # refused before anything runs (defect 11 of the reliability issue: no tokens generated and then lost)
+    # refused before anything runs (no tokens generated and then lost)
     with pytest.raises(ValueError, match=r"the request \(prompt 28 \+ max_new_tokens 8\) has 36 tokens.*<= 32"):
         model.generate(random_ids(28), max_new_tokens=8, do_sample=False)
     with pytest.raises(ValueError, match=r"prompt 28 \+ max_new_tokens 8"):

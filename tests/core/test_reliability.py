@@ -1,6 +1,7 @@
-"""Defects of the reliability issue in the cache / store layer, one test each (named after the defect).
+"""Reliability of the cache / store layer: a cache is never used silently wrong, budgets never overflow, a refused
+crop leaves every layer untouched, a generation that crosses the context is refused before it decodes.
 
-Eval / CLI defects are in tests/evals/test_reliability_evals.py, speculative ones in tests/speculative/.
+The eval / CLI counterparts are in tests/evals/test_reliability_evals.py, speculative ones in tests/speculative/.
 """
 
 import pytest
@@ -10,7 +11,7 @@ import kvkit
 from kvkit.testing import greedy, random_ids, tiny_model, tiny_options
 
 
-def test_defect1_cache_continued_after_unpatch_is_refused():
+def test_cache_continued_after_unpatch_is_refused():
     model = tiny_model("llama", num_hidden_layers=4)
     ids = random_ids(30, seed=1)
     kvkit.patch(model, "tidal", budget=16)
@@ -20,7 +21,7 @@ def test_defect1_cache_continued_after_unpatch_is_refused():
         model.generate(out.sequences, max_new_tokens=4, do_sample=False, past_key_values=out.past_key_values)
 
 
-def test_defect1_the_issue_repro_never_patched():
+def test_cache_of_a_policy_on_a_model_never_patched_is_refused():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -43,7 +44,7 @@ def test_defect1_the_issue_repro_never_patched():
     ("cake", dict(budget=2**40)),
     ("tidal", dict(budget=2**40)),
 ])
-def test_defect4_huge_budget_keeps_everything_no_int32_overflow(policy, opts):
+def test_huge_budget_keeps_everything_no_int32_overflow(policy, opts):
     model = tiny_model("llama")
     ids = random_ids(50, seed=3)
     ref, _, _ = greedy(model, ids, 12)
@@ -55,7 +56,7 @@ def test_defect4_huge_budget_keeps_everything_no_int32_overflow(policy, opts):
     assert torch.equal(out, ref)
 
 
-def test_defect6_refused_crop_on_hybrid_model_leaves_every_layer_untouched():
+def test_refused_crop_on_hybrid_model_leaves_every_layer_untouched():
     model = tiny_model("gemma3_text", num_hidden_layers=6, sliding_window=256,
                        layer_types=["sliding_attention"] * 5 + ["full_attention"])
     kvkit.patch(model, "streaming", budget=16, sink=2, tail=4)
@@ -71,7 +72,7 @@ def test_defect6_refused_crop_on_hybrid_model_leaves_every_layer_untouched():
         kvkit.unpatch(model)
 
 
-def test_defect11_generation_crossing_the_context_refused_before_decoding():
+def test_generation_crossing_the_context_refused_before_decoding():
     model = tiny_model("llama", max_position_embeddings=32)
     kvkit.patch(model, "streaming", budget=16, sink=2, tail=4)
     calls = []

@@ -1,4 +1,4 @@
-"""Issue 35, CLI / input-file / demo defects 11, 15, 17, 18 and 20: each test failed before its fix. Bad input is
+"""The CLI, input files and the demo: bad input is
 refused with a one-line message that names the option or the file (before the model loads); the demo's speeds
 leave out the first-use costs (kernel builds, the first decode step)."""
 
@@ -46,7 +46,7 @@ def _one_error_line(capsys) -> str:
 # ------------------------------------------------------------------ 11. --question without --prompt-file
 
 
-def test_defect11_question_without_prompt_file_is_refused(no_model_load, capsys):
+def test_question_without_prompt_file_is_refused(no_model_load, capsys):
     assert run("run", "--question", "What is the capital of France?") == 2
     err = _one_error_line(capsys)
     assert err.startswith("kvkit: error: --question needs --prompt-file") and "own needle question" in err
@@ -54,7 +54,7 @@ def test_defect11_question_without_prompt_file_is_refused(no_model_load, capsys)
 
 @pytest.mark.parametrize("flags", [["--depth", "0.3"], ["--context-tokens", "500"],
                                    ["--context-tokens", "500", "--depth", "0.1"]])
-def test_defect11_demo_options_with_a_prompt_file_are_refused(no_model_load, capsys, tmp_path, flags):
+def test_demo_options_with_a_prompt_file_are_refused(no_model_load, capsys, tmp_path, flags):
     f = tmp_path / "p.txt"
     f.write_text("Some long document.")
     assert run("run", "--prompt-file", f, *flags) == 2
@@ -62,7 +62,7 @@ def test_defect11_demo_options_with_a_prompt_file_are_refused(no_model_load, cap
     assert err.startswith(f"kvkit: error: {flags[0]}") and "built-in demo" in err
 
 
-def test_defect11_question_with_a_prompt_file_goes_on(no_model_load, tmp_path):
+def test_question_with_a_prompt_file_goes_on(no_model_load, tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("Some long document.")
     with pytest.raises(ModelLoaded):
@@ -101,7 +101,7 @@ def _guarded_run(*argv):
 
 @pytest.mark.parametrize("case", ["/dev/zero", "fifo", "symlink loop", "sparse 16 GiB", "grows past the limit",
                                   "over the limit"])
-def test_defect15_prompt_file_is_a_bounded_regular_file(no_model_load, capsys, tmp_path, monkeypatch, case):
+def test_prompt_file_is_a_bounded_regular_file(no_model_load, capsys, tmp_path, monkeypatch, case):
     f = tmp_path / "prompt.txt"
     if case == "/dev/zero":
         f = "/dev/zero"
@@ -147,7 +147,7 @@ def test_defect15_prompt_file_is_a_bounded_regular_file(no_model_load, capsys, t
         assert 0 < sum(got) <= 101, f"read {sum(got)} bytes of a file over the limit of 100"
 
 
-def test_defect15_calibration_file_is_read_bounded(tmp_path, monkeypatch):
+def test_calibration_file_is_read_bounded(tmp_path, monkeypatch):
     model = tiny_model("llama", num_hidden_layers=6)
     d = _caldir(tmp_path, monkeypatch)
     path = _write_cal(d / "big.json", model, {"tidal": {"options": {"select_layers": [2, 4]}}})
@@ -168,7 +168,7 @@ def test_defect15_calibration_file_is_read_bounded(tmp_path, monkeypatch):
     (["--depth", "1.5"], "--depth: must be a number in [0, 1], got 1.5"),
     (["--depth", "nan"], "--depth: must be a number in [0, 1], got nan"),
 ])
-def test_defect17_run_counts_are_validated(no_model_load, capsys, flags, want):
+def test_run_counts_are_validated(no_model_load, capsys, flags, want):
     with pytest.raises(SystemExit) as e:
         run("run", *flags)
     assert e.value.code == 2
@@ -177,12 +177,12 @@ def test_defect17_run_counts_are_validated(no_model_load, capsys, flags, want):
 
 @pytest.mark.parametrize("flags,want", [(["--policy", "nosuch"], "nosuch"),
                                         (["--policy", "streaming", "--opt", "budget=-5"], "budget")])
-def test_defect17_policies_and_options_checked_before_the_model_loads(no_model_load, capsys, flags, want):
+def test_policies_and_options_checked_before_the_model_loads(no_model_load, capsys, flags, want):
     assert run("run", *flags) == 2
     assert want in _one_error_line(capsys)
 
 
-def test_defect17_run_policy_refuses_zero_and_never_reports_a_negative_speed():
+def test_run_policy_refuses_zero_and_never_reports_a_negative_speed():
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
     ids = random_ids(30, seed=2)
@@ -196,7 +196,7 @@ def test_defect17_run_policy_refuses_zero_and_never_reports_a_negative_speed():
     assert r.new_tokens == 5 and r.decode_tok_s > 0
 
 
-def test_defect17_cli_prints_no_speed_for_one_token(tmp_path, monkeypatch, capsys):
+def test_cli_prints_no_speed_for_one_token(tmp_path, monkeypatch, capsys):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
     monkeypatch.setattr("kvkit.models.load", lambda name, device="cpu": (model, _Tok()))
@@ -227,7 +227,7 @@ def _write_cal(path, model, policies, raw: str | None = None):
     return path
 
 
-def test_defect18_huge_layer_shares_are_relative_weights_not_an_overflow():
+def test_huge_layer_shares_are_relative_weights_not_an_overflow():
     """[1e308] * n summed to inf and the budgets to NaN ('cannot convert float NaN to integer'): the shares are scaled
     by their largest first, so huge equal shares give the uniform budgets."""
     from kvkit.registry import policy_class
@@ -242,7 +242,7 @@ def test_defect18_huge_layer_shares_are_relative_weights_not_an_overflow():
 
 
 @pytest.mark.parametrize("how", ["patch", "KVCache"])
-def test_defect18_layer_shares_that_do_not_fit_name_the_file_and_field(tmp_path, monkeypatch, how):
+def test_layer_shares_that_do_not_fit_name_the_file_and_field(tmp_path, monkeypatch, how):
     model = tiny_model("llama", num_hidden_layers=6)
     path = _write_cal(_caldir(tmp_path, monkeypatch) / "shares.json", model,
                       {"tidal": {"options": {"layer_shares": [1.0] * 5}}})  # one share short of the 6 layers
@@ -256,7 +256,7 @@ def test_defect18_layer_shares_that_do_not_fit_name_the_file_and_field(tmp_path,
     kvkit.unpatch(model)
 
 
-def test_defect18_too_large_shadowkv_rank_names_the_file_and_field(tmp_path, monkeypatch):
+def test_too_large_shadowkv_rank_names_the_file_and_field(tmp_path, monkeypatch):
     model = tiny_model("llama")
     path = _write_cal(_caldir(tmp_path, monkeypatch) / "rank.json", model, {"shadowkv": {"options": {"rank": 4096}}})
     with pytest.raises(store.CalibrationError,
@@ -266,7 +266,7 @@ def test_defect18_too_large_shadowkv_rank_names_the_file_and_field(tmp_path, mon
     kvkit.unpatch(model)
 
 
-def test_defect18_only_the_bad_field_is_named(tmp_path, monkeypatch):
+def test_only_the_bad_field_is_named(tmp_path, monkeypatch):
     model = tiny_model("llama", num_hidden_layers=6)
     _write_cal(_caldir(tmp_path, monkeypatch) / "two.json", model,
                {"tidal": {"options": {"select_layers": [2, 9], "layer_shares": [1, 1, 1, 1, 1, 1]}}})
@@ -279,7 +279,7 @@ def test_defect18_only_the_bad_field_is_named(tmp_path, monkeypatch):
 @pytest.mark.parametrize("raw,want", [("1e999", r"policies\.tidal\.options\.layer_shares\[2\] is not a finite number"),
                                       ("NaN", "NaN is not a number JSON allows"),
                                       ("-Infinity", "-Infinity is not a number JSON allows")])
-def test_defect18_non_finite_numbers_are_refused_by_path(tmp_path, monkeypatch, raw, want):
+def test_non_finite_numbers_are_refused_by_path(tmp_path, monkeypatch, raw, want):
     model = tiny_model("llama", num_hidden_layers=6)
     path = _write_cal(_caldir(tmp_path, monkeypatch) / "inf.json", model,
                       {"tidal": {"options": {"layer_shares": [1, 1, "@RAW@", 1, 1, 1]}}}, raw=raw)
@@ -288,7 +288,7 @@ def test_defect18_non_finite_numbers_are_refused_by_path(tmp_path, monkeypatch, 
     kvkit.unpatch(model)
 
 
-def test_defect18_a_policy_that_fails_on_its_own_does_not_blame_the_file(tmp_path, monkeypatch):
+def test_a_policy_that_fails_on_its_own_does_not_blame_the_file(tmp_path, monkeypatch):
     model = tiny_model("llama", num_hidden_layers=2)  # tidal needs more than 2 layers, calibrated or not
     _write_cal(_caldir(tmp_path, monkeypatch) / "ok.json", model, {"tidal": {"options": {"layer_shares": [1, 1]}}})
     with pytest.raises(ValueError, match="tidal needs more than 2 layers") as e:
@@ -309,7 +309,7 @@ def _timed_run(model, hook, steps=12):
         h.remove()
 
 
-def test_defect20_first_decode_step_is_a_warm_up(monkeypatch):
+def test_first_decode_step_is_a_warm_up(monkeypatch):
     import types
 
     import kvkit.demo
@@ -337,11 +337,11 @@ SRC_A = "int kvkit_warm_a(int a) { return a + 1; }\n"
 SRC_B = "int kvkit_warm_b(int a) { return a + 2; }\n"
 
 
-BUILD_S = 3.0  # seconds one slow kernel build takes in test_defect20 (longer than either timed phase of the run)
+BUILD_S = 3.0  # seconds one slow kernel build takes in test_kernel_builds_are_not_timed (longer than either timed phase of the run)
 
 
 @pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler")
-def test_defect20_kernel_builds_are_not_timed(tmp_path, monkeypatch):
+def test_kernel_builds_are_not_timed(tmp_path, monkeypatch):
     import subprocess as real
 
     monkeypatch.setenv("KVKIT_CACHE", str(tmp_path / "cache"))

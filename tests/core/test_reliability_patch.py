@@ -1,5 +1,4 @@
-"""Reliability issue II, defects of the patch seam (issue 35: 3, 4, 5, 6, 13, 14), one group of tests each, named after
-the defect: a user's cache is used or refused, never replaced; the layer store is bound per call (threads); a deep copy
+"""Reliability of the patch seam, one group of tests per guarantee: a user's cache is used or refused, never replaced; the layer store is bound per call (threads); a deep copy
 of a patched model is an independent patched model; ``cache_implementation=`` runs the policy or is refused; every
 ``generate`` entry point is context-checked; transformers' assisted / prompt-lookup generation works on every policy
 with exact rollback and is refused up front on the others.
@@ -42,7 +41,7 @@ class _Forwards:
 
 # ---- 3: a cache the user passes is used or refused, never silently replaced -----------------------------------
 @torch.no_grad()
-def test_defect3_users_dynamic_cache_is_used_under_full():
+def test_users_dynamic_cache_is_used_under_full():
     model = tiny_model("llama")
     ids = random_ids(30, seed=1)
     ref_cache = DynamicCache()
@@ -52,7 +51,7 @@ def test_defect3_users_dynamic_cache_is_used_under_full():
     kvkit.patch(model, "full")
     try:
         c = DynamicCache()
-        out = model(ids, past_key_values=c, use_cache=True)  # the issue's calls, old argument name included
+        out = model(ids, past_key_values=c, use_cache=True)  # the old argument name included
         assert output_cache(out) is c and c.get_seq_length() == 30
         out = model(nxt, past_key_values=c, use_cache=True)
         assert c.get_seq_length() == 31
@@ -66,7 +65,7 @@ def test_defect3_users_dynamic_cache_is_used_under_full():
 
 @pytest.mark.parametrize("filled", [False, True], ids=["empty", "filled"])
 @torch.no_grad()
-def test_defect3_users_transformers_cache_refused_by_a_compressing_policy(filled):
+def test_users_transformers_cache_refused_by_a_compressing_policy(filled):
     model = tiny_model("llama")
     ids = random_ids(30, seed=1)
     c = DynamicCache()
@@ -91,7 +90,7 @@ def test_defect3_users_transformers_cache_refused_by_a_compressing_policy(filled
         kvkit.unpatch(model)
 
 
-def test_defect3_generate_without_a_cache_still_gets_the_policys_cache():
+def test_generate_without_a_cache_still_gets_the_policys_cache():
     model = tiny_model("llama")
     kvkit.patch(model, "streaming", **STREAMING)
     try:
@@ -104,7 +103,7 @@ def test_defect3_generate_without_a_cache_still_gets_the_policys_cache():
 
 # ---- 4: the layer store is bound per call: one patched model, several threads ----------------------------------
 @pytest.mark.parametrize("policy", ["streaming", "tidal"])
-def test_defect4_threads_generating_on_one_patched_model_get_their_own_tokens(policy):
+def test_threads_generating_on_one_patched_model_get_their_own_tokens(policy):
     model = tiny_model("llama")
     kvkit.patch(model, policy, **_opts(policy))
     try:
@@ -135,7 +134,7 @@ def test_defect4_threads_generating_on_one_patched_model_get_their_own_tokens(po
 
 
 # ---- 5: deepcopy of a patched model is an independent patched model ----------------------------------------------
-def test_defect5_deepcopy_of_a_patched_model_is_independent():
+def test_deepcopy_of_a_patched_model_is_independent():
     model = tiny_model("llama")
     ids = random_ids(48, seed=2)
     full = model.generate(ids, max_new_tokens=12, do_sample=False)
@@ -161,7 +160,7 @@ def test_defect5_deepcopy_of_a_patched_model_is_independent():
     assert "generate" not in vars(twin) and twin.config._attn_implementation == "sdpa"
 
 
-def test_defect5_unpatching_the_copy_leaves_the_original_patched():
+def test_unpatching_the_copy_leaves_the_original_patched():
     model = tiny_model("llama")
     ids = random_ids(48, seed=2)
     kvkit.patch(model, "streaming", **STREAMING)
@@ -177,7 +176,7 @@ def test_defect5_unpatching_the_copy_leaves_the_original_patched():
         kvkit.unpatch(model)
 
 
-def test_defect5_copying_only_a_part_of_a_patched_model_is_refused():
+def test_copying_only_a_part_of_a_patched_model_is_refused():
     model = tiny_model("llama")
     kvkit.patch(model, "streaming", **STREAMING)
     try:
@@ -190,7 +189,7 @@ def test_defect5_copying_only_a_part_of_a_patched_model_is_refused():
 
 # ---- 6: cache_implementation= runs the policy or is refused ------------------------------------------------------
 @pytest.mark.parametrize("how", ["kwarg", "generation_config", "model_default"])
-def test_defect6_cache_implementation_static_runs_the_policys_static_cache(how):
+def test_cache_implementation_static_runs_the_policys_static_cache(how):
     model = tiny_model("llama")
     ids = random_ids(40, seed=3)
     kvkit.patch(model, "streaming", **STREAMING)
@@ -216,7 +215,7 @@ def test_defect6_cache_implementation_static_runs_the_policys_static_cache(how):
 
 @pytest.mark.parametrize("policy,impl", [("nostatic", "static"), ("streaming", "offloaded"),
                                          ("streaming", "quantized"), ("streaming", "offloaded_static")])
-def test_defect6_cache_implementation_refused_where_it_would_bypass_the_policy(policy, impl):
+def test_cache_implementation_refused_where_it_would_bypass_the_policy(policy, impl):
     with no_static_policy():  # "nostatic": a policy without a static store (every built-in one has one)
         model = tiny_model("llama")
         kvkit.patch(model, policy, **_opts(policy))
@@ -233,7 +232,7 @@ def test_defect6_cache_implementation_refused_where_it_would_bypass_the_policy(p
 # ---- 13: every generate entry point goes through the context check ---------------------------------------------
 @pytest.mark.parametrize("how", ["positional", "inputs", "input_ids", "inputs_embeds", "generation_config",
                                  "generation_config_kw", "generation_config_max_length", "max_length"])
-def test_defect13_every_generate_entry_point_is_context_checked(how):
+def test_every_generate_entry_point_is_context_checked(how):
     model = tiny_model("llama", max_position_embeddings=32)
     ids = random_ids(28)
     kvkit.patch(model, "streaming", **STREAMING)
@@ -267,7 +266,7 @@ def _repetitive_prompt():
 
 @pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
 @pytest.mark.parametrize("policy", kvkit.available_policies())
-def test_defect14_assisted_generation_on_every_policy(policy, mode, monkeypatch):
+def test_assisted_generation_on_every_policy(policy, mode, monkeypatch):
     model = tiny_model("llama")
     ids = _repetitive_prompt()
     if mode == "assistant":
@@ -302,7 +301,7 @@ def test_defect14_assisted_generation_on_every_policy(policy, mode, monkeypatch)
         kvkit.unpatch(model)
 
 
-def test_defect14_first_round_keeps_the_prefill_of_plain_generate(monkeypatch):
+def test_first_round_keeps_the_prefill_of_plain_generate(monkeypatch):
     """The first assisted forward carries prompt + candidates; the policy still prefills (and compresses) exactly the
     prompt, as in plain generate, and the candidates stay croppable."""
     model = tiny_model("llama")

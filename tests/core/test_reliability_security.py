@@ -1,4 +1,4 @@
-"""Issue 35, security defects 1 and 2: nothing kvkit reads runs code. Each test failed before its fix.
+"""Nothing kvkit reads runs code.
 
 1. The duo calibration checkpoint is safetensors + JSON metadata (never a pickle): a planted pickle at the
    checkpoint path is refused by name without running; no module of kvkit unpickles.
@@ -53,7 +53,7 @@ class _Tok:
 KW = dict(progress=False, length=200, min_length=180, sink=4, recent=16, num_passkeys=2, passkey_words=4)
 
 
-def test_defect1_planted_pickle_checkpoint_is_refused_without_running(tmp_path):
+def test_planted_pickle_checkpoint_is_refused_without_running(tmp_path):
     out = tmp_path / "p.json"
     marker = tmp_path / "pwned"
     ck = duo.checkpoint_path(out)
@@ -67,7 +67,7 @@ def test_defect1_planted_pickle_checkpoint_is_refused_without_running(tmp_path):
         assert not marker.exists(), "loading the checkpoint ran code from the file"
 
 
-def test_defect1_checkpoint_is_safetensors_and_resumes_exactly(tmp_path):
+def test_checkpoint_is_safetensors_and_resumes_exactly(tmp_path):
     from safetensors import safe_open
 
     out = tmp_path / "p.json"
@@ -87,7 +87,7 @@ def test_defect1_checkpoint_is_safetensors_and_resumes_exactly(tmp_path):
     torch.testing.assert_close(r2["alpha"], one["alpha"], rtol=0, atol=0)
 
 
-def test_defect1_checkpoint_fields_are_checked_by_name(tmp_path):
+def test_checkpoint_fields_are_checked_by_name(tmp_path):
     out = tmp_path / "p.json"
     duo.calibrate(tiny_model("llama"), _Tok(), steps=3, out=out, time_limit=1e-9, resume=True, **KW)
     ck = duo.checkpoint_path(out)
@@ -134,7 +134,7 @@ def _unpickling_calls(tree) -> list[str]:
     return found
 
 
-def test_defect1_nothing_in_kvkit_unpickles():
+def test_nothing_in_kvkit_unpickles():
     offenders = {}
     for path in PACKAGE.rglob("*.py"):
         found = _unpickling_calls(ast.parse(path.read_text(encoding="utf-8")))
@@ -186,7 +186,7 @@ def _planted_so(tmp_path, marker, *, key: str | None = None, add=True) -> Path:
 
 
 @needs_cc
-def test_defect2_cache_is_private_and_a_built_kernel_loads(kcache):
+def test_cache_is_private_and_a_built_kernel_loads(kcache):
     lib = _kernel().load()
     assert lib is not None and lib.kvkit_test_add(2, 3) == 5
     folder = kcache / "kernels"
@@ -200,7 +200,7 @@ def test_defect2_cache_is_private_and_a_built_kernel_loads(kcache):
 
 @needs_cc
 @pytest.mark.parametrize("mode", [0o775, 0o777])
-def test_defect2_planted_library_in_a_group_writable_cache_is_not_loaded(kcache, tmp_path, mode):
+def test_planted_library_in_a_group_writable_cache_is_not_loaded(kcache, tmp_path, mode):
     folder = kcache / "kernels"
     folder.mkdir(parents=True)
     marker = tmp_path / "ran"
@@ -217,7 +217,7 @@ def test_defect2_planted_library_in_a_group_writable_cache_is_not_loaded(kcache,
 
 @needs_cc
 @pytest.mark.parametrize("case", ["mode 0o666", "mode 0o620", "symlink", "another user"])
-def test_defect2_library_that_is_not_the_users_private_file_is_not_loaded(kcache, tmp_path, case):
+def test_library_that_is_not_the_users_private_file_is_not_loaded(kcache, tmp_path, case):
     if case == "another user" and os.geteuid() != 0:
         pytest.skip("needs root to give a file to another user")
     folder = kcache / "kernels"
@@ -243,7 +243,7 @@ def test_defect2_library_that_is_not_the_users_private_file_is_not_loaded(kcache
 
 @needs_cc
 @pytest.mark.parametrize("case", ["libc", "no key", "missing symbol", "not ELF"])
-def test_defect2_foreign_library_falls_back_to_torch_with_a_warning(kcache, tmp_path, case):
+def test_foreign_library_falls_back_to_torch_with_a_warning(kcache, tmp_path, case):
     folder = kcache / "kernels"
     folder.mkdir(parents=True, mode=0o700)
     so = _expected_so(folder)
@@ -274,7 +274,7 @@ def _libc_path() -> str:
 
 
 @needs_cc
-def test_defect2_real_kernel_with_a_foreign_library_runs_the_torch_path(kcache, monkeypatch):
+def test_real_kernel_with_a_foreign_library_runs_the_torch_path(kcache, monkeypatch):
     import kvkit
     from kvkit.kernels import decode_cpu
     from kvkit.testing import greedy, random_ids
@@ -302,7 +302,7 @@ def test_defect2_real_kernel_with_a_foreign_library_runs_the_torch_path(kcache, 
 
 
 @needs_cc
-def test_defect2_key_covers_the_target_cpu_compiler_and_flags(monkeypatch):
+def test_key_covers_the_target_cpu_compiler_and_flags(monkeypatch):
     machine = platform.machine()
     if machine in ("x86_64", "AMD64"):
         a, b, feature = "-march=x86-64", "-march=x86-64-v4", "__AVX512F__"

@@ -1,4 +1,4 @@
-"""The transformers releases kvkit claims are the ones it runs on (issue 33).
+"""The transformers releases kvkit claims are the ones it runs on.
 
 * the per-layer information is read from the config by kvkit, whatever transformers' ``get_layer_types_and_kwargs``
   returns on the installed release (absent before 5.14, one shared dict before 5.19, one dict per layer since);
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.compat import RELEASE, TRANSFORMERS_LOWEST, TRANSFORMERS_SUPPORTED
+from kvkit.compat import (PYTHON_LOWEST, RELEASE, SUPPORT_STATEMENT, TORCH_LOWEST, TRANSFORMERS_LOWEST,
+                          TRANSFORMERS_SUPPORTED)
 from kvkit.model_info import layer_infos, layer_types_and_windows
 from kvkit.testing import tiny_model
 
@@ -182,15 +183,18 @@ def test_pyproject_states_the_supported_range():
     low, high = TRANSFORMERS_SUPPORTED
     assert f"transformers>={low},<{high}" in deps
     torch_dep = [d for d in deps if re.match(r"torch\b", d)]
-    assert torch_dep == ["torch>=2.5"], torch_dep
+    assert torch_dep == [f"torch>={TORCH_LOWEST}"], torch_dep
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == f">={PYTHON_LOWEST}"
 
 
-def test_readme_states_the_tested_range():
-    low, high = TRANSFORMERS_SUPPORTED
-    last = f"{high.split('.')[0]}.{int(high.split('.')[1]) - 1}"
-    text = (ROOT / "README.md").read_text()
-    assert f"transformers {low} to {last} are supported" in text
-    assert "transformers 5.0 to" not in text
+@pytest.mark.parametrize("doc", ["README.md", "docs/USAGE.md"])
+def test_docs_quote_the_one_support_statement(doc):
+    """Every doc states the supported versions in the words of ``kvkit.compat.SUPPORT_STATEMENT`` and no other range."""
+    text = " ".join((ROOT / doc).read_text().split())
+    assert SUPPORT_STATEMENT in text, f"{doc} must quote kvkit.compat.SUPPORT_STATEMENT: {SUPPORT_STATEMENT!r}"
+    assert not re.search(r"transformers\s*(>=|\d+\.\d+ to)", text.replace(SUPPORT_STATEMENT, "")), \
+        f"{doc} states another transformers range than kvkit.compat.SUPPORT_STATEMENT"
 
 
 def test_install_low_pins_the_lowest_supported_release():

@@ -1,4 +1,4 @@
-"""``kvkit bench --batch B`` (issue 17): batched decode of every policy against full in one run, the byte bound,
+"""``kvkit bench --batch B``: batched decode of every policy against full in one run, the byte bound,
 ``--memory`` (largest batch that fits), ``--profile``; chunked prefill at batch. Tiny random model, fast."""
 
 import json

@@ -184,7 +184,7 @@ def test_needle_table_flags_a_run_that_did_not_compress(tmp_path):
 
 def test_figure_labels_share_a_point_and_never_overlap():
     """The accuracy-vs-bytes labels: runs at one point get one label; a crowd of points gets labels that cover no
-    other label and no marker (the session-23 figure had cake-p0.2 drawn over shadowkv-2048's label)."""
+    other label and no marker (a label is never drawn over another run's label)."""
     import math
 
     def rec(run, kv, x):
@@ -215,7 +215,7 @@ def test_figure_labels_share_a_point_and_never_overlap():
 
     texts = [t for t, *_ in check(shown)]
     assert "cake-p0.2, chelsea-p0.2" in texts and len(texts) == len(shown) - 1
-    # the session-28 Qwen figure: a crowd at 1.0 above chelsea-p0.2's point. chelsea's label stays beside its own
+    # a crowd at 1.0 above chelsea-p0.2's point. chelsea's label stays beside its own
     # point (it was pushed left, and kvzip-p0.2's moved label sat beside its point instead); the moved labels'
     # leader lines cross no other
     qwen = [rec("chelsea-p0.2", 0.575, 0.917), rec("duo", 0.585, 1.0), rec("kvzip-768", 0.584, 1.0),

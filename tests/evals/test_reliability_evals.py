@@ -1,5 +1,4 @@
-"""Issue 16, eval / CLI / install defects: each test is named after the defect it pins down and failed
-before its fix. Bad input is refused with a one-line ``kvkit: error:`` (exit 2) before the model loads;
+"""Evaluations, the CLI and the install: each test is named after the guarantee it pins down. Bad input is refused with a one-line ``kvkit: error:`` (exit 2) before the model loads;
 no run writes a silently wrong or double-counted summary."""
 
 import json

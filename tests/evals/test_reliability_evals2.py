@@ -1,11 +1,11 @@
-"""Issue 35, eval defects 8, 9, 12 and 16: each test failed before its fix.
+"""Evaluation runs are compared, resumed and locked safely.
 
-8.  ``kvkit eval compare`` names its baseline (several full runs of one setting need ``--baseline``); retention only
+-   ``kvkit eval compare`` names its baseline (several full runs of one setting need ``--baseline``); retention only
     against a baseline of the same settings (seed, dtype, ...); ``--matched`` pairs rows only of the same sample.
-9.  ``--resume`` checks every row-changing setting (dtype, seed, the content of file-valued options, ...) and the
+-   ``--resume`` checks every row-changing setting (dtype, seed, the content of file-valued options, ...) and the
     finished rows' prompts.
-12. An eval folder is locked while a run writes it: a second writer is refused naming the folder and the holder's pid.
-16. A ``--prompts`` row with an unknown metric (or another bad field) is refused before any sample runs.
+-   An eval folder is locked while a run writes it: a second writer is refused naming the folder and the holder's pid.
+-   A ``--prompts`` row with an unknown metric (or another bad field) is refused before any sample runs.
 """
 
 import json
@@ -295,7 +295,7 @@ def test_prompts_seed_is_the_files_and_another_seed_is_refused(tiny_dir, tmp_pat
 
 
 def test_second_writer_into_a_running_folder_is_refused(tiny_dir, tmp_path, monkeypatch, capsys):
-    """The defect's scenario in one process: while the first NIAH run generates, a second NIAH run of other
+    """The scenario in one process: while the first NIAH run generates, a second NIAH run of other
     settings into the same --out starts. Before: both exited 0 and the first run's rows and summary were gone."""
     out = tmp_path / "niah"
     real = runner.generate
@@ -344,7 +344,7 @@ def test_lock_held_by_another_process_names_its_pid_and_a_killed_holder_blocks_n
 
 
 def test_same_settings_share_a_folder_only_with_resume(tmp_path):
-    """One job split over processes by --tasks (benchmarks/policies/run_cpu.sh) shares its run folders: a writer of
+    """One job split over processes by --tasks (benchmarks/policies/run_shadowkv_8k_cpu.sh) shares its run folders: a writer of
     the same settings joins with --resume; without it, or with other settings, it is refused."""
     cfg = {"benchmark": "ruler", "policy": "full", "dtype": "float32", "tasks": ["vt"]}
     with rundir.RunDir(tmp_path / "run", cfg) as a:

@@ -124,7 +124,7 @@ def test_bad_options_are_refused(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compressing_cache_refused_on_an_unpatched_model(policy):
-    """Defect 1 of the reliability issue: never silently wrong output without kvkit's attention."""
+    """Never silently wrong output without kvkit's attention."""
     model = tiny_model("llama")
     ids = random_ids(40, seed=6)
     cache = kvkit.KVCache(model, policy, **policy_test_options(policy))

@@ -208,7 +208,7 @@ def test_long_chunk_is_exact_full_attention():
     (dict(budget=1.5), "budget must be a positive integer"),
     (dict(selection="head"), "selection must be one of"),
     (dict(kv_reduce="mean"), "kv_reduce must be one of"),
-    (dict(select_attention="selected"), "select_attention"),  # removed: worse than the paper's (results/policies)
+    (dict(select_attention="selected"), "select_attention"),  # removed: worse than the paper's
     (dict(reselect_layer=2), r"reselect_layer must be in \[3, 5\]"),
     (dict(reselect_layer=6), r"reselect_layer must be in \[3, 5\]"),
 ])

@@ -402,7 +402,7 @@ def test_stats_count_decode_tokens_without_the_prefill_token():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
 def test_explicit_head_logits_equal_the_model_and_nothing_is_swapped(arch):
-    # issue 15: the gamma + 1 logits come from the decoder's hidden states times the head's weight, computed here;
+    # the gamma + 1 logits come from the decoder's hidden states times the head's weight, computed here;
     # no module's forward is replaced at run time
     from kvkit.speculative.forward import explicit_head, logits
 

@@ -1,4 +1,4 @@
-"""kvkit.speculative at batch > 1 (issue 18) and the reliability defects 7 and 8 (issue 16).
+"""kvkit.speculative at batch > 1; compressing targets and drafts near the context end.
 
 Every row of a left-padded batch accepts its own drafts; the output must be plain batched greedy's row by row.
 """
@@ -316,9 +316,9 @@ def test_sampling_at_batch_follows_target_distribution():
         assert _chi2_pvalue(counts[i], laws[i]) > 1e-3, i
 
 
-# ---- issue 16 ---------------------------------------------------------------------------------------
+# ---- compressing targets, the context end ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt_len,new,gamma", [(500, 12, 4), (480, 30, 8)])
-def test_defect8_drafts_capped_near_the_context_end(prompt_len, new, gamma):
+def test_drafts_capped_near_the_context_end(prompt_len, new, gamma):
     """A 512-position model: a request plain generate accepts (prompt + new <= 512) is accepted, and lossless."""
     m = tiny_model("llama", max_position_embeddings=512)
     ids = torch.randint(3, 128, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
@@ -327,7 +327,7 @@ def test_defect8_drafts_capped_near_the_context_end(prompt_len, new, gamma):
     assert torch.equal(out[0, prompt_len:], ref[0])
 
 
-def test_defect8_drafts_capped_near_the_context_end_at_batch():
+def test_drafts_capped_near_the_context_end_at_batch():
     m = tiny_model("llama", max_position_embeddings=512)
     ids, mask, _ = left_padded_batch([500, 470, 488], seed=8)
     ref = m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -337,7 +337,7 @@ def test_defect8_drafts_capped_near_the_context_end_at_batch():
 
 
 @pytest.mark.parametrize("policy,options", [("cake", {"budget": 48, "window": 8}), ("zipcache", {"requant_interval": 8})])
-def test_defect7_speculation_over_cake_or_zipcache_target_is_refused(policy, options):
+def test_speculation_over_cake_or_zipcache_target_is_refused(policy, options):
     """Speculation over these targets differs from the patched model's own greedy output: refused, with the reason."""
     m = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(3))
@@ -352,7 +352,7 @@ def test_defect7_speculation_over_cake_or_zipcache_target_is_refused(policy, opt
         kvkit.unpatch(m)
 
 
-def test_defect7_compressing_targets_that_stay_lossless():
+def test_compressing_targets_that_stay_lossless():
     # the refusal is specific: speculation over a streaming or tidal target equals that target's own greedy output
     m = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(3))

@@ -1,4 +1,4 @@
-"""Reliability II (issue 35), defects 7, 10 and 19: the vLLM plugin's switch is checked as ``kvkit.patch`` checks it,
+"""The vLLM plugin's switch is checked as ``kvkit.patch`` checks it,
 a duo pattern path is a regular file of bounded size with type-checked fields, and a patched model keeps the pattern
 it was patched with. No vLLM needed (``kvkit.vllm.config`` imports nothing from it): runs in the main venv."""
 

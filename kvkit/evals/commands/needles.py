@@ -13,7 +13,7 @@ from pathlib import Path
 from kvkit.evals import needles, ruler
 from kvkit.evals.commands import runs
 from kvkit.evals.generation import check_length
-from kvkit.evals.needles_report import write_report
+from kvkit.evals.needles_report import report_title, write_report
 from kvkit.evals.peers import is_peer, peer_options
 from kvkit.evals.rundir import RunDir
 from kvkit.evals.runner import run_samples
@@ -59,5 +59,5 @@ def cmd_needles(args) -> int:
     # the table covers every needle run folder under --out-root (earlier invocations' runs too)
     folders = sorted(d for d in root.iterdir() if (d / "config.json").is_file()
                      and json.loads((d / "config.json").read_text()).get("benchmark") == "needles")
-    print(write_report(root, folders, f"Fresh needles - {args.model} - {args.protocol}"))
+    print(write_report(root, folders, report_title(args.model, max(lengths), args.protocol, args.haystack)))
     return 0

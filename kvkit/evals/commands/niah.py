@@ -12,6 +12,7 @@ from kvkit.evals import niah, ruler
 from kvkit.evals.commands import runs
 from kvkit.evals.commands.prompts import check_prompt_lengths, read_prompts
 from kvkit.evals.generation import check_length
+from kvkit.evals.needles_report import point_label
 from kvkit.evals.report import write_heatmap, write_summary
 from kvkit.evals.rundir import RunDir
 from kvkit.evals.runner import run_samples
@@ -46,6 +47,11 @@ def cmd_niah(args) -> int:
     return 0
 
 
+def niah_title(model: str, policy: str, options: dict) -> str:
+    """The summary's and heatmap's title in words: ``Needle in a haystack: default, streaming 512``."""
+    return f"Needle in a haystack: {model}, {point_label(policy, options)}"
+
+
 def _niah_run(args, run, model, tok, samples, policy, options, lengths, depths) -> None:
     """The samples of a NIAH run not yet in ``run`` (each scored by its own metric), then its grid summary and heatmap."""
     rows = run_samples(model, tok, runs.cap(args, samples), run, policy, options,
@@ -59,7 +65,7 @@ def _niah_run(args, run, model, tok, samples, policy, options, lengths, depths) 
                                                   if cells else None, grid=grid))
     header = ["depth", *[str(L) for L in lengths]]
     table = [[f"{d:g}%", *line] for d, line in zip(depths, grid)]
-    write_summary(run.path, summary, header, table, title=f"NIAH - {args.model} - {policy} {options or ''}".strip())
-    write_heatmap(run.path / "heatmap.png", grid, lengths, depths,
-                  title=f"NIAH {args.model} {policy} {options or ''}".strip())
+    title = niah_title(args.model, policy, options or {})
+    write_summary(run.path, summary, header, table, title=title)
+    write_heatmap(run.path / "heatmap.png", grid, lengths, depths, title=title)
     print((run.path / "summary.md").read_text())

@@ -26,7 +26,7 @@ from kvkit.stores.layer import StoreMixin
 #: seconds a compiled row is expected to spend compiling before any of its rows has been measured (the time limit's
 #: estimate; afterwards the measured compiled rows' durations are used): inductor on CUDA (CUDA graphs recorded
 #: too), inductor on the CPU, any other backend (e.g. ``aot_eager``: tracing only). Compile times of an H100
-#: run: the ``compile_s`` of results/bench/gpu/h100-b16-16k-2026-11-26.
+#: run: the ``compile_s`` of results/speed-gpu/h100-llama-3.2-1b-b16-16k-2026-11-26.
 COMPILE_ESTIMATE_S = {"cuda": 30.0, "cpu": 20.0, "other": 5.0}
 
 
