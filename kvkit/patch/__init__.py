@@ -47,6 +47,7 @@ from kvkit.cache import KVCache, check_static
 from kvkit.compat import TRANSFORMERS_SUPPORTED  # noqa: F401  (kvkit.patch.TRANSFORMERS_SUPPORTED: the gate's bounds)
 from kvkit.model_info import context_limit
 from kvkit.patch.checks import check_context, check_foreign_cache
+from kvkit.patch.defaults import choose_static
 from kvkit.patch.generation import generate_checked
 from kvkit.patch.hooks import (
     STORE_KWARG,  # noqa: F401  (kvkit.patch.STORE_KWARG: the keyword that carries a layer's store)
@@ -70,7 +71,7 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
-def patch(model, policy="full", *, allow_beyond_context: bool = False, static: bool = False,
+def patch(model, policy="full", *, allow_beyond_context: bool = False, static: bool | None = None,
           max_length: int | None = None, **options):
     """Install a kvkit policy on ``model`` (in place) and return the model.
 
@@ -93,6 +94,7 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, static: b
     check_transformers()
     pol = get_policy(policy, **options)
     check_model(model, pol)
+    static = choose_static(model, pol, static, max_length)
     if static:
         KVCache(model, pol, static=True, max_length=max_length)  # refuses a policy without static stores
     if is_patched(model):

@@ -292,3 +292,167 @@ def test_compiled_read_bytes_of_every_static_store_kind(policy):
         assert got == want > 0
     finally:
         kvkit.unpatch(model)
+
+
+# -- the production grid (kvkit/evals/gpu/production.py) ----------------------------------------------------------
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("shape,params", [("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248)])
+def test_grid_weight_and_kv_bytes_of_the_real_shapes(shape, params):
+    """The computed bytes are the published parameter counts and Llama 3's KV per token (bf16)."""
+    import torch
+
+    from kvkit.evals.gpu import production as prod
+    from kvkit.evals.gpu.shapes import shape_config
+
+    cfg = shape_config(shape)
+    assert prod.weight_bytes(cfg, torch.bfloat16) == 2 * params
+    per_token = {"llama-3.2-1b": 32 * 1024, "llama-3.1-8b": 128 * 1024}[shape]
+    assert prod.kv_bytes_per_token(cfg, torch.bfloat16) == per_token
+
+
+def test_grid_weight_bytes_match_the_built_tiny_model():
+    import torch
+
+    from kvkit.evals.gpu import production as prod
+    from kvkit.evals.gpu.shapes import build_model, shape_config
+
+    model = build_model("tiny", "cpu", torch.float32)
+    assert prod.weight_bytes(shape_config("tiny"), torch.float32) == sum(
+        p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_grid_skips_the_cells_that_do_not_fit_the_card_and_says_why():
+    import torch
+
+    from kvkit.evals.gpu import production as prod
+    from kvkit.evals.gpu.shapes import shape_config
+
+    h100, h200 = 80 * GIB, 141 * GIB
+    big = prod.plan_cells(shape_config("llama-3.1-8b"), torch.bfloat16, prod.CELLS, h100)
+    fit = {(c["batch"], c["length"]): c for c in big}
+    # 32 x (32K + the decode room) of the 8B shape holds 129 GiB of KV: on neither card
+    assert not fit[32, 32768]["fits"] and "KV 129.0 GiB" in fit[32, 32768]["skip_reason"]
+    assert not prod.plan_cells(shape_config("llama-3.1-8b"), torch.bfloat16, [(32, 32768)], h200)[0]["fits"]
+    assert fit[8, 32768]["fits"] and fit[1, prod.LONG]["fits"] and fit[32, 8192]["fits"]
+    small = prod.plan_cells(shape_config("llama-3.2-1b"), torch.bfloat16, prod.CELLS, h100)
+    assert all(c["fits"] for c in small)  # 32 x 32K of the 1B shape: 32 GiB of KV
+    assert all(c["fits"] for c in prod.plan_cells(shape_config("tiny"), torch.float32, prod.TINY_CELLS, None))
+    with pytest.raises(ValueError, match="BATCHxLENGTH"):
+        prod.parse_cells("8by32768")
+    assert prod.parse_cells("8x32768, 1x130816") == ((8, 32768), (1, 130816))
+
+
+def test_grid_dry_run_on_the_tiny_shape(tmp_path):
+    """The whole grid on the CPU (one cell): its hf-static and compiled rows measured with tokens/s, the fraction of
+    the byte bound and the ratios to hf-static; the largest-batch probe per policy; the files."""
+    from kvkit.evals.gpu import production as prod
+
+    out = tmp_path / "grid"
+    code = prod.main(["--shape", "tiny", "--device", "cpu", "--cells", "2x32", "--steps", "2", "--warmup", "1",
+                      "--policies", "full", "streaming:budget=8,sink=2,tail=4", "--probe-length", "48",
+                      "--compile-backend", "aot_eager", "--time-limit", "300", "--out", str(out)])
+    assert code == 0
+    res = json.loads((out / "grid.json").read_text())
+    rows = res["rows"]
+    assert [(r["batch"], r["name"]) for r in rows] == [
+        (2, n) for n in ("hf-static", FULLC, STREAMC)]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, abs=0.051)
+        assert r["of_byte_bound"] == pytest.approx(r["byte_bound_ms"] / r["step_ms"], abs=1e-3)
+        assert r["speedup_vs_hf_static"] > 0 and r["prefill_s"] > 0
+    probes = {p["policy"]: p for p in res["probes"]}
+    assert set(probes) == {"full", "streaming"}
+    # full keeps every token: its rows cost more than streaming's 8-token budget
+    assert probes["full"]["per_row_bytes"] > probes["streaming"]["per_row_bytes"] > 0
+    assert probes["full"]["max_batch"] is None  # no card: no largest batch on the CPU
+    md = (out / "grid.md").read_text()
+    assert "| 2 | 32 | full static+compile |" in md and "Largest batch at 48 tokens" in md
+
+
+def test_largest_batch_arithmetic(monkeypatch):
+    from kvkit.evals.gpu import production as prod
+
+    peaks = {1: 1000 + 300, 2: 1000 + 600}
+    monkeypatch.setattr(prod, "_probe_once", lambda model, policy, opts, b, length, cuda, seed: dict(
+        peak=peaks[b], allocated=200 * b))
+    r = prod.max_batch(None, "full", {}, 100, usable=10_000, cuda=True)
+    assert r["per_row_bytes"] == 300 and r["fixed_bytes"] == 1000 and r["max_batch"] == 30
+
+
+# -- the prepared GPU scripts (benchmarks/gpu/) -------------------------------------------------------------------
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_gpu_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compiled_profile_kernel_arithmetic():
+    """Kernels, busy time (overlaps merged), the gaps inside steps (the steps - 1 largest gaps, between steps,
+    left out) and the span, per step."""
+    ks = _script("profile_compiled").kernel_stats([(0, 10), (5, 12), (14, 20), (100, 110), (112, 120)], steps=2)
+    assert ks["kernels"] == 2.5
+    assert ks["busy_ms"] == pytest.approx((12 + 6 + 10 + 8) / 1e3 / 2)
+    assert ks["gaps_ms"] == pytest.approx((2 + 2) / 1e3 / 2)  # the 80 us between the steps is not a gap
+    assert ks["span_ms"] == pytest.approx(120 / 1e3 / 2) and ks["median_gap_us"] == 2
+    assert _script("profile_compiled").kernel_stats([], steps=3)["kernels"] == 0.0
+
+
+@pytest.mark.slow
+def test_run_all_dry_run_end_to_end(tmp_path):
+    """``DRY=1 bash benchmarks/gpu/run_all.sh`` on the CPU (tiny shape): every stage runs and leaves its file, at
+    most 8 files in all (what the device tool brings back), the speculative rounds lossless."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    env = dict(os.environ, DRY="1", PY=sys.executable, OUT=str(out), PYTHONPATH=str(root))
+    r = subprocess.run(["bash", str(root / "benchmarks" / "gpu" / "run_all.sh")], env=env, capture_output=True,
+                       text=True, timeout=1200, check=False)
+    assert r.returncode == 0, r.stdout[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["grid-1b.json", "grid-1b.md", "grid-8b.json", "grid-8b.md", "log.txt", "ops.md", "profile.txt",
+                     "speculative.json"]
+    assert "| full | 2, 4 |" in (out / "ops.md").read_text()
+    for g in ("grid-1b", "grid-8b"):
+        rows = json.loads((out / f"{g}.json").read_text())["rows"]
+        assert rows and all(x["status"] == "ok" for x in rows), rows
+    spec = json.loads((out / "speculative.json").read_text())["rows"]
+    assert spec and all("error" not in x and x["tokens_equal"] == 1.0 for x in spec), spec
+    prof = (out / "profile.txt").read_text()
+    assert all(f"## {p} static+compile" in prof for p in ("full", "streaming", "snapkv")), prof
+
+
+def test_grid_from_the_bench_arguments(monkeypatch, capsys):
+    """``kvkit bench --shape NAME --grid``'s code path: the bench's arguments become the grid's settings
+    (``--batch`` x each of ``--lengths`` as the cells), the tables printed."""
+    import argparse
+
+    from kvkit.evals.gpu import production as prod
+
+    seen = {}
+
+    def fake(shape, device, **kw):
+        seen.update(kw, shape=shape, device=device)
+        return dict(info={}, cells=[], rows=[], probes=[])
+
+    monkeypatch.setattr(prod, "run_grid", fake)
+    args = argparse.Namespace(shape="llama-3.1-8b", device="cuda", policies=["full", "snapkv"], steps=None, warmup=3,
+                              time_limit=100.0, out=None, compile_backend="inductor", lengths="8192,32768", batch=8)
+    assert prod.run_bench_args(args, "kvkit bench --shape llama-3.1-8b --grid") == 0
+    assert seen["cells"] == ((8, 8192), (8, 32768)) and seen["policies"] == ["full", "snapkv"]
+    assert seen["steps"] == 10 and seen["warmup"] == 3 and seen["shape"] == "llama-3.1-8b"
+    assert "# Decode grid: llama-3.1-8b" in capsys.readouterr().out
+    args.lengths, args.policies = None, None
+    prod.run_bench_args(args)
+    assert seen["cells"] is None and seen["policies"] == list(prod.DEFAULT_POLICIES)

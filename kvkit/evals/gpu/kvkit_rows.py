@@ -37,7 +37,7 @@ class KvkitRow(Row):
 
     @contextlib.contextmanager
     def active(self):
-        kvkit.patch(self.model, self.policy, **self.options)
+        kvkit.patch(self.model, self.policy, static=False, **self.options)
         try:
             yield
         finally:
