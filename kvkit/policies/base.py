@@ -33,6 +33,9 @@ class Policy:
     #: its stores have a static variant (``KVCache(..., static=True)``: fixed-capacity buffers, a decode step that
     #: ``torch.compile(fullgraph=True)`` captures whole); ``new_layer`` builds it when ``info.static``
     static_capable: ClassVar[bool] = False
+    #: options a static cache needs on a GPU, which the benchmark's compiled rows add unless the user set them
+    #: (shadowkv: ``offload=False``, as a CUDA graph reads no host memory); empty: none
+    static_options: ClassVar[dict] = {}
     #: the options a per-model calibration (:mod:`kvkit.calibration`) may set, applied only when the user left all
     #: of them at their defaults (written by the policy's calibrator, ``kvkit/calibrate/<name>.py``); empty: none
     calibrated_options: ClassVar[tuple[str, ...]] = ()

@@ -154,6 +154,7 @@ class ShadowKV(Policy):
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("rank",)
     static_capable: ClassVar[bool] = True
+    static_options: ClassVar[dict] = dict(offload=False)  # a CUDA graph reads no host memory
     covering_options: ClassVar[dict | None] = dict(min_prompt=100_000)
 
     def __post_init__(self):

@@ -17,7 +17,6 @@ from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 import kvkit
 from kvkit.cache import STATIC_POLICIES, static_policies
 from kvkit.compat import cache_kw, output_cache
-from kvkit.evals.gpu.plan import STATIC_OPTIONS
 from kvkit.hostsync import HostSyncCounter
 from kvkit.testing import greedy, left_padded_batch, policy_test_options, random_ids, tiny_model
 from tests._nostatic import no_static_policy
@@ -124,10 +123,10 @@ def test_compiled_step_launches_the_fused_decode_operator(monkeypatch, policy):
 def test_compiled_step_on_cuda_with_cuda_graphs_equals_eager(policy):
     """On a GPU: inductor + CUDA graphs (transformers' default ``reduce-overhead``) over the fused-kernel operators
     decode the eager static step's tokens, in one graph, without recompiling (fp32: no near-tie flips). ShadowKV
-    keeps its values on the device (``offload=False``, its ``kvkit.evals.gpu.plan.STATIC_OPTIONS``: a CUDA graph reads no host memory)."""
+    keeps its values on the device (``offload=False``, its ``static_options``: a CUDA graph reads no host memory)."""
     model = tiny_model("llama").cuda()
     ids = random_ids(40, seed=1).cuda()
-    opts = {**policy_test_options(policy), **STATIC_OPTIONS.get(policy, {})}
+    opts = {**policy_test_options(policy), **kvkit.registry.policy_class(policy).static_options}
     kvkit.patch(model, policy, static=True, **opts)
     try:
         ref_toks, ref_logits, _ = _decode(model, ids, STEPS, model)

@@ -122,7 +122,7 @@ def test_policy_without_static_store_lists_its_reason(out):
 
 
 def test_shadowkv_compiled_row_keeps_its_values_on_the_device(out):
-    """shadowkv's compiled row adds its ``STATIC_OPTIONS`` (``offload=False``: a CUDA graph reads no host memory),
+    """shadowkv's compiled row adds its ``static_options`` (``offload=False``: a CUDA graph reads no host memory),
     shown in its label; its eager row keeps the paper's offload; both decode."""
     rows = {r["name"]: r for r in _rows(out)}
     assert rows[SHADOWC]["status"] == "ok" and rows["shadowkv"]["status"] == "ok"

@@ -13,7 +13,7 @@ policy without a static store gets no compiled row; :func:`static_refusal` says 
 
 Options (:func:`default_options`), before the user's own: on the real shapes :data:`GPU_OPTIONS` (budgets chosen for
 the reference workload of :data:`REFERENCE_LENGTH` tokens; streaming keeps a quarter of the length); on ``tiny`` each
-policy's tiny-model options (:data:`kvkit.testing.TEST_OPTIONS`). A compiled row adds :data:`STATIC_OPTIONS`. duo always gets a seeded random gate pattern (random weights have no calibrated one).
+policy's tiny-model options (:data:`kvkit.testing.TEST_OPTIONS`). A compiled row adds the policy's ``static_options``. duo always gets a seeded random gate pattern (random weights have no calibrated one).
 """
 
 from __future__ import annotations
@@ -34,9 +34,6 @@ DEFAULT_ROWS = ("hf-dynamic", "hf-static", "full", "streaming", "snapkv", "tidal
 #: the suffix of a kvkit policy's compiled row (``static=True`` caches, decode steps through
 #: ``model.get_compiled_call``): ``"full static+compile"``, ``"streaming static+compile"``, ...
 COMPILED_SUFFIX = "static+compile"
-#: options a policy's static cache needs on a GPU, which its compiled row adds unless the user set them (shadowkv: its
-#: values on the device, as a CUDA graph reads no host memory)
-STATIC_OPTIONS: dict[str, dict] = {"shadowkv": dict(offload=False)}
 #: the length the default budgets below were chosen for (the reference workload: 16 rows x 16,384 tokens)
 REFERENCE_LENGTH = 16384
 #: GPU-sensible options per policy at long context (streaming: a quarter of the length, see :func:`default_options`)

@@ -45,11 +45,12 @@ from kvkit.evals.gpu.compiled import (
     graph_count,
 )
 from kvkit.evals.gpu.kvkit_rows import KvkitCompiled, KvkitRow
-from kvkit.evals.gpu.plan import HF_ROWS, STATIC_OPTIONS, default_options, plan_rows, static_refusal
+from kvkit.evals.gpu.plan import HF_ROWS, default_options, plan_rows, static_refusal
 from kvkit.evals.gpu.report import mib
 from kvkit.evals.gpu.rows import HFDynamic, HFStatic, Row
 from kvkit.evals.gpu.shapes import build_model, shape_config
 from kvkit.evals.gpu.timing import StepWatch, free_memory, measure_bandwidth, step_stats, sync, time_block
+from kvkit.registry import policy_class
 
 
 class Bench:
@@ -133,7 +134,7 @@ class Bench:
             return HFStatic(self.model, name, {}, {}, self.length + self._extra(), self.compile_mode,
                             self.compile_backend)
         if compiled:  # what a static cache needs (shadowkv: values on the device), unless the user said otherwise
-            need = {k: v for k, v in STATIC_OPTIONS.get(name, {}).items() if k not in user}
+            need = {k: v for k, v in policy_class(name).static_options.items() if k not in user}
             opts.update(need)
             label.update(need)
             return KvkitCompiled(self.model, name, opts, label, self.length + self._extra(), self.cuda,
