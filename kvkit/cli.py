@@ -1,8 +1,15 @@
 """The ``kvkit`` console script.
 
-``kvkit`` alone runs the built-in demo (full cache vs a compressed policy on the bundled model);
-``kvkit run``, ``kvkit policies``; evaluation, benchmark, calibration and speculative commands are
-added by their packages (``kvkit eval``, ``kvkit bench``, ``kvkit calibrate``, ``kvkit speculate``).
+``kvkit`` alone runs the built-in demo (full cache vs compressed policies on the bundled model); ``kvkit run``,
+``kvkit policies [NAME]``, ``kvkit doctor``, ``kvkit eval ...``, ``kvkit bench``, ``kvkit speculate`` and
+``kvkit calibrate ...``. The grammar they share (``--policy NAME[:KEY=VALUE,...]``, ``--out``, ``--max-new-tokens``,
+``--compression-ratio``) is :mod:`kvkit.cli_grammar`.
+
+Only the parser of the command asked for is built (:data:`COMMANDS`; the others are listed by name and help), and
+every parser is built without importing torch or transformers: ``kvkit --help``, ``kvkit policies`` (read from
+:mod:`kvkit.catalog`'s data file) and the refusal of a bad argument take a fraction of a second. A command's code
+(and torch with it) is imported when it runs. ``kvkit calibrate``'s parsers come from its calibrator modules,
+which import torch.
 """
 
 from __future__ import annotations
@@ -11,28 +18,55 @@ import argparse
 import importlib
 import sys
 
+from kvkit.cli_grammar import (
+    Parser,
+    PolicySpec,
+    add_alias,
+    add_device,
+    add_max_new_tokens,
+    add_out,
+    add_policy_options,
+    check_device,
+    choice_list,
+    fraction,
+    int_list,
+    integer,
+    parse_policy,
+    policies_of,
+    policy_list,
+    policy_spec,
+    positive_int,
+)
 from kvkit.fileio import read_text_file  # noqa: F401  (kvkit.cli.read_text_file: the reader the CLI uses)
 from kvkit.options import fmt_bytes, parse_options  # noqa: F401  (kvkit.cli.parse_options: used by tests)
 
 # the demo: full next to two policies that keep the needle with fewer bytes on the default model (duo with its
 # shipped pattern; zipcache with its calibrated 4-bit setting) and StreamingLLM, which drops the middle (bytes
 # and answers of each: results/demo/README.md)
-DEMO_POLICIES = ("duo", "zipcache", "streaming")
+DEMO_POLICIES = ("duo", "zipcache", "streaming:budget=256")
 DEMO_OPTIONS = {"streaming": {"budget": 256}}
 DEMO_CONTEXT_TOKENS, DEMO_DEPTH = 3000, 0.5
 
 
+# ------------------------------------------------------------------------------------------ policies
 def cmd_policies(args) -> int:
-    from kvkit.registry import _REGISTRY, available_policies, policy_options
+    """``kvkit policies``: every policy, what it saves, its paper and options; ``kvkit policies NAME``: one policy's
+    options with their defaults, meaning and the reason for the default (from :mod:`kvkit.catalog`)."""
+    from kvkit import catalog
 
-    for name in available_policies():
-        cls = _REGISTRY[name]
-        opts = ", ".join(f"{k}={v!r}" for k, v in policy_options(name).items()) or "(no options)"
-        print(f"{name:<10} saves {cls.saves:<13} {cls.description}")
-        print(f"{'':<10} defaults: {opts}")
+    entries = catalog.load()
+    if args.name is None:
+        for e in entries:
+            print(f"{e['name']:<10} saves {e['saves']:<13} {e['summary']}")
+            opts = ", ".join(f"{o['name']}={o['default']}" for o in e["options"]) or "(no options)"
+            print(f"{'':<10} options: {opts}")
+        print("\n`kvkit policies NAME` explains each option of a policy; give options as --policy NAME:KEY=VALUE,...")
+        return 0
+    print(catalog.describe_text(catalog.entry(args.name, entries)))
     return 0
 
 
+# ------------------------------------------------------------------------------------------ run
 #: The largest --prompt-file read (a million-token prompt is ~4-5 MiB of text).
 MAX_PROMPT_BYTES = 64 << 20
 
@@ -44,28 +78,6 @@ def read_prompt_file(path, limit: int | None = None) -> str:
     if not text.strip():
         raise ValueError(f"--prompt-file {path} is empty; put the prompt text in it")
     return text
-
-
-def _checked(convert, ok, what: str, name: str):
-    """An argparse type: ``convert(text)`` that must pass ``ok``; the error says it must be ``what``."""
-
-    def parse(text: str):
-        try:
-            v = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not ok(v):  # NaN fails a range check too
-            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
-        return v
-
-    parse.__name__ = parse.__qualname__ = name
-    return parse
-
-
-#: argparse type: an integer >= 1
-positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1", "positive_int")
-#: argparse type: a number in [0, 1]
-fraction = _checked(float, lambda v: 0 <= v <= 1, "a number in [0, 1]", "fraction")
 
 
 #: ``kvkit run`` options of the built-in demo (its needle prompt) and of a --prompt-file run: one mode's options are
@@ -88,25 +100,61 @@ def check_run_mode(args) -> None:
                              "prompt; with --prompt-file the prompt is the file (drop them)")
 
 
+def run_plan(args) -> list[PolicySpec]:
+    """The settings ``kvkit run`` compares: ``full`` first, then every ``--policy`` (default: the demo's) with
+    ``--budget`` / ``--compression-ratio`` / the hidden ``--opt`` folded in."""
+    given = [s for item in (args.policy or []) for s in (item if isinstance(item, list) else [item])]
+    if not given:
+        given = [parse_policy(p) for p in DEMO_POLICIES]
+        if args.budget is not None or args.compression_ratio is not None or getattr(args, "opt", None) \
+                or getattr(args, "policy_options", None):  # options given apart replace the demo's own
+            given = [PolicySpec(s.name) for s in given]
+    args.policy = given
+    specs = policies_of(args)
+    return [PolicySpec("full"), *[s for s in specs if s.name != "full"]]
+
+
+def context_limit(model) -> int | None:
+    """The model's trained context (``max_position_embeddings`` of its text config), or None when it has none."""
+    cfg = model.config
+    get = getattr(cfg, "get_text_config", None)
+    text = get(decoder=True) if callable(get) else cfg
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_fits(model, prompt_tokens: int, max_new_tokens: int, flag: str = "--max-new-tokens") -> None:
+    """Refuse (ValueError) a prompt of ``prompt_tokens`` plus ``max_new_tokens`` new tokens beyond the model's
+    trained context, before any forward runs (``model.generate`` refuses the same request up front)."""
+    limit = context_limit(model)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        room = limit - prompt_tokens
+        fix = f"use {flag} {room} or less" if room >= 1 else "use a shorter prompt"
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) + {flag} {max_new_tokens} is more than the model's "
+                         f"trained context of {limit} tokens; {fix}")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def cmd_run(args) -> int:
+    check_run_mode(args)
+    plan = run_plan(args)
+    text = read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
+    check_device(args.device)
+    from kvkit.registry import get_policy
+
+    for spec in plan:  # unknown policies and refused options before the model loads
+        get_policy(spec.name, **spec.options)
+
     import torch
 
     from kvkit.demo import chat_ids, needle_prompt, run_policy
     from kvkit.models import load
-    from kvkit.registry import get_policy
 
     torch.manual_seed(0)
-    check_run_mode(args)
-    policies = [p for item in (args.policy or list(DEMO_POLICIES)) for p in item.split(",") if p]
-    options = parse_options(args.opt, args.options)
-    if args.budget is not None:
-        options["budget"] = args.budget
-    plan = [(name, {} if name == "full" else (options or DEMO_OPTIONS.get(name, {})))
-            for name in ["full", *[p for p in policies if p != "full"]]]
-    for name, opts in plan:  # unknown policies and refused options before the model loads
-        get_policy(name, **opts)
-    text = read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
-    print(f"loading model {args.model!r} ...", flush=True)
+    _log(f"loading model {args.model!r} on {args.device} ...")
     model, tok = load(args.model, device=args.device)
     expected = None
     if text is not None:
@@ -118,63 +166,179 @@ def cmd_run(args) -> int:
         depth = DEMO_DEPTH if args.depth is None else args.depth
         ids, expected = needle_prompt(tok, context_tokens=context, depth=depth, seed=args.seed)
         print(f"demo: needle question over {ids.shape[1]} tokens of essays (needle at depth {depth:.0%})")
-    runs = [run_policy(model, tok, ids, name, max_new_tokens=args.max_new_tokens, **opts) for name, opts in plan]
-    full = runs[0]
+    check_fits(model, ids.shape[1], args.max_new_tokens)
+    runs, failed = [], None
+    for i, spec in enumerate(plan):
+        _log(f"[{i + 1}/{len(plan)}] {spec}")
+        try:
+            runs.append((spec, run_policy(model, tok, ids, spec.name, max_new_tokens=args.max_new_tokens, log=_log,
+                                          **spec.options)))
+        except Exception as e:  # the finished settings are still shown, then the error
+            failed = (spec, e)
+            break
+    print_run_table(runs, expected)
+    if failed is not None:  # what finished is printed above; the failure in one line
+        spec, e = failed
+        print(f"kvkit: error: {spec} failed after {len(runs)} finished setting(s): {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_run_table(runs: list, expected: str | None) -> None:
+    """The demo's table: each setting as given (``streaming:budget=256``: no truncation), KV bytes against the first
+    (full) row, prefill seconds, decode speed and the answer."""
+    if not runs:
+        return
+    full = runs[0][1]
+    width = max(len("policy"), *(len(str(s)) for s, _ in runs))
     print()
-    print(f"{'policy':<44} {'KV bytes':>11} {'vs full':>8} {'prefill':>8} {'decode':>10}  answer")
-    for r in runs:
+    print(f"{'policy':<{width}} {'KV bytes':>11} {'vs full':>8} {'prefill':>8} {'decode':>12}  answer")
+    for spec, r in runs:
         ratio = full.kv_bytes / max(r.kv_bytes, 1)
         ok = "" if expected is None else ("  [correct]" if expected in r.answer else f"  [expected {expected}]")
         off = f" (+{fmt_bytes(r.kv_offloaded)} offloaded)" if r.kv_offloaded else ""
         speed = f"{r.decode_tok_s:>6.1f} tok/s" if r.decode_tok_s is not None else f"{'n/a':>12}"
-        print(f"{r.policy[:44]:<44} {fmt_bytes(r.kv_bytes):>11} {ratio:>7.1f}x {r.prefill_s:>7.2f}s "
-              f"{speed}  {r.answer!r}{ok}{off}")
-    return 0
+        stop = f"  [stopped after {r.new_tokens} tokens: {r.error}]" if getattr(r, "error", None) else ""
+        print(f"{str(spec):<{width}} {fmt_bytes(r.kv_bytes):>11} {ratio:>7.1f}x {r.prefill_s:>7.2f}s "
+              f"{speed}  {r.answer!r}{ok}{off}{stop}")
 
 
-# sub-command providers: module -> function add_commands(subparsers)
-EXTENSIONS = ("kvkit.doctor", "kvkit.evals.cli", "kvkit.speculative.cli", "kvkit.calibrate.cli")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvkit", description="KV-cache compression for Hugging Face transformers")
-    sub = p.add_subparsers(dest="command")
-    r = sub.add_parser("run", help="answer a long prompt with a policy and compare KV bytes / speed with full")
+def add_run(sub) -> None:
+    r = sub.add_parser("run", help=COMMAND_HELP["run"], description=COMMAND_HELP["run"])
     r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
-    r.add_argument("--policy", action="append", help="policy name(s), comma separated (full is always run)")
-    r.add_argument("--budget", type=positive_int, default=None, help="sets the policy's `budget` option")
-    r.add_argument("--opt", action="append", metavar="KEY=VALUE", help="policy option, repeatable")
-    r.add_argument("--options", default=None, help="policy options as JSON")
+    add_policy_options(r, several=True, default=" ".join(f"--policy {p}" for p in DEMO_POLICIES) + " (full is "
+                       "always run first)")
+    r._option_string_actions["--policy"].type = policy_list  # also the older "duo,zipcache"
     r.add_argument("--prompt-file", default=None, help="text file with the prompt (default: built-in needle demo)")
     r.add_argument("--question", default=None, help="question appended after the prompt file (needs --prompt-file)")
     r.add_argument("--context-tokens", type=positive_int, default=None,
                    help=f"demo haystack size in tokens (default {DEMO_CONTEXT_TOKENS}; not with --prompt-file)")
     r.add_argument("--depth", type=fraction, default=None,
                    help=f"demo needle depth in [0, 1] (default {DEMO_DEPTH}; not with --prompt-file)")
-    r.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens to generate (>= 1)")
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--seed", type=int, default=0)
+    add_max_new_tokens(r, 16, "tokens to generate per policy (prompt + this must fit the model's context)")
+    add_device(r)
+    r.add_argument("--seed", type=integer, default=0, help="seed of the demo's needle")
     r.set_defaults(func=cmd_run)
-    pol = sub.add_parser("policies", help="list the registered policies with their defaults")
-    pol.set_defaults(func=cmd_policies)
-    for mod in EXTENSIONS:
-        try:
-            m = importlib.import_module(mod)
-        except ImportError as e:
-            if e.name and mod.startswith(e.name):
-                continue  # that part of kvkit is not built yet
-            raise
-        m.add_commands(sub)
+
+
+def add_policies(sub) -> None:
+    p = sub.add_parser("policies", help=COMMAND_HELP["policies"], description=COMMAND_HELP["policies"])
+    p.add_argument("name", nargs="?", default=None, help="a policy: its options, defaults, meaning and reasons")
+    p.set_defaults(func=cmd_policies)
+
+
+# ------------------------------------------------------------------------------------------ speculate
+def add_speculate(sub) -> None:
+    """``kvkit speculate``'s parser (the command: :func:`kvkit.speculative.cli.cmd_speculate`)."""
+    s = sub.add_parser("speculate", help=COMMAND_HELP["speculate"], description=COMMAND_HELP["speculate"])
+    s.add_argument("--model", default="default", help="target model: default | packaged name | local dir | .gguf")
+    s.add_argument("--length", type=positive_int, default=4096,
+                   help="prompt length in tokens (essay haystack + question + chat template)")
+    s.add_argument("--task", default="needle", choices=["needle", "continue"],
+                   help="needle: question about a fact deep in the prompt; continue: continue raw essay text "
+                        "(PG-19 style)")
+    add_max_new_tokens(s, 64, "tokens decoded per row (>= 2: the first comes from the prefill)", old=("--new-tokens",))
+    s.add_argument("--batch", type=positive_int, default=1,
+                   help="rows decoded together (needle: one needle prompt per row, left padded; continue: essay text "
+                        "from a different offset per row)")
+    s.add_argument("--gamma", type=int_list("gamma"), default=[4], metavar="N[,N...]", help="draft length(s)")
+    s.add_argument("--policy", action="append", type=policy_spec, default=None, metavar="NAME[:KEY=VALUE,...]",
+                   help="a draft view and its options: streaming | retrieval (repeatable); default: streaming")
+    add_alias(s, "--draft-policy", "policy", "--policy NAME[:KEY=VALUE,...]", append=True,
+              convert=lambda t: [parse_policy(x) for x in t.split(",") if x.strip()])
+    s.add_argument("--budget", type=int_list("budget"), default=None, metavar="N[,N...]",
+                   help="draft view budget(s) (default: the view's)")
+    s.add_argument("--compression-ratio", type=fraction, default=None, metavar="R",
+                   help="sets `compression_ratio` in every draft view's options")
+    add_alias(s, "--draft-opt", "opt", "--policy NAME:KEY=VALUE,...", append=True, metavar="KEY=VALUE")
+    s.add_argument("--adaptive", type=fraction, default=None, help="stop drafting below this draft confidence")
+    s.add_argument("--assistant", default=None, help="tiny draft model sharing the tokenizer (hierarchical)")
+    s.add_argument("--assistant-gamma", type=positive_int, default=None, help="the assistant's draft length")
+    add_device(s)
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--seed", type=integer, default=0)
+    s.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
+    s.add_argument("--repeat", type=positive_int, default=1,
+                   help="run plain decoding and every setting this many times, interleaved; report medians "
+                        "(speedup: median of the per-repeat ratios, each against the plain run of the same repeat)")
+    s.add_argument("--baselines", type=choice_list(("dynamic", "static"), "baselines"), default=[],
+                   metavar="NAME[,NAME]",
+                   help="extra plain greedy baselines over transformers caches: dynamic (DynamicCache, transformers' "
+                        "default: copies the whole KV at every step) and/or static (preallocated StaticCache); "
+                        "kvkit's own plain decoding appends in place. Speedups are also reported against each")
+    add_out(s, "append one JSON line per setting to this file (.jsonl)", old=("--json",), kind="file")
+    s.set_defaults(func=_lazy("kvkit.speculative.cli", "cmd_speculate"))
+
+
+# ------------------------------------------------------------------------------------------ the command table
+def _lazy(module: str, name: str):
+    """The command ``module.name``, imported when it runs (so building the parser imports no command code)."""
+
+    def command(args) -> int:
+        return getattr(importlib.import_module(module), name)(args)
+
+    command.__name__ = command.__qualname__ = name
+    return command
+
+
+COMMAND_HELP = {
+    "run": "answer a long prompt with policies and compare KV bytes / speed with full (kvkit alone: the demo)",
+    "policies": "list the policies, or explain one policy's options (kvkit policies NAME)",
+    "doctor": "versions, GPU, kernel paths; --matrix runs the support matrix",
+    "eval": "long-context evaluations: ruler, sweep, niah, needles, longbench, compare",
+    "bench": "prefill time, decode tok/s, peak memory, KV bytes: policies vs full",
+    "speculate": "self-speculative decoding: acceptance rate and speedup vs plain",
+    "calibrate": "per-model calibration of a policy (kvkit calibrate NAME --help)",
+}
+
+#: command -> (module, function adding its parser to the subparsers), built only when that command is asked for
+COMMANDS = {
+    "run": ("kvkit.cli", "add_run"),
+    "policies": ("kvkit.cli", "add_policies"),
+    "doctor": ("kvkit.doctor", "add_commands"),
+    "eval": ("kvkit.evals.cli", "add_eval"),
+    "bench": ("kvkit.evals.cli", "add_bench"),
+    "speculate": ("kvkit.cli", "add_speculate"),
+    "calibrate": ("kvkit.calibrate.cli", "add_commands"),
+}
+
+
+def build_parser(command: str | None = "*") -> argparse.ArgumentParser:
+    """The ``kvkit`` parser with ``command``'s subparser built (``"*"``: every command's; None: none, the others
+    are listed by name and help only)."""
+    p = Parser(prog="kvkit", description="KV-cache compression for Hugging Face transformers. `kvkit` alone runs "
+                                         "the built-in demo; `kvkit COMMAND --help` shows a command's options.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for name, (module, adder) in COMMANDS.items():
+        if command in ("*", name):
+            getattr(importlib.import_module(module), adder)(sub)
+        else:
+            sub.add_parser(name, help=COMMAND_HELP[name], add_help=False)
     return p
 
 
+def _command_of(argv: list[str]) -> str | None:
+    return argv[0] if argv and argv[0] in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):  # the built-in demo
+        argv = ["run", *argv]
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
-    if args.command is None:  # the built-in demo
-        args = parser.parse_args(["run", *(argv or [])])
+    leaf = getattr(args, "_leaf_parser", parser)
+    if getattr(args, "_required_out", False) and not args.out:
+        leaf.error("the following arguments are required: --out")
+    if not hasattr(args, "func"):
+        leaf.print_help()
+        return 2
     try:
         return args.func(args) or 0
+    except BrokenPipeError:  # `kvkit policies | head`: the reader left
+        sys.stdout = open(__import__("os").devnull, "w")
+        return 0
     except (ValueError, FileNotFoundError) as e:  # bad input (or a model / file not installed): clear message
         print(f"kvkit: error: {e}", file=sys.stderr)
         return 2

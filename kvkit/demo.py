@@ -58,6 +58,7 @@ class RunResult:
     decode_tok_s: float | None  # None: no decode step after the warm-up one (an answer of one or two tokens)
     kv_bytes: int
     kv_offloaded: int
+    error: str | None = None  # a decode step that failed: the tokens before it are kept (new_tokens counts them)
 
 
 #: Decode steps run before the decode timer starts: the first step of a policy builds (on first use in this
@@ -66,10 +67,12 @@ WARMUP_STEPS = 1
 
 
 @torch.no_grad()
-def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **options) -> RunResult:
+def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, log=None, **options) -> RunResult:
     """Patch ``policy``, prefill, decode greedily with an explicit loop (timed), unpatch.
 
-    Timing: ``prefill_s`` and the decode speed leave out the seconds spent compiling C kernels on first use
+    ``log(message)``, when given, hears the progress: the prefill, then ``decoding i/N`` about every eighth of the
+    tokens. A decode step that fails after the first token ends the run early: the result keeps the tokens made
+    before it and names the failure (``error``). Timing: ``prefill_s`` and the decode speed leave out the seconds spent compiling C kernels on first use
     (:func:`kvkit.kernels.cbuild.build_seconds`), and the decode timer starts after :data:`WARMUP_STEPS` untimed
     steps (``decode_tok_s`` is None when no step is left to time)."""
     import kvkit
@@ -82,6 +85,8 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **
         ids = input_ids.to(model.device)
         cache = kvkit.KVCache(model)
         built = build_seconds()
+        if log is not None:
+            log(f"  prefill: {ids.shape[1]} tokens")
         t0 = time.perf_counter()
         # logits of the last position only: a 256K-vocab model (Gemma 3) would otherwise build [T, 256K] fp32 logits
         out = model(input_ids=ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
@@ -91,6 +96,8 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **
         eos = set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         toks = []
         t0 = None
+        error = None
+        every = max(1, max_new_tokens // 8)
         for i in range(max_new_tokens):
             tok = first if i == 0 else int(nxt)  # (waits for the step that made it)
             if i == WARMUP_STEPS:  # the warm-up steps are done: time from here
@@ -98,7 +105,13 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **
             toks.append(tok)
             if tok in eos or i == max_new_tokens - 1:
                 break
-            out = model(input_ids=nxt, **cache_kw(cache), use_cache=True)
+            if log is not None and (i + 1) % every == 0:
+                log(f"  decoding {i + 1}/{max_new_tokens}")
+            try:
+                out = model(input_ids=nxt, **cache_kw(cache), use_cache=True)
+            except (RuntimeError, ValueError, IndexError) as e:  # keep the tokens made so far
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                break
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         timed = len(toks) - 1 - WARMUP_STEPS  # decode steps after the warm-up
         speed = None
@@ -114,6 +127,7 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, **
             decode_tok_s=speed,
             kv_bytes=cache.nbytes(),
             kv_offloaded=cache.offloaded_nbytes(),
+            error=error,
         )
     finally:
         kvkit.unpatch(model)

@@ -12,10 +12,6 @@ import importlib.metadata as md
 import platform
 import textwrap
 
-import torch
-
-from kvkit.compat import cache_kw
-
 #: options that make each policy compress on the tiny test contexts (tens of tokens)
 PROMPT_LENGTHS = (40, 27)
 NEW_TOKENS = 8
@@ -30,6 +26,8 @@ def _version(pkg: str) -> str:
 
 def environment() -> dict:
     """Versions, accelerator and which kernel path runs."""
+    import torch
+
     import kvkit
 
     info = {
@@ -60,10 +58,19 @@ def small_options(policy: str) -> dict:
     return tiny_options(policy)
 
 
-@torch.no_grad()
 def check_cell(arch: str, policy: str) -> tuple[str, str]:
     """Run one (architecture, policy) cell: returns (status, detail), status in ok/refused/FAIL."""
+    import torch
+
+    with torch.no_grad():
+        return _check_cell(arch, policy)
+
+
+def _check_cell(arch: str, policy: str) -> tuple[str, str]:
+    import torch
+
     import kvkit
+    from kvkit.compat import cache_kw
     from kvkit.testing import greedy, left_padded_batch, tiny_model
 
     model = tiny_model(arch)
@@ -126,7 +133,8 @@ def matrix_markdown(rows) -> str:
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("doctor", help="versions, GPU, kernel paths; --matrix runs the support matrix")
+    p = sub.add_parser("doctor", help="versions, GPU, kernel paths; --matrix runs the support matrix",
+                       description="versions, GPU, kernel paths; --matrix runs the support matrix")
     p.add_argument("--matrix", action="store_true", help="run the architecture x policy support matrix")
     p.add_argument("--write-readme", action="store_true", help="replace the matrix in README.md")
     p.set_defaults(func=_cmd_doctor)

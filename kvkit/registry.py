@@ -1,15 +1,34 @@
 """Policy registry: ``@register("name")`` on a policy dataclass, lookup by name with clear errors.
 
 The registry sits below the policies and imports none of them: each policy module registers itself when it is
-imported, and importing :mod:`kvkit` imports the built-in policies package (``kvkit/__init__.py``), so every lookup
-made after ``import kvkit`` (or ``import kvkit.registry``, which runs the package first) sees them all."""
+imported, and ``kvkit/__init__.py`` hands the registry a loader of the built-in policies package
+(:func:`set_builtin_loader`), which the first lookup runs. ``import kvkit`` stays free of torch, and every lookup
+made after ``import kvkit`` (or ``import kvkit.registry``, which runs the package first) sees the built-in policies."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 #: name -> policy class (a :class:`kvkit.policies.base.Policy` subclass), in registration order
 _REGISTRY: dict[str, type] = {}
+#: imports the built-in policies (set by ``kvkit/__init__.py``); run once, by the first lookup
+_BUILTINS: list[Callable[[], object]] = []
+
+
+def set_builtin_loader(load: Callable[[], object]) -> None:
+    """``load()`` imports the built-in policies (their modules register themselves); the first lookup calls it."""
+    _BUILTINS[:] = [load]
+
+
+def _ensure_builtins() -> None:
+    if _BUILTINS:
+        load = _BUILTINS.pop()
+        try:
+            load()
+        except BaseException:
+            _BUILTINS.append(load)
+            raise
 
 
 def registrar(table: dict[str, type], what: str):
@@ -35,10 +54,12 @@ register = registrar(_REGISTRY, "policy")
 
 def available_policies() -> list[str]:
     """Names of all registered policies, in registry order."""
+    _ensure_builtins()
     return list(_REGISTRY)
 
 
 def policy_class(name: str) -> type:
+    _ensure_builtins()
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown kvkit policy {name!r}; known policies: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]

@@ -9,6 +9,7 @@ at those taus; written by :func:`kvkit.calibration.write_section`.
 from __future__ import annotations
 
 import time
+from argparse import ArgumentTypeError
 
 from kvkit.calibrate import needles
 from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
@@ -91,10 +92,10 @@ def parse_kernels(text: str) -> tuple:
         try:
             k = int(item[:-1] if trailing else item)
         except ValueError:
-            raise SystemExit(f"--kernels: expected odd integers (a 't' suffix: trailing window) separated by "
+            raise ArgumentTypeError(f"expected odd integers (a 't' suffix: trailing window) separated by "
                              f"commas, got {text!r}") from None
         if k <= 0 or k % 2 == 0:
-            raise SystemExit(f"--kernels: every kernel must be a positive odd integer, got {text!r}")
+            raise ArgumentTypeError(f"every kernel must be a positive odd integer, got {text!r}")
         kernels.append((k, "trailing") if trailing else k)
     return tuple(kernels)
 

@@ -6,13 +6,39 @@ for ``kvkit.patch(model, "duo", pattern=...)``."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+from kvkit.cli_grammar import checked, fraction, integer, positive_float, positive_int
+
+
+def _pattern_path(text: str) -> str:
+    """A pattern file to write: ``.json`` (kvkit's format) or ``.tsv`` (the reference's), as
+    ``kvkit.patch(model, "duo", pattern=...)`` reads them by their extension; not a folder."""
+    p = Path(text)
+    if p.suffix.lower() not in (".json", ".tsv"):
+        raise ValueError(f"must end in .json (kvkit pattern) or .tsv (reference format): the policy reads a pattern "
+                         f"by its extension, got {text!r}")
+    if p.is_dir():
+        raise ValueError(f"{text} is a folder; name a .json or .tsv file")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{parent} is a file, not a folder")
+            break
+    return text
+
+
+_pattern_path.explain = True
+#: argparse type of a pattern file written by ``kvkit calibrate duo*`` (``--out``)
+pattern_out = checked(_pattern_path, lambda v: True, "", "pattern_out")
 
 
 def _pattern_command(sub, name: str, func, summary: str, description: str, patterns_help: str):
     """A ``kvkit calibrate <name>`` parser that reads pattern files and writes one (``--out``)."""
     parser = sub.add_parser(name, help=summary, description=description)
     parser.add_argument("patterns", nargs="+", help=patterns_help)
-    parser.add_argument("--out", required=True, help="output pattern: .json (kvkit) or .tsv (reference format)")
+    parser.add_argument("--out", required=True, type=pattern_out,
+                        help="output pattern: .json (kvkit) or .tsv (reference format)")
     parser.set_defaults(func=func)
     return parser
 
@@ -26,25 +52,26 @@ def add_duo_commands(sub) -> None:
         "arXiv:2410.10819); writes the continuous gates as a pattern for kvkit.patch(model, 'duo', pattern=...).",
     )
     d.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
-    d.add_argument("--out", required=True, help="output pattern: .json (kvkit) or .tsv (reference format)")
-    d.add_argument("--steps", type=int, default=60, help="optimiser steps (paper: 2000)")
-    d.add_argument("--length", type=int, default=1024, help="longest sample in tokens (paper: up to 32K)")
-    d.add_argument("--min-length", type=int, default=None, help="shortest sample (default: 3/4 of length)")
-    d.add_argument("--sink", type=int, default=64, help="training sink tokens (paper: 128)")
-    d.add_argument("--recent", type=int, default=256, help="training recent window (paper: 256)")
-    d.add_argument("--passkeys", type=int, default=5, help="passkeys per sample (paper: 10)")
-    d.add_argument("--passkey-words", type=int, default=8, help="NATO words per passkey (paper: 32)")
+    d.add_argument("--out", required=True, type=pattern_out,
+                   help="output pattern: .json (kvkit) or .tsv (reference format)")
+    d.add_argument("--steps", type=positive_int, default=60, help="optimiser steps (paper: 2000)")
+    d.add_argument("--length", type=positive_int, default=1024, help="longest sample in tokens (paper: up to 32K)")
+    d.add_argument("--min-length", type=positive_int, default=None, help="shortest sample (default: 3/4 of length)")
+    d.add_argument("--sink", type=positive_int, default=64, help="training sink tokens (paper: 128)")
+    d.add_argument("--recent", type=positive_int, default=256, help="training recent window (paper: 256)")
+    d.add_argument("--passkeys", type=positive_int, default=5, help="passkeys per sample (paper: 10)")
+    d.add_argument("--passkey-words", type=positive_int, default=8, help="NATO words per passkey (paper: 32)")
     d.add_argument("--task", choices=["passkey", "keyed", "needles"], default="passkey",
                    help="passkey: the paper's (the k-th passkey, asked in order); keyed: passkeys named by a key word, "
                         "asked in a random order (retrieval by key, as key-value needles ask); needles: the knob "
                         "calibrations' vault needles in the chat template")
-    d.add_argument("--lr", type=float, default=0.02)
-    d.add_argument("--reg", type=float, default=0.05, help="weight of mean|alpha|")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--device", default="cpu")
-    d.add_argument("--time-limit", type=float, default=None,
+    d.add_argument("--lr", type=positive_float, default=0.02, help="learning rate of the gates")
+    d.add_argument("--reg", type=fraction, default=0.05, help="weight of mean|alpha|")
+    d.add_argument("--seed", type=integer, default=0)
+    d.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    d.add_argument("--time-limit", type=positive_float, default=None,
                    help="stop after the first step that ends past this many seconds (the pattern is still written)")
-    d.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    d.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     d.add_argument("--resume", action="store_true",
                    help="keep the state after every step next to --out (<out>.ckpt.pt) and continue from it when it "
                         "exists (same options): with --time-limit, a long schedule over several runs")
@@ -64,13 +91,13 @@ def add_duo_commands(sub) -> None:
         "remaining places. One pattern: the --window heads on each side of its cut are the ones decided.",
         "pattern files (.json or .tsv) of the model")
     r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
-    r.add_argument("--sparsity", type=float, default=0.5, help="fraction of KV heads that stream (default 0.5)")
-    r.add_argument("--window", type=int, default=4, help="one pattern: heads each side of its cut to decide")
-    r.add_argument("--length", type=int, default=2048, help="calibration needle length in tokens")
-    r.add_argument("--samples", type=int, default=16, help="calibration needles (and as many for validation)")
-    r.add_argument("--seed", type=int, default=0, help="needle seed (validation uses seed + 1)")
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    r.add_argument("--sparsity", type=fraction, default=0.5, help="fraction of KV heads that stream")
+    r.add_argument("--window", type=positive_int, default=4, help="one pattern: heads each side of its cut to decide")
+    r.add_argument("--length", type=positive_int, default=2048, help="calibration needle length in tokens")
+    r.add_argument("--samples", type=positive_int, default=16, help="calibration needles (and as many for validation)")
+    r.add_argument("--seed", type=integer, default=0, help="needle seed (validation uses seed + 1)")
+    r.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    r.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
 
 def cmd_duo_merge(args) -> int:
@@ -95,15 +122,17 @@ def cmd_duo_refine(args) -> int:
     import torch
 
     from kvkit.calibrate.duo_refine import refine_files
+    from kvkit.cli_grammar import check_device
     from kvkit.models import load
 
     if not 0.0 < args.sparsity < 1.0:
         raise ValueError(f"--sparsity must be a fraction strictly between 0 and 1, got {args.sparsity}")
     if args.samples < 1 or args.window < 1:
         raise ValueError("--samples and --window must be positive")
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"loading model {args.model!r} ...", flush=True)
+    print(f"loading model {args.model!r} ...", file=sys.stderr, flush=True)
     model, tok = load(args.model, device=args.device)
     model.eval()
     argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("kvkit") else ["calibrate", "duo-refine", *getattr(args, "_argv", [])]
@@ -118,16 +147,19 @@ def cmd_duo_refine(args) -> int:
 
 
 def cmd_calibrate_duo(args) -> int:
+    import sys
     from dataclasses import fields
 
     import torch
 
     from kvkit.calibrate.duo import DuoCalibration, calibrate
+    from kvkit.cli_grammar import check_device
     from kvkit.models import load, resolve_name
 
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"loading model {args.model!r} ...", flush=True)
+    print(f"loading model {args.model!r} ...", file=sys.stderr, flush=True)
     model, tok = load(args.model, device=args.device)
     # every DuoCalibration field but steps comes from the option of its name (num_passkeys: --passkeys)
     settings = {f.name: getattr(args, "passkeys" if f.name == "num_passkeys" else f.name)

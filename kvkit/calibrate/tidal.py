@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from argparse import ArgumentTypeError
 
 import torch
 
@@ -325,9 +326,9 @@ def parse_layers(text: str) -> tuple:
     try:
         layers = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"--select-layers: expected layer indices separated by commas, e.g. 2,6,10; got {text!r}") from None
+        raise ArgumentTypeError(f"expected layer indices separated by commas, e.g. 2,6,10; got {text!r}") from None
     if not layers or any(x < 0 for x in layers) or any(b <= a for a, b in zip(layers, layers[1:])):
-        raise SystemExit(f"--select-layers: expected strictly increasing layer indices >= 0, e.g. 2,6,10; got {text!r}")
+        raise ArgumentTypeError(f"expected strictly increasing layer indices >= 0, e.g. 2,6,10; got {text!r}")
     return layers
 
 

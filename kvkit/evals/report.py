@@ -1,10 +1,18 @@
-"""Summaries (json / markdown / csv), the NIAH heatmap and ``kvkit eval compare``."""
+"""Summaries (json / markdown / csv), the NIAH heatmap and ``kvkit eval compare``.
+
+Every eval's ``summary.json`` carries ``"schema": SCHEMA`` (the version of its layout) and ``commit`` (the kvkit
+commit that made it) besides what the eval writes: model, policy and options (``policy_spec``: the setting as
+``--policy`` writes it), ``compression_ratio`` when given, ``mean_kv_bytes`` / ``mean_kv_read`` (KV bytes held at the
+end of a sample / read per decode step), ``scores`` per task and ``average``.
+"""
 
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
+import subprocess
 from pathlib import Path
 
 from kvkit.evals.files import atomic_write_bytes, atomic_write_json, atomic_write_text, read_rows
@@ -33,9 +41,32 @@ def csv_text(header: list[str], rows: list[list]) -> str:
     return buf.getvalue()
 
 
+#: the version of summary.json's layout (readers check it; a layout change bumps it)
+SCHEMA = 1
+
+
+@functools.lru_cache(maxsize=1)
+def commit() -> str | None:
+    """The commit kvkit runs from: ``KVKIT_GIT_COMMIT`` when set, else ``git rev-parse HEAD`` of the checkout holding
+    this package (None outside a git checkout)."""
+    from kvkit import env
+
+    if env.git_commit():
+        return env.git_commit()
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                           cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() or None
+
+
 def write_summary(out: Path, summary: dict, header: list[str], rows: list[list], title: str = "") -> None:
-    """``summary.json`` + ``summary.md`` + ``summary.csv`` under ``out`` (each written atomically)."""
+    """``summary.json`` (with ``schema`` and ``commit``) + ``summary.md`` + ``summary.csv`` under ``out`` (each written
+    atomically)."""
     out = Path(out)
+    summary = {"schema": SCHEMA, **summary}
+    summary.setdefault("commit", commit())
     atomic_write_json(out / "summary.json", summary)
     md = (f"# {title}\n\n" if title else "") + markdown_table(header, rows)
     if summary.get("command"):
@@ -82,18 +113,67 @@ def write_heatmap(path: Path, *args, **kwargs) -> None:
 
 
 def load_summary(d) -> dict:
+    """A run's ``summary.json``, its fields checked (ValueError naming the file and the field): ``benchmark`` and
+    ``policy`` text, ``scores`` an object of task -> number (or null), ``average`` a number or null, ``options`` an
+    object, ``schema`` at most :data:`SCHEMA`."""
     p = Path(d)
     p = p / "summary.json" if p.is_dir() else p
     if not p.is_file():
         raise ValueError(f"{p}: no summary.json (is {d} a finished `kvkit eval` output folder?)")
     try:
         s = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}, line {e.lineno}: not valid JSON ({e.msg})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: not valid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(s, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(s).__name__}; not a kvkit eval summary")
     for k in ("benchmark", "policy", "scores", "average"):
         if k not in s:
             raise ValueError(f"{p}: missing field {k!r}; not a kvkit eval summary")
+    if isinstance(s.get("schema"), int) and s["schema"] > SCHEMA:
+        raise ValueError(f"{p}: summary schema {s['schema']} is newer than this kvkit reads ({SCHEMA}); update kvkit")
+    if not isinstance(s["benchmark"], str) or not isinstance(s["policy"], str):
+        raise ValueError(f"{p}: 'benchmark' and 'policy' must be text; not a kvkit eval summary")
+    if not isinstance(s["scores"], dict) or not all(_number(v) or v is None for v in s["scores"].values()):
+        raise ValueError(f"{p}: 'scores' must be an object of task -> score, got {_short(s['scores'])}")
+    if not (_number(s["average"]) or s["average"] is None):
+        raise ValueError(f"{p}: 'average' must be a number or null, got {_short(s['average'])}")
+    if not isinstance(s.get("options", {}), dict):
+        raise ValueError(f"{p}: 'options' must be an object, got {_short(s['options'])}")
+    for k in ("mean_kv_bytes", "mean_kv_read"):
+        if s.get(k) is not None and not _number(s[k]):
+            raise ValueError(f"{p}: {k!r} must be a number, got {_short(s[k])}")
     return s
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _short(v) -> str:
+    t = json.dumps(v)
+    return t if len(t) <= 60 else t[:57] + "..."
+
+
+def expand_dirs(dirs: list) -> list:
+    """``dirs`` with each ``kvkit eval needles --out`` folder (a ``summary.json`` of benchmark ``needles`` that lists
+    its ``runs``, or a folder of run folders without a summary of its own) replaced by its run folders."""
+    out = []
+    for d in dirs:
+        p = Path(d)
+        root = p / "summary.json" if p.is_dir() else p
+        listed = None
+        if root.is_file():
+            try:
+                s = json.loads(root.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                s = None
+            if isinstance(s, dict) and isinstance(s.get("runs"), list) and "scores" not in s:
+                listed = [root.parent / str(r.get("folder")) for r in s["runs"] if isinstance(r, dict)]
+        elif p.is_dir():
+            subs = sorted(x for x in p.iterdir() if (x / "config.json").is_file() and (x / "samples.jsonl").is_file())
+            listed = subs or None
+        out.extend(listed if listed else [d])
+    return out
 
 
 def budget_of(options: dict) -> str:
@@ -241,7 +321,7 @@ def compare_matched(dirs: list, out: Path | None = None, baselines: list | None 
     Runs stopped early, or made from different sample counts, are then compared fairly. A run of other settings
     than every baseline (another seed, dtype, length, ...), or whose rows have a baseline row's id but another
     sample, is refused: its rows cannot be matched."""
-    paths = _with_baselines(dirs, baselines)
+    paths = _with_baselines(expand_dirs(dirs), baselines)
     loaded = [_load_run(d) for d in paths]
     runs = [(d, cfg) for d, (cfg, _) in zip(paths, loaded)]
     picked = _pick_baselines(runs, baselines)
@@ -264,7 +344,7 @@ def compare_matched(dirs: list, out: Path | None = None, baselines: list | None 
         ms, fm = _score(rows, common), _score(base_rows, common)
         ret = round(ms["average"] / fm["average"], 4) if ms["average"] is not None and fm["average"] else None
         kvr = round(ms["kv"] / fm["kv"], 3) if ms["kv"] and fm["kv"] else None
-        opts = ",".join(f"{k}={v}" for k, v in sorted(cfg.get("options", {}).items())) or "-"
+        opts = ",".join(f"{k}={v}" for k, v in sorted((cfg.get("options") or {}).items())) or "-"
         if cfg.get("full_prompt_prefill"):
             opts += " (question in prefill)"
         counts = ms["per_task"]
@@ -281,35 +361,44 @@ def compare_matched(dirs: list, out: Path | None = None, baselines: list | None 
 
 
 def compare(dirs: list, out: Path | None = None, baselines: list | None = None) -> str:
-    """One policy x budget table over several eval summaries, with retention = score / baseline score.
+    """One policy x budget table over several eval summaries, with retention = score / baseline score beside the KV
+    bytes held (and read per decode step) and their fraction of the baseline's.
 
-    The baseline of a run is the run of the same settings (:data:`SAMPLE_SETTINGS`: benchmark, model, length, seed,
-    dtype, ...) named by ``baselines`` (``--baseline``), else the one ``full`` run of those settings; several full
-    runs of one setting without ``--baseline`` are refused. A run of other settings than every baseline gets no
-    retention, and a note says what differs."""
-    paths = _with_baselines(dirs, baselines)
+    ``dirs``: run folders or their summary.json; a ``kvkit eval needles --out`` folder stands for its run folders
+    (:func:`expand_dirs`). The baseline of a run is the run of the same settings (:data:`SAMPLE_SETTINGS`:
+    benchmark, model, length, seed, dtype, ...) named by ``baselines`` (``--baseline``), else the one ``full`` run of
+    those settings; several full runs of one setting without ``--baseline`` are refused. A run of other settings
+    than every baseline gets no retention, and a note says what differs."""
+    paths = _with_baselines(expand_dirs(dirs), baselines)
     sums = [load_summary(d) for d in paths]
     runs = list(zip(paths, sums))
     picked = _pick_baselines(runs, baselines)
     tasks = list(dict.fromkeys(t for s in sums for t in s["scores"]))
-    header = ["benchmark", "model", "length", "policy", "budget", *tasks, "average", "retention"]
+    header = ["benchmark", "model", "length", "policy", "budget", *tasks, "average", "KV bytes", "KV vs baseline",
+              "KV read/step", "reads vs baseline", "retention"]
     rows, notes = [], []
     order = sorted(range(len(runs)), key=lambda i: (sums[i]["benchmark"], str(sums[i].get("length")),
                                                     sums[i]["policy"] != "full", sums[i]["policy"],
-                                                    budget_of(sums[i].get("options", {}))))
+                                                    budget_of(sums[i].get("options") or {})))
     for i in order:
         d, s = runs[i]
         b = picked.get(_settings(s))
-        ret = None
+        ret = kv_frac = read_frac = None
         if b is not None:
             ref = sums[b]
             if ref["average"] and s["average"] is not None:
                 ret = round(s["average"] / ref["average"], 4)
+            kv_frac = _ratio(s.get("mean_kv_bytes"), ref.get("mean_kv_bytes"))
+            # the full cache reads every byte it holds: a baseline without read counts stands in with its bytes
+            read_frac = _ratio(s.get("mean_kv_read"), ref.get("mean_kv_read") or ref.get("mean_kv_bytes"))
         elif picked:
             j = _nearest(s, runs, picked)
             notes.append(f"- {d}: no retention: no baseline of its settings ({_differs(s, sums[j])} against {paths[j]})")
-        rows.append([s["benchmark"], s.get("model"), s.get("length"), s["policy"], budget_of(s.get("options", {})),
-                     *[s["scores"].get(t) for t in tasks], s["average"], ret])
+        kv, rd = s.get("mean_kv_bytes"), s.get("mean_kv_read")
+        rows.append([s["benchmark"], s.get("model"), s.get("length"), s["policy"], budget_of(s.get("options") or {}),
+                     *[s["scores"].get(t) for t in tasks], s["average"],
+                     fmt_bytes(kv) if kv is not None else None, kv_frac,
+                     fmt_bytes(rd) if rd is not None else None, read_frac, ret])
     md = markdown_table(header, rows)
     if not picked:
         md += "\n(no `full` run among these folders: retention needs the full-cache baseline, or --baseline DIR)\n"
@@ -322,3 +411,13 @@ def compare(dirs: list, out: Path | None = None, baselines: list | None = None) 
         atomic_write_text(out / "compare.md", md)
         atomic_write_text(out / "compare.csv", csv_text(header, rows))
     return md
+
+
+def _ratio(a, b) -> float | None:
+    return round(a / b, 3) if _number(a) and _number(b) and b else None
+
+
+def fmt_bytes(n) -> str:
+    from kvkit.options import fmt_bytes as fmt
+
+    return fmt(int(n))

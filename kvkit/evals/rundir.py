@@ -1,9 +1,11 @@
 """An eval's run folder (``--out``): its config, its rows written after every sample, ``--resume``, and the lock
 that keeps a second writer out.
 
-:class:`RunDir` writes ``config.json`` first, then rewrites ``samples.jsonl`` atomically after every sample (rows
-another process added meanwhile merged in under the folder's lock), so a crash leaves only whole files and
-``--resume`` skips finished samples. On ``--resume`` every row-changing setting of the config must equal the
+:class:`RunDir` writes ``config.json`` first, then appends each finished sample's row to ``samples.jsonl`` (one
+line, flushed and synced, under the folder's lock; rows another process appended meanwhile are read from where this
+one last looked and merged in), so the work per sample does not grow with the rows already written; a line cut
+short by a crash is dropped on ``--resume`` and ``--resume`` skips finished samples. A sample id is counted once
+(the last row of an id wins: :func:`kvkit.evals.files.read_rows`). On ``--resume`` every row-changing setting of the config must equal the
 folder's (:func:`config_diff`: all keys but where it ran, which subset of the samples, the command line and the
 kvkit version), and a finished row whose sample content changed (:func:`sample_digest`: prompt, split, generation
 length, references, metric) is refused. :class:`RunLock`: a ``flock`` on ``<folder>/.lock`` for the whole run,
@@ -19,6 +21,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvkit.cli_grammar import check_out_folder
 from kvkit.evals.files import atomic_write_json, atomic_write_jsonl, read_rows
 
 #: config keys that do not change a row: where it ran (device), which subset of the samples this process runs
@@ -176,7 +179,9 @@ class RunDir:
 
     def __post_init__(self):
         self.path = Path(self.path)
+        check_out_folder(self.path)
         self._lock = None
+        self._pos = 0  # bytes of samples.jsonl this run has read or written
         self._lock = RunLock(self.path, self.config, join=self.resume)
         try:
             self._open()
@@ -194,7 +199,11 @@ class RunDir:
                 raise ValueError(f"--resume: {self.path} was made with a different configuration ({diff_text(diff)}); "
                                  f"resume it with the folder's settings or choose another --out")
             if samples.exists():
+                _drop_cut_line(samples)
                 self.rows = read_rows(samples)
+                if sum(1 for line in samples.open(encoding="utf-8") if line.strip()) != len(self.rows):
+                    atomic_write_jsonl(samples, self.rows)  # a repeated id kept once on disk too (once per resume)
+                self._pos = samples.stat().st_size
         elif not self.resume and samples.exists():
             raise ValueError(f"{self.path} already holds results; pass --resume to continue it or choose another --out")
         atomic_write_json(cfg_path, self.config)
@@ -232,15 +241,58 @@ class RunDir:
                              f"template, seed or --max-new-tokens); resume with the folder's inputs or choose another --out")
 
     def add(self, row: dict) -> None:
-        """Append ``row`` and rewrite ``samples.jsonl``. Rows another process wrote to the same folder
-        since (e.g. a second ``kvkit eval sweep --resume --tasks ...`` splitting the work) are merged
-        in under a lock instead of being overwritten; a row id already on disk is replaced by ours."""
+        """Append ``row`` to ``samples.jsonl`` (one line, flushed and synced). Rows another process appended to the
+        same folder since this one last looked (e.g. a second ``kvkit eval sweep --resume --tasks ...`` splitting
+        the work) are read from there and merged into :attr:`rows`, under the folder's lock; a row of an id already
+        held replaces it (in :attr:`rows`, and for readers of the file, the last row of an id wins)."""
         samples = self.path / "samples.jsonl"
+        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
         with _folder_lock(self.path):
-            mine = {r["id"] for r in self.rows} | {row["id"]}
-            theirs = [r for r in read_rows(samples) if r["id"] not in mine] if samples.exists() else []
-            self.rows = [r for r in self.rows if r["id"] != row["id"]] + theirs + [row]
-            atomic_write_jsonl(samples, self.rows)
+            theirs = self._read_new(samples)
+            with open(samples, "ab") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+                self._pos = f.tell()
+        held = self.done()
+        for r in (*theirs, row):
+            if r["id"] in held:  # (rare: the same sample run twice) the last row of an id wins
+                self.rows = [x for x in self.rows if x["id"] != r["id"]]
+            held.add(r["id"])
+            self.rows.append(r)
+
+    def _read_new(self, samples: Path) -> list[dict]:
+        """The whole rows other writers appended to ``samples`` after byte :attr:`_pos` (all rows again when the
+        file shrank: it was replaced)."""
+        if not samples.exists():
+            return []
+        size = samples.stat().st_size
+        if size == self._pos:
+            return []
+        if size < self._pos:
+            self._pos = 0
+            self.rows = []
+        with open(samples, "rb") as f:
+            f.seek(self._pos)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written is left for later
+        out = [json.loads(x) for x in data[:end].decode("utf-8").splitlines() if x.strip()]
+        self._pos += end
+        return out
+
+
+def _drop_cut_line(samples: Path) -> None:
+    """Remove a last line a crash left without its newline (an appended row cut short), with a warning."""
+    with open(samples, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+    import warnings
+
+    warnings.warn(f"{samples}: dropped an unfinished last row ({len(data) - keep} bytes, cut short when a run "
+                  "stopped); that sample runs again", UserWarning, stacklevel=3)
 
 
 class _folder_lock:

@@ -1,10 +1,11 @@
 """``kvkit speculate``: acceptance rate and decode speed of self-speculative decoding vs plain decoding.
 
 One run loads the model, prefills a batch of ``--batch`` long prompts once (each prompt minus its last
-token; every setting continues from a copy of that cache), then decodes ``--new-tokens`` tokens per
-row with plain batched greedy decoding and with each speculative setting (draft policy x gamma), and
-prints acceptance rate, decode tokens/s (all rows), speedup and whether every row equals plain
-greedy decoding token for token.
+token; every setting continues from a copy of that cache), then decodes ``--max-new-tokens`` tokens per
+row with plain batched greedy decoding and with each speculative setting (draft view ``--policy NAME[:KEY=VALUE,...]``
+x budget x gamma), and prints acceptance rate, decode tokens/s (all rows), speedup and whether every row equals plain
+greedy decoding token for token. The arguments are defined in :func:`kvkit.cli.add_speculate` (a parser that imports
+no torch); progress goes to stderr, the table to stdout, one JSON line per setting to ``--out``.
 """
 
 from __future__ import annotations
@@ -20,43 +21,16 @@ from transformers import DynamicCache, StaticCache
 
 import kvkit
 import kvkit.models
+from kvkit.cli_grammar import check_device, extra_options, parse_policy
 from kvkit.compat import cache_kw
 from kvkit.demo import essay_text, needle_prompt
-from kvkit.options import parse_options
 from kvkit.speculative.generate import SpeculativeStats, generate
 from kvkit.speculative.rows import batch_cache
 
 
-def add_commands(subparsers) -> None:
-    s = subparsers.add_parser("speculate", help="self-speculative decoding: acceptance rate and speedup vs plain")
-    s.add_argument("--model", default="default", help="target model: default | packaged name | local dir | .gguf")
-    s.add_argument("--length", type=int, default=4096, help="prompt length in tokens (essay haystack + question + chat template)")
-    s.add_argument("--task", default="needle", choices=["needle", "continue"],
-                   help="needle: question about a fact deep in the prompt; continue: continue raw essay text (PG-19 style)")
-    s.add_argument("--new-tokens", type=int, default=64)
-    s.add_argument("--batch", type=int, default=1,
-                   help="rows decoded together (needle: one needle prompt per row, left padded; continue: essay text "
-                        "from a different offset per row)")
-    s.add_argument("--gamma", default="4", help="draft length(s), comma separated")
-    s.add_argument("--draft-policy", default="streaming", help="streaming | retrieval (comma separated for several)")
-    s.add_argument("--budget", default=None, help="draft view budget(s), comma separated (default: the view's)")
-    s.add_argument("--draft-opt", action="append", metavar="KEY=VALUE", help="draft view option, repeatable")
-    s.add_argument("--adaptive", type=float, default=None, help="stop drafting below this draft confidence")
-    s.add_argument("--assistant", default=None, help="tiny draft model sharing the tokenizer (hierarchical)")
-    s.add_argument("--assistant-gamma", type=int, default=None)
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    s.add_argument("--repeat", type=int, default=1,
-                   help="run plain decoding and every setting this many times, interleaved; report medians "
-                        "(speedup: median of the per-repeat ratios, each against the plain run of the same repeat)")
-    s.add_argument("--baselines", default="",
-                   help="extra plain greedy baselines over transformers caches, comma separated: dynamic (DynamicCache, "
-                        "transformers' default: copies the whole KV at every step) and/or static (preallocated StaticCache); "
-                        "kvkit's own plain decoding appends in place. Speedups are also reported against each")
-    s.add_argument("--json", default=None, help="append one JSON line per setting to this file")
-    s.set_defaults(func=cmd_speculate)
+def _log(msg: str) -> None:
+    """Progress (loading, prefill, each setting's decode) on stderr; the table goes to stdout."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def _sync(device) -> None:
@@ -115,53 +89,55 @@ def _prompt(tok, task: str, length: int, seed: int):
     return torch.tensor([text_ids[start : start + length]])
 
 
-def _int_list(flag: str, text) -> list[int]:
-    """The comma-separated integers of ``text`` (a value of ``flag``); ValueError unless there is one and all are >= 1."""
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} takes integers >= 1, got {text!r}")
-    return values
+def _check_args(args) -> tuple[list[int], list[tuple[str, dict]], list, list[str]]:
+    """Check ``kvkit speculate``'s arguments (before the model loads); returns ``(gammas, draft views, budgets,
+    baselines)`` as lists: each draft view ``(name, options)`` from ``--policy NAME[:KEY=VALUE,...]`` with the hidden
+    ``--draft-opt`` and ``--compression-ratio`` folded in; budgets ``[None]`` without ``--budget`` (the view's
+    default)."""
+    gammas = list(args.gamma)
+    budgets = list(args.budget) if args.budget else [None]
+    baselines = list(args.baselines or [])
+    extra = extra_options(args)
+    if getattr(args, "compression_ratio", None) is not None:
+        extra["compression_ratio"] = args.compression_ratio
+    views = [(s.name, {**extra, **s.options}) for s in (args.policy or [parse_policy("streaming")])]
+    if args.max_new_tokens < 2:
+        flag = getattr(args, "_flag_max_new_tokens", "--max-new-tokens")
+        raise ValueError(f"{flag} must be >= 2 (the first one comes from the prefill), got {args.max_new_tokens}")
+    check_device(args.device)
+    if args.out:
+        _check_out(args.out)
+    return gammas, views, budgets, baselines
 
 
-def _check_args(args) -> tuple[list[int], list[str], list, list[str]]:
-    """Check ``kvkit speculate``'s arguments; returns ``(gammas, draft policies, budgets, baselines)`` as lists
-    (budgets ``[None]`` without ``--budget``: the view's default)."""
-    gammas = _int_list("--gamma", args.gamma)
-    policies = [p for p in args.draft_policy.split(",") if p]
-    budgets = _int_list("--budget", args.budget) if args.budget else [None]
-    baselines = [b for b in args.baselines.split(",") if b]
-    for b in baselines:
-        if b not in ("dynamic", "static"):
-            raise ValueError(f"--baselines takes dynamic and/or static, got {b!r}")
-    for name, value in (("--length", args.length), ("--threads", args.threads), ("--repeat", args.repeat),
-                        ("--batch", args.batch)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if args.new_tokens < 2:
-        raise ValueError(f"--new-tokens must be >= 2 (the first one comes from the prefill), got {args.new_tokens}")
-    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device} but torch sees no CUDA device")
-    return gammas, policies, budgets, baselines
+def _check_out(path: str) -> None:
+    """``--out``: a file the JSON lines are appended to (not a folder; its folder exists or can be made)."""
+    import os
+
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path} is a folder; name a .jsonl file (one JSON line per setting is appended)")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out {path}: {parent} is a file, not a folder")
 
 
 def _load(args, dtype):
     """``(model, tokenizer, assistant)`` loaded on ``args.device`` in ``dtype`` (assistant None without
     ``--assistant``)."""
-    print(f"loading model {args.model!r} ...", flush=True)
+    _log(f"loading model {args.model!r} ...")
     model, tok = kvkit.models.load(args.model, dtype=dtype, device=args.device)
     assistant = None
     if args.assistant:
-        print(f"loading assistant {args.assistant!r} ...", flush=True)
+        _log(f"loading assistant {args.assistant!r} ...")
         assistant, _ = kvkit.models.load(args.assistant, dtype=dtype, device=args.device)
     return model, tok, assistant
 
 
 def _batch(model, tok, args):
     """The ``--batch`` prompts (:func:`_prompt`, one seed each) left padded into ``(ids [B, n], mask [B, n])`` on
-    ``args.device`` (mask None without padding); ValueError when prompt + ``--new-tokens`` exceeds the model's
+    ``args.device`` (mask None without padding); ValueError when prompt + ``--max-new-tokens`` exceeds the model's
     trained context."""
     rows = [_prompt(tok, args.task, args.length, args.seed * args.batch + b) for b in range(args.batch)]
     width = max(r.shape[1] for r in rows)
@@ -171,10 +147,10 @@ def _batch(model, tok, args):
         ids[b, width - r.shape[1] :], mask[b, width - r.shape[1] :] = r[0], 1
     mask = None if bool(mask.all()) else mask.to(args.device)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if limit and ids.shape[1] + args.new_tokens > limit:
+    if limit and ids.shape[1] + args.max_new_tokens > limit:
         raise ValueError(
-            f"prompt ({ids.shape[1]} tokens) + --new-tokens {args.new_tokens} exceeds the model's trained context of "
-            f"{limit} tokens; use --length {limit - args.new_tokens - 8} or less"
+            f"prompt ({ids.shape[1]} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's trained context of "
+            f"{limit} tokens; use --length {limit - args.max_new_tokens - 8} or less"
         )
     return ids.to(args.device), mask
 
@@ -186,7 +162,7 @@ def _prefill_once(model, ids, mask, args):
     t0 = time.perf_counter()
     kvkit.prefill(model, ids[:, :-1], None if mask is None else mask[:, :-1], chunk_size=4096 // args.batch, cache=base)
     _sync(args.device)
-    print(f"prefill {time.perf_counter() - t0:.1f}s", flush=True)
+    _log(f"prefill {time.perf_counter() - t0:.1f}s")
     return base
 
 
@@ -194,19 +170,19 @@ def _run_setting(model, base, ids, mask, args, opts: dict, setting: tuple, plain
     """One speculative run of ``setting`` ``(draft policy, gamma, budget, assistant or None)`` from a copy of
     ``base``, its draft options ``opts`` (with the budget); returns ``(name, stats, equals plain, assistant)``, the
     third comparing its new tokens with ``plain`` (plain greedy's, per row)."""
-    policy, gamma, budget, helper = setting
-    o = dict(opts)
+    (policy, view_opts), gamma, budget, helper = setting
+    o = {**opts, **view_opts}
     if budget is not None:
         o["budget"] = budget
     st = SpeculativeStats()
     out = generate(model, ids, attention_mask=mask, past_key_values=copy.deepcopy(base), draft_policy=policy, draft_options=o,
                    gamma=gamma, assistant=helper, assistant_gamma=args.assistant_gamma if helper is not None else None,
-                   adaptive=args.adaptive or False, max_new_tokens=args.new_tokens, eos_token_id=None, stats=st)
+                   adaptive=args.adaptive or False, max_new_tokens=args.max_new_tokens, eos_token_id=None, stats=st)
     new = out[:, ids.shape[1]:].tolist()
     name = f"{policy}({', '.join(f'{k}={v}' for k, v in o.items())}) gamma={gamma}"
     if helper is not None:
         name += f" + assistant {args.assistant}"
-    print(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s", flush=True)
+    _log(f"  {name}: acceptance {st.acceptance_rate:.2f}, {st.decode_tokens_per_second:.2f} tok/s")
     return name, st, new == plain, helper
 
 
@@ -217,15 +193,15 @@ def _measure(model, base, ids, mask, args, settings: list, opts: dict, baselines
     plain_runs, extra_runs, runs = [], {b: [] for b in baselines}, [[] for _ in settings]
     for rep in range(args.repeat):
         if args.repeat > 1:
-            print(f"repeat {rep + 1}/{args.repeat}", flush=True)
-        plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.new_tokens, args.device, mask)
-        steps = args.new_tokens - 1
+            _log(f"repeat {rep + 1}/{args.repeat}")
+        plain, plain_s = plain_decode(model, copy.deepcopy(base), ids, args.max_new_tokens, args.device, mask)
+        steps = args.max_new_tokens - 1
         plain_runs.append(args.batch * steps / plain_s)
-        print(f"  plain greedy: {plain_runs[-1]:.2f} tok/s ({1e3 * plain_s / steps:.0f} ms/step)", flush=True)
+        _log(f"  plain greedy: {plain_runs[-1]:.2f} tok/s ({1e3 * plain_s / steps:.0f} ms/step)")
         for b in baselines:
-            toks, secs = plain_decode_hf(b, model, base, ids, args.new_tokens, args.device, mask)
+            toks, secs = plain_decode_hf(b, model, base, ids, args.max_new_tokens, args.device, mask)
             extra_runs[b].append((args.batch * steps / secs, toks == plain))
-            print(f"  plain greedy, transformers {b} cache: {extra_runs[b][-1][0]:.2f} tok/s", flush=True)
+            _log(f"  plain greedy, transformers {b} cache: {extra_runs[b][-1][0]:.2f} tok/s")
         for i, setting in enumerate(settings):
             runs[i].append(_run_setting(model, base, ids, mask, args, opts, setting, plain))
     return plain_runs, extra_runs, runs
@@ -277,7 +253,7 @@ def _summary(args, plain_runs: list, extra_runs: dict, runs: list) -> list[dict]
 def _print_table(args, ids, rows: list[dict], extra_runs: dict) -> None:
     """Print the summary table of ``rows`` and the speedups over each transformers-cache baseline."""
     print()
-    print(f"model {args.model}, task {args.task}, batch {args.batch} x prompt {ids.shape[1]} tokens, {args.new_tokens} new "
+    print(f"model {args.model}, task {args.task}, batch {args.batch} x prompt {ids.shape[1]} tokens, {args.max_new_tokens} new "
           f"tokens per row, device {args.device}")
     if args.repeat > 1:
         print(f"medians of {args.repeat} interleaved repeats; speedup = median of per-repeat ratios to plain")
@@ -299,7 +275,7 @@ def _write_json(path: str, args, ids, rows: list[dict]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(dict(r, model=args.model, task=args.task, batch=args.batch, prompt_tokens=ids.shape[1],
-                                    new_tokens=args.new_tokens,
+                                    new_tokens=args.max_new_tokens,
                                     device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
                                     command=" ".join(sys.argv))) + "\n")
 
@@ -311,25 +287,25 @@ def cmd_speculate(args) -> int:
     row decoded the same tokens as plain greedy decoding, else 1."""
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
-    gammas, policies, budgets, baselines = _check_args(args)
+    gammas, views, budgets, baselines = _check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    opts = parse_options(args.draft_opt)
+    opts = {}  # every view's options come with it (--policy NAME:KEY=VALUE,...)
     model, tok, assistant = _load(args, dtype)
     ids, mask = _batch(model, tok, args)
-    print(f"prompt: {args.batch} x {ids.shape[1]} tokens; prefilling once ...", flush=True)
+    _log(f"prompt: {args.batch} x {ids.shape[1]} tokens; prefilling once ...")
     kvkit.patch(model, "full")
     base = _prefill_once(model, ids, mask, args)
 
     # with --assistant every setting runs twice, self-draft alone and under the assistant (TriForce's
     # hierarchy), so the hierarchy's gain over the plain self-draft is measured on the same prefill
     helpers = [None, assistant] if assistant is not None else [None]
-    settings = [(p, g, b, a) for p in policies for b in budgets for g in gammas for a in helpers]
+    settings = [(v, g, b, a) for v in views for b in budgets for g in gammas for a in helpers]
     plain_runs, extra_runs, runs = _measure(model, base, ids, mask, args, settings, opts, baselines)
     rows = _summary(args, plain_runs, extra_runs, runs)
     kvkit.unpatch(model)
 
     _print_table(args, ids, rows, extra_runs)
-    if args.json:
-        _write_json(args.json, args, ids, rows)
+    if args.out:
+        _write_json(args.out, args, ids, rows)
     return 0 if all(r["same"] for r in rows) else 1  # (the --baselines rows too: they must decode the same tokens)

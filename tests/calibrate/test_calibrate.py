@@ -626,7 +626,7 @@ def test_run_config_records_the_calibration_and_resume_refuses_another(caldir, t
     RunDir(tmp_path / "old", cfg, resume=True)  # made before the field was recorded
 
 
-def test_bad_kernels_refused_before_the_model_loads(monkeypatch):
+def test_bad_kernels_refused_before_the_model_loads(monkeypatch, capsys):
     """``kvkit calibrate cake --kernels`` with a malformed list stops with what to write, before minutes of loading."""
     from kvkit.calibrate import cli
 
@@ -635,8 +635,9 @@ def test_bad_kernels_refused_before_the_model_loads(monkeypatch):
 
     monkeypatch.setattr("kvkit.models.load", no_load)
     for bad, match in (("4", "positive odd"), ("5,x", "expected odd integers"), ("31q", "expected odd integers")):
-        with pytest.raises(SystemExit, match=match):
+        with pytest.raises(SystemExit) as e:  # the parser's refusal: exit 2, one error line naming the flag
             cli.main_calibrate(["cake", "--kernels", bad])
+        assert e.value.code == 2 and match in capsys.readouterr().err
 
 
 # ---- tidal layer shares ----------------------------------------------------------------------------------------
@@ -716,13 +717,14 @@ def test_malformed_tidal_shares_refused(caldir):
 
 
 @pytest.mark.parametrize("bad", ["2,x", "6,2", "", "-1,3"])
-def test_calibrate_tidal_select_layers_checked_before_loading(bad, monkeypatch):
+def test_calibrate_tidal_select_layers_checked_before_loading(bad, monkeypatch, capsys):
     import kvkit.models
     from kvkit.calibrate import cli
 
     monkeypatch.setattr(kvkit.models, "load", lambda *a, **k: pytest.fail("the model must not load"))
-    with pytest.raises(SystemExit, match="--select-layers"):
+    with pytest.raises(SystemExit) as e:  # the parser's refusal: exit 2, one error line naming the flag
         cli.main_calibrate(["tidal", f"--select-layers={bad}"])
+    assert e.value.code == 2 and "error: argument --select-layers: expected" in capsys.readouterr().err
 
 
 # ---- the calibrator registry -----------------------------------------------------------------------------------

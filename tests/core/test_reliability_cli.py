@@ -176,7 +176,7 @@ def test_run_counts_are_validated(no_model_load, capsys, flags, want):
 
 
 @pytest.mark.parametrize("flags,want", [(["--policy", "nosuch"], "nosuch"),
-                                        (["--policy", "streaming", "--opt", "budget=-5"], "budget")])
+                                        (["--policy", "streaming:budget=-5"], "budget")])
 def test_policies_and_options_checked_before_the_model_loads(no_model_load, capsys, flags, want):
     assert run("run", *flags) == 2
     assert want in _one_error_line(capsys)
@@ -374,3 +374,121 @@ def test_kernel_builds_are_not_timed(tmp_path, monkeypatch):
     assert r.prefill_s < BUILD_S, f"prefill {r.prefill_s:.2f} s: a kernel build was timed as prefill"
     decode_s = r.new_tokens / r.decode_tok_s
     assert decode_s < BUILD_S, f"decode {decode_s:.2f} s for {r.new_tokens} tokens: a kernel build was timed as decode"
+
+
+# ------------------------------------------------------------------ what cannot run is refused up front
+
+
+def _counting(model):
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls
+
+
+def test_run_refuses_prompt_plus_max_new_tokens_beyond_the_context_before_any_forward(tmp_path, monkeypatch, capsys):
+    model = tiny_model("llama", max_position_embeddings=256)
+    calls = _counting(model)
+    monkeypatch.setattr("kvkit.models.load", lambda name, device="cpu": (model, _Tok()))
+    f = tmp_path / "p.txt"
+    f.write_text("alpha beta gamma " * 20)
+    assert run("run", "--prompt-file", f, "--policy", "full", "--max-new-tokens", 100000) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("loading model") and len(lines) == 2  # progress, then the one error line
+    err = lines[1]
+    assert "more than the model's trained context of 256 tokens" in err and "--max-new-tokens 196 or less" in err
+    assert calls == []
+
+
+def test_run_policy_keeps_the_tokens_made_before_a_failing_step():
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    calls = []
+
+    def fail_on_fifth(*a):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("index out of range in self")
+
+    model.register_forward_pre_hook(fail_on_fifth)
+    r = run_policy(model, _Tok(), random_ids(30, seed=2), "full", max_new_tokens=10)
+    assert r.new_tokens == 4 and r.error == "RuntimeError: index out of range in self" and r.answer
+
+
+def test_calibrate_refuses_an_existing_out_that_is_not_a_calibration_file_before_loading(no_model_load, tmp_path,
+                                                                                        capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    assert run("calibrate", "shadowkv", "--out", notes) == 2
+    err = _one_error_line(capsys)
+    assert f"--out {notes}" in err and "name a .json file" in err
+    bad = tmp_path / "notes.json"
+    bad.write_text("my notes\n")
+    assert run("calibrate", "shadowkv", "--out", bad) == 2
+    err = _one_error_line(capsys)
+    assert f"--out {bad} exists and is not a kvkit calibration file" in err and "not valid JSON" in err
+    assert notes.read_text() == bad.read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("command", ["duo", "duo-merge"])
+def test_calibrate_duo_refuses_a_pattern_name_the_policy_would_not_read(no_model_load, tmp_path, capsys, command):
+    pattern = tmp_path / "pattern.txt"
+    argv = ["calibrate", command, *(["a.json", "b.json"] if command == "duo-merge" else []), "--out", pattern]
+    with pytest.raises(SystemExit) as e:
+        run(*argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --out: must end in .json (kvkit pattern) or .tsv (reference format)" in err
+    assert not pattern.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("argv", [["run"], ["bench", "--lengths", "64"], ["eval", "niah", "--lengths", "512"],
+                                  ["eval", "ruler", "--tasks", "vt"], ["speculate"],
+                                  ["calibrate", "shadowkv"]])
+def test_cuda_device_without_cuda_is_refused_before_loading(no_model_load, monkeypatch, capsys, argv):
+    monkeypatch.setattr("kvkit.evals.settings.load_model",
+                        lambda *a, **k: pytest.fail("the model loaded before --device was checked"))
+    assert run(*argv, "--device", "cuda") == 2
+    err = _one_error_line(capsys)
+    assert err.startswith("kvkit: error: --device cuda: torch sees no CUDA device here") and "--device cpu" in err
+
+
+@pytest.mark.parametrize("argv", [["eval", "niah"], ["eval", "ruler"], ["bench"], ["eval", "needles", "--policy",
+                                                                                     "full"]])
+@pytest.mark.parametrize("flag", ["--out", "--out-root"])
+def test_out_that_is_a_file_is_refused_when_parsed(capsys, tmp_path, argv, flag):
+    if flag == "--out-root" and argv[1:2] != ["needles"]:
+        pytest.skip("--out-root is an old spelling of the needles / sweep --out only")
+    f = tmp_path / "results.txt"
+    f.write_text("x")
+    for out in (f, f / "run"):
+        with pytest.raises(SystemExit) as e:
+            run(*argv, flag, out)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: {out}" in err and "is a file, not a folder" in err and "Traceback" not in err
+    assert f.read_text() == "x"
+
+
+@pytest.mark.parametrize("flag", ["--length", "--samples"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_calibrate_counts_must_be_positive(no_model_load, capsys, flag, value):
+    assert run("calibrate", "shadowkv", flag, value) == 2
+    assert _one_error_line(capsys) == f"kvkit: error: {flag} must be an integer >= 1, got {value}"
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("scores", "high", "'scores' must be an object of task -> score"),
+    ("scores", {"vt": "high"}, "'scores' must be an object of task -> score"),
+    ("average", [1], "'average' must be a number or null"),
+    ("options", "budget=3", "'options' must be an object"),
+    ("mean_kv_bytes", "many", "'mean_kv_bytes' must be a number"),
+])
+def test_compare_refuses_a_malformed_summary_naming_the_field(tmp_path, capsys, field, value, want):
+    good = dict(benchmark="ruler", model="m", length=4096, policy="full", options={}, scores={"vt": 80.0},
+                average=80.0)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(dict(good, **{field: value})))
+    assert run("eval", "compare", tmp_path / "a") == 2
+    err = _one_error_line(capsys)
+    assert err.startswith(f"kvkit: error: {tmp_path / 'a' / 'summary.json'}: {want}")

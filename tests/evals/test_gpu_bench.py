@@ -198,8 +198,8 @@ def test_unknown_shape_and_row(tmp_path, capsys):
     assert _run("--shape", "tiny", "--policies", "full", "nosuch", "--out", tmp_path / "b") == 2
     err = capsys.readouterr().err
     assert "unknown row 'nosuch'" in err and "hf-dynamic, hf-static, full, streaming" in err and "kvzip" in err
-    assert _run("--shape", "tiny", "--add", "streaming", "--out", tmp_path / "c") == 2
-    assert "--policies" in capsys.readouterr().err
+    assert _run("--shape", "tiny", "--budget", "64", "--out", tmp_path / "c") == 2
+    assert "--budget does not apply to --shape" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
@@ -447,12 +447,25 @@ def test_grid_from_the_bench_arguments(monkeypatch, capsys):
         return dict(info={}, cells=[], rows=[], probes=[])
 
     monkeypatch.setattr(prod, "run_grid", fake)
-    args = argparse.Namespace(shape="llama-3.1-8b", device="cuda", policies=["full", "snapkv"], steps=None, warmup=3,
+    args = argparse.Namespace(shape="llama-3.1-8b", device="cuda", policy=["full", "snapkv"], steps=None, warmup=3,
                               time_limit=100.0, out=None, compile_backend="inductor", lengths="8192,32768", batch=8)
     assert prod.run_bench_args(args, "kvkit bench --shape llama-3.1-8b --grid") == 0
     assert seen["cells"] == ((8, 8192), (8, 32768)) and seen["policies"] == ["full", "snapkv"]
     assert seen["steps"] == 10 and seen["warmup"] == 3 and seen["shape"] == "llama-3.1-8b"
     assert "# Decode grid: llama-3.1-8b" in capsys.readouterr().out
-    args.lengths, args.policies = None, None
+    args.lengths, args.policy = None, None
     prod.run_bench_args(args)
     assert seen["cells"] is None and seen["policies"] == list(prod.DEFAULT_POLICIES)
+
+
+def test_bench_grid_flag_reaches_the_production_grid(monkeypatch):
+    """``kvkit bench --shape NAME --grid`` runs the production grid with the rows given as ``--policy``."""
+    from kvkit.cli import main
+    from kvkit.evals.gpu import production as prod
+
+    seen = {}
+    monkeypatch.setattr(prod, "run_grid", lambda shape, device, **kw: seen.update(kw, shape=shape) or
+                        dict(info={}, cells=[], rows=[], probes=[]))
+    main(["bench", "--shape", "tiny", "--grid", "--device", "cpu", "--policy", "full", "--policy", "streaming",
+          "--lengths", "64", "--batch", "2"])
+    assert seen["shape"] == "tiny" and seen["policies"] == ["full", "streaming"] and seen["cells"] == ((2, 64),)

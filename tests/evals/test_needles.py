@@ -273,9 +273,15 @@ def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
     assert all(0 < r["kv_read"] <= r["kv_bytes"] for r in rows)  # the bytes its last step read
     cfg = json.loads((out / "q4" / "config.json").read_text())
     assert cfg["protocol"] == "agnostic" and cfg["seed"] == needles.DEFAULT_SEED
+    root = json.loads((out / "summary.json").read_text())  # the runs for other tools (kvkit eval compare OUT)
+    assert root["schema"] == 1 and [r["folder"] for r in root["runs"]] == ["full", "q4", "snap"]
+    assert json.loads((out / "snap" / "summary.json").read_text())["mean_kv_read"] > 0
+    capsys.readouterr()
+    assert main(["eval", "compare", str(out)]) == 0
+    assert "| snapkv | 128 |" in capsys.readouterr().out
     assert main(["eval", "needles", "--model", tiny_dir, "--run", "a=full", "--run", "a=streaming",
                  "--out-root", str(out)]) == 2
-    assert "--run names must be unique" in capsys.readouterr().err
+    assert "run folder names must be unique" in capsys.readouterr().err
 
 
 def _script(name, monkeypatch):

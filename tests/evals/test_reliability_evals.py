@@ -115,8 +115,7 @@ def test_resume_with_repeated_row_id_does_not_double_count(tmp_path):
     assert [r["id"] for r in run_dir.rows] == ["vt/0", "vt/1"]
     assert {r["id"]: r["score"] for r in run_dir.rows} == {"vt/0": 0.0, "vt/1": 1.0}
     assert report.task_scores(run_dir.rows, ["vt"])["scores"] == {"vt": 50.0}
-    with pytest.warns(UserWarning, match=r"vt/0"):
-        run_dir.add(_rows(["vt/2"])[0])
+    run_dir.add(_rows(["vt/2"])[0])  # appended to the file resume left with one row per id
     assert [r["id"] for r in files.read_jsonl(d / "samples.jsonl")] == ["vt/0", "vt/1", "vt/2"]
 
 
@@ -143,8 +142,10 @@ def test_samples_non_positive_is_refused(no_model_load, capsys, tmp_path, bench,
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "vt/0", "task": "vt", "index": 0, "prompt": "hi",
                                                   "outputs": ["A"], "tokens_to_generate": 2,
                                                   "metric": "string_match_all"}) + "\n")
-    assert run("eval", bench, "--samples", n, *extra) == 2
-    assert re.search(rf"--samples must be a positive number.*got {n}", capsys.readouterr().err)
+    with pytest.raises(SystemExit) as e:  # refused by the parser, before anything loads
+        run("eval", bench, "--samples", n, *extra)
+    assert e.value.code == 2
+    assert re.search(rf"argument --samples: must be an integer >= 1, got {n}", capsys.readouterr().err)
 
 
 def test_samples_non_positive_refused_by_the_generators(tok, tmp_path):

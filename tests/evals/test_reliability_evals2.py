@@ -398,7 +398,7 @@ def _prompts(tmp_path, *changes):
 @pytest.mark.parametrize("metric", ["bogus", "best_of", "re", "qa_f1", None])
 def test_prompts_unknown_metric_refused_before_any_sample(tmp_path, no_model_load, capsys, bench, metric):
     f = _prompts(tmp_path, {"metric": metric})
-    extra = ["--out-root", tmp_path / "sweep", "--run", "a=full"] if bench == "sweep" else []
+    extra = ["--out", tmp_path / "sweep", "--policy", "full"] if bench == "sweep" else []
     # before: the samples ran, then `getattr(metrics, metric)` raised AttributeError (or called whatever it found)
     assert run("eval", bench, "--prompts", f, *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()

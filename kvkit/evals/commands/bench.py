@@ -1,5 +1,5 @@
-"""``kvkit bench``: prefill time, decode speed, peak memory and KV bytes of a policy (and ``--add``-ed ones) against
-the full cache, measured in the same run on the same essay prompts of the bundled model.
+"""``kvkit bench``: prefill time, decode speed, peak memory and KV bytes of a policy (and the further ``--policy``
+settings) against the full cache, measured in the same run on the same essay prompts of the bundled model.
 
 Three modes: per prompt length, one-shot (and with ``--prefill-chunk`` also chunked) prefill and ``--decode-tokens``
 decoded tokens (:func:`kvkit.evals.bench.run`, one row per policy and length); ``--batch B``: batched decode of every
@@ -17,21 +17,24 @@ import sys
 
 import torch
 
+from kvkit.cli_grammar import check_device, parse_policy
 from kvkit.evals import bench, gpu
 from kvkit.evals.commands import runs
 from kvkit.evals.files import atomic_write_json, atomic_write_jsonl
 from kvkit.evals.gpu.report import git_state
-from kvkit.evals.report import write_summary
-from kvkit.evals.settings import resolve_policy_options, run_label
-from kvkit.options import fmt_bytes, parse_options
+from kvkit.evals.report import SCHEMA, write_summary
+from kvkit.evals.rundir import check_out_folder
+from kvkit.evals.settings import run_label
+from kvkit.options import fmt_bytes
 
 
 def cmd_bench(args) -> int:
     args.seed = runs.generate_seed(args)
+    if args.out:
+        check_out_folder(args.out)
     if args.shape:  # the shaped-model decode benchmark (random weights; kvkit/evals/gpu/)
-        if args.lengths:
-            runs.ints(args.lengths, "--lengths")
         return gpu.run_cli(args, runs.command_line())
+    check_device(args.device)
     policy, options, lengths, more, threads = _settings(args)
     if args.batch and not args.prefill_chunk:
         return _bench_batch(args, policy, options, lengths, more, threads)
@@ -56,29 +59,16 @@ def cmd_bench(args) -> int:
 def _settings(args) -> tuple[str, dict, list[int], list[tuple[str, dict]], list[int] | None]:
     """``(policy, options, lengths, added settings, threads)`` of a bundled-model bench, every argument checked
     (ValueError) before the model loads; sets the mode's defaults of ``--dtype`` and ``--steps``."""
-    for flag in ("policies", "no_compile", "no_interleave", "no_cudnn_sdpa"):
-        if getattr(args, flag):
-            raise ValueError(f"--{flag.replace('_', '-')} applies to --shape only")
+    for flag in ("shape_rows", "no_compile", "no_interleave", "no_cudnn_sdpa"):
+        if getattr(args, flag, None):
+            raise ValueError(f"--{'policies' if flag == 'shape_rows' else flag.replace('_', '-')} applies to --shape "
+                             "only")
     args.dtype = args.dtype or "float32"
     args.steps = 4 if args.steps is None else args.steps
-    policy, options = runs.policy_of(args)
+    specs = args.policy or [parse_policy("full")]
+    policy, options = runs.resolved(args, specs[0])
+    more = [runs.resolved(args, s, strict=False) for s in specs[1:]]  # against the same full-cache rows
     lengths = runs.ints(args.lengths or "2048,4096,8192", "--lengths")
-    if args.decode_tokens < 1:
-        raise ValueError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
-    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
-        raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
-    more = []
-    for spec in args.add or []:
-        name, _, opts = spec.partition(":")
-        if not name.strip():
-            raise ValueError(f"--add {spec!r} must look like POLICY or POLICY:key=value,key=value")
-        more.append((name.strip(), resolve_policy_options(name.strip(), parse_options([opts] if opts else None))))
-    if args.batch is not None and args.batch <= 0:
-        raise ValueError(f"--batch must be a positive number of sequences, got {args.batch}")
-    if args.memory is not None and not args.memory > 0:
-        raise ValueError(f"--memory must be a positive number of GiB, got {args.memory}")
-    if args.max_batch <= 0:
-        raise ValueError(f"--max-batch must be a positive number of sequences, got {args.max_batch}")
     threads = runs.ints(args.threads, "--threads") if args.threads else None
     if (args.memory is not None or args.profile) and not args.batch:
         raise ValueError("--memory and --profile measure batched decode: give --batch B too")
@@ -104,9 +94,10 @@ def _bench_batch(args, policy, options, lengths, more, threads) -> int:
     threads = threads or [torch.get_num_threads()]
     commit, dirty = git_state()
     out_root = runs.out_dir(args, "bench", run_label(args.model, policy, options, max(lengths)) + f"-b{args.batch}")
-    cfg = runs.run_config(args, "bench", policy, options, lengths=lengths, added=[list(c) for c in more],
-                          git_commit=commit, git_dirty_kvkit=dirty, device_name=_device_name(args.device),
-                          cpu_count=os.cpu_count())
+    cfg = {"schema": SCHEMA, "commit": commit,  # summary.json's layout version and the commit, as every eval's
+           **runs.run_config(args, "bench", policy, options, lengths=lengths, added=[list(c) for c in more],
+                             git_commit=commit, git_dirty_kvkit=dirty, device_name=_device_name(args.device),
+                             cpu_count=os.cpu_count())}
     for L in lengths:
         out = out_root if len(lengths) == 1 else out_root / f"len{L}"
         res = bench.decode_bench(model, tok, configs[1:], batch=args.batch, length=L, threads=threads,

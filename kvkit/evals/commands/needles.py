@@ -1,7 +1,8 @@
 """``kvkit eval needles``: fresh needles no calibration saw (:mod:`kvkit.evals.needles`) through several runs --
 kvkit policies and peers (:mod:`kvkit.evals.peers`, e.g. ``quantized:nbits=4``) -- one run folder each under
-``--out-root``, then the table and the accuracy-vs-bytes figure of every needle run folder there (earlier
-invocations' too). ``--protocol agnostic`` prefills and compresses the context before the question is fed;
+``--out``, then the table and the accuracy-vs-bytes figure of every needle run folder there (earlier invocations'
+too). Every run folder gets its ``summary.json`` (scores per needle format, KV bytes held and read), and ``--out``
+one listing the runs (:func:`write_root_summary`), so ``kvkit eval compare OUT`` reads them all. ``--protocol agnostic`` prefills and compresses the context before the question is fed;
 ``aware`` prefills them together.
 """
 
@@ -12,31 +13,31 @@ from pathlib import Path
 
 from kvkit.evals import needles, ruler
 from kvkit.evals.commands import runs
+from kvkit.evals.files import atomic_write_json
 from kvkit.evals.generation import check_length
 from kvkit.evals.needles_report import report_title, write_report
 from kvkit.evals.peers import is_peer, peer_options
-from kvkit.evals.rundir import RunDir
+from kvkit.evals.rundir import RunDir, check_out_folder
 from kvkit.evals.runner import run_samples
-from kvkit.options import parse_options
+from kvkit.evals.settings import resolve_policy_options
 
 
-def _parse_needle_run(spec: str) -> tuple[str, str, dict]:
-    """``NAME=POLICY[:KEY=VALUE,...]`` where POLICY is a kvkit policy or a peer (:mod:`kvkit.evals.peers`)."""
-    name, sep, rest = spec.partition("=")
-    policy, _, opts = rest.partition(":")
-    if is_peer(policy.strip()):
-        if not sep or not name.strip() or "/" in name:
-            raise ValueError(f"--run {spec!r} must look like NAME=POLICY[:key=value,...]")
-        return name.strip(), policy.strip(), peer_options(policy.strip(), parse_options([opts] if opts else None))
-    return runs.parse_run(spec)
+def _resolve(policy: str, options: dict, budget) -> dict:
+    """The options of a kvkit policy (resolved, with ``--budget``) or of a peer (:mod:`kvkit.evals.peers`)."""
+    return peer_options(policy, options) if is_peer(policy) else resolve_policy_options(policy, options, budget)
 
 
 def cmd_needles(args) -> int:
     """Fresh needles (:mod:`kvkit.evals.needles`) through several runs (policies and peers), then the table and the
     accuracy-vs-bytes figure of every run folder under --out-root made with the same samples."""
-    specs = runs.run_specs(args, "needles (one run of them full)", _parse_needle_run)
+    specs = runs.run_specs(args, "needles (one of them full)", _resolve)
+    root = Path(args.out)
+    check_out_folder(root)
+    for name, _, _ in specs:
+        check_out_folder(root / name)
     lengths = runs.ints(args.lengths, "--lengths")
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    formats = args.formats if isinstance(args.formats, list) else [f.strip() for f in args.formats.split(",")
+                                                                   if f.strip()]
     if args.haystack not in needles.HAYSTACKS:
         raise ValueError(f"--haystack must be one of {', '.join(needles.HAYSTACKS)}, got {args.haystack!r}")
     args.seed = needles.DEFAULT_SEED if args.seed is None else args.seed
@@ -46,18 +47,43 @@ def cmd_needles(args) -> int:
     samples = needles.generate_samples(tok, lengths, args.samples, seed=args.seed, formats=formats,
                                        haystack=args.haystack, depths=args.depths)
     aware = args.protocol == "aware"
-    root = Path(args.out_root)
     for name, policy, options in specs:
         cfg = runs.run_config(args, "needles", policy, options, model=model, length=max(lengths), lengths=lengths,
                               formats=formats, haystack=args.haystack, depths=args.depths, protocol=args.protocol,
                               chat=True)
         cfg["full_prompt_prefill"] = aware
         with RunDir(root / name, cfg, resume=args.resume) as run:
-            run_samples(model, tok, samples, run, policy, options,
-                        lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"needles {name}",
-                        full_prompt_prefill=aware)
-    # the table covers every needle run folder under --out-root (earlier invocations' runs too)
+            rows = run_samples(model, tok, samples, run, policy, options,
+                               lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"needles {name}",
+                               full_prompt_prefill=aware)
+            runs.task_summary(run, rows, formats, f"Fresh needles - {args.model} - {name}")
+    # the table covers every needle run folder under --out (earlier invocations' runs too)
     folders = sorted(d for d in root.iterdir() if (d / "config.json").is_file()
                      and json.loads((d / "config.json").read_text()).get("benchmark") == "needles")
-    print(write_report(root, folders, report_title(args.model, max(lengths), args.protocol, args.haystack)))
+    md = write_report(root, folders, report_title(args.model, max(lengths), args.protocol, args.haystack))
+    write_root_summary(root, folders)
+    print(md)
     return 0
+
+
+def write_root_summary(root: Path, folders: list[Path]) -> None:
+    """``root/summary.json``: schema, commit, model, protocol and one entry per needle run folder under ``root``
+    (folder, policy spec, compression ratio, KV bytes held and read, scores per needle format, accuracy), read from
+    each folder's own summary.json (``kvkit eval compare ROOT`` expands to those folders)."""
+    from kvkit.evals.report import SCHEMA, commit
+
+    entries, cfg = [], {}
+    for d in folders:
+        f = d / "summary.json"
+        if not f.is_file():
+            continue
+        s = json.loads(f.read_text(encoding="utf-8"))
+        cfg = cfg or s
+        entries.append(dict(folder=d.name, policy=s.get("policy"), policy_spec=s.get("policy_spec"),
+                            options=s.get("options"), compression_ratio=s.get("compression_ratio"),
+                            mean_kv_bytes=s.get("mean_kv_bytes"), mean_kv_read=s.get("mean_kv_read"),
+                            scores=s.get("scores"), average=s.get("average"), samples_scored=s.get("samples_scored")))
+    atomic_write_json(root / "summary.json", dict(
+        schema=SCHEMA, commit=commit(), benchmark="needles", model=cfg.get("model"), protocol=cfg.get("protocol"),
+        lengths=cfg.get("lengths"), formats=cfg.get("formats"), haystack=cfg.get("haystack"), seed=cfg.get("seed"),
+        runs=entries))

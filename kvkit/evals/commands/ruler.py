@@ -5,7 +5,7 @@ replayed into each policy's cache).
 ``eval ruler`` generates its samples (``--samples`` per task, default 10, seeded; ``--dump-prompts`` writes them and
 stops) or reads them (``--prompts``, filtered by ``--tasks`` / ``--samples``), runs them into a run folder
 (:class:`kvkit.evals.rundir.RunDir`; ``--resume`` continues one) and writes the per-task summary. ``eval sweep``
-writes one such folder per ``--run NAME=POLICY[:options]`` under ``--out-root``, every folder locked until the
+writes one such folder per ``--policy POLICY[:options]`` under ``--out``, every folder locked until the
 sweep ends, each with the rows a run of that policy alone would have.
 """
 
@@ -81,7 +81,7 @@ def cmd_sweep(args) -> int:
             cfg = runs.run_config(args, "ruler", policy, options, model=model, length=length, tasks=tasks, chat=True,
                                   prompts=str(args.prompts))
             cfg["full_prompt_prefill"] = False
-            folders.append((held.enter_context(RunDir(Path(args.out_root) / name, cfg, resume=args.resume)), policy,
+            folders.append((held.enter_context(RunDir(Path(args.out) / name, cfg, resume=args.resume)), policy,
                             options))
         run_sweep(model, tok, runs.cap(args, samples), folders,
                   lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER sweep x{len(folders)}")

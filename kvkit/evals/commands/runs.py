@@ -17,8 +17,11 @@ import sys
 from pathlib import Path
 
 import kvkit
+from kvkit.cli_grammar import PolicySpec, check_device, extra_options, has_option, parse_policy
 from kvkit.evals.files import atomic_write_jsonl
+from kvkit.evals.peers import is_peer
 from kvkit.evals.report import task_scores, write_summary
+from kvkit.evals.rundir import check_out_folder
 from kvkit.evals.settings import (
     build_policy,
     calibration_used,
@@ -27,10 +30,11 @@ from kvkit.evals.settings import (
     policy_files,
     resolve_policy_options,
 )
-from kvkit.options import parse_options
 
 
-def ints(spec: str, what: str) -> list[int]:
+def ints(spec, what: str) -> list[int]:
+    if isinstance(spec, list):  # parsed by the argument's type already
+        return spec
     try:
         xs = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
@@ -55,16 +59,61 @@ def command_line() -> str:
     return "kvkit " + shlex.join(sys.argv[1:]) if prog in ("kvkit", "cli.py") else ""
 
 
+def _options_of(args, spec: PolicySpec) -> dict:
+    """``spec``'s options with the hidden ``--opt`` / ``--policy-options`` and ``--compression-ratio`` folded in
+    (``full`` and the peers take none of them)."""
+    if spec.name == "full" or is_peer(spec.name):
+        return dict(spec.options)
+    opts = {**extra_options(args), **spec.options}
+    if getattr(args, "compression_ratio", None) is not None:
+        opts["compression_ratio"] = args.compression_ratio
+    return opts
+
+
+def _budget_for(args, spec: PolicySpec, strict: bool):
+    """``--budget`` for ``spec``: None for full and the peers; with ``strict`` False (one of several policies) also
+    None for a policy without a ``budget`` option (duo, zipcache) or whose spec sets its own."""
+    budget = getattr(args, "budget", None)
+    if budget is None or spec.name == "full" or is_peer(spec.name):
+        return None
+    if not strict and ("budget" in spec.options or not has_option(spec.name, "budget")):
+        return None
+    return budget
+
+
+def resolved(args, spec: PolicySpec, strict: bool = True) -> tuple[str, dict]:
+    """``(policy, options)`` of ``spec`` with ``--budget`` / ``--compression-ratio`` / the hidden ``--opt`` folded in,
+    resolved against the policy's options (ValueError naming the valid ones; ``strict`` False: ``--budget`` only
+    where the policy has one)."""
+    budget = _budget_for(args, spec, strict)
+    return spec.name, resolve_policy_options(spec.name, _options_of(args, spec), budget)
+
+
 def policy_of(args) -> tuple[str, dict]:
-    opts = parse_options(getattr(args, "opt", None), getattr(args, "policy_options", None))
-    return args.policy, resolve_policy_options(args.policy, opts, getattr(args, "budget", None))
+    """``--policy NAME[:KEY=VALUE,...]`` of a single-policy eval with ``--budget`` / ``--compression-ratio`` (and the
+    hidden ``--opt``) resolved against the policy's options (ValueError naming the valid ones: ``--policy full
+    --budget 64`` is refused, not ignored)."""
+    spec = args.policy if isinstance(args.policy, PolicySpec) else parse_policy(str(args.policy or "full"))
+    opts = {**extra_options(args), **spec.options}
+    if getattr(args, "compression_ratio", None) is not None:
+        opts["compression_ratio"] = args.compression_ratio
+    return spec.name, resolve_policy_options(spec.name, opts, getattr(args, "budget", None))
 
 
 def out_dir(args, bench: str, label: str) -> Path:
     return Path(args.out) if args.out else Path("results") / bench / label
 
 
+def preflight(args) -> None:
+    """What must hold before a model loads: a usable ``--device`` (CUDA present when asked for) and an ``--out`` that
+    can be a folder (ValueError naming the flag)."""
+    check_device(args.device)
+    if getattr(args, "out", None):
+        check_out_folder(args.out)
+
+
 def load(args):
+    preflight(args)
     print(f"loading model {args.model!r} on {args.device} ({args.dtype}) ...", file=sys.stderr, flush=True)
     return load_model(args.model, device=args.device, dtype=args.dtype)
 
@@ -118,10 +167,19 @@ def run_config(args, bench: str, policy: str, options: dict, model=None, **extra
 
 
 def summary(config: dict, rows: list[dict], scores: dict) -> dict:
+    """A run's summary.json (:func:`kvkit.evals.report.write_summary` adds ``schema`` and ``commit``): its config,
+    ``scores`` per task and ``average``, the setting as ``--policy`` writes it, ``compression_ratio`` when given, and
+    per sample means of prompt tokens, KV bytes held at the end, KV bytes read per decode step (rows that record
+    it) and seconds."""
     n = len(rows)
+    reads = [r["kv_read"] for r in rows if r.get("kv_read") is not None]
+    options = config.get("options") or {}
     return dict(config, **scores, samples_scored=n,
+                policy_spec=str(PolicySpec(str(config.get("policy")), dict(options))),
+                compression_ratio=options.get("compression_ratio"),
                 mean_prompt_tokens=round(sum(r["prompt_tokens"] for r in rows) / n, 1) if n else None,
                 mean_kv_bytes=round(sum(r["kv_bytes"] for r in rows) / n) if n else None,
+                mean_kv_read=round(sum(reads) / len(reads)) if reads and len(reads) == n else None,
                 mean_seconds=round(sum(r["seconds"] for r in rows) / n, 3) if n else None)
 
 
@@ -133,22 +191,39 @@ def task_summary(run, rows, names, title: str) -> None:
     write_summary(run.path, summary(run.config, rows, scores), ["task", "score", "samples"], table, title=title)
 
 
-def parse_run(spec: str) -> tuple[str, str, dict]:
-    """``NAME=POLICY[:KEY=VALUE,...]`` -> (name, policy, options)."""
+def split_run(spec: str) -> tuple[str, PolicySpec]:
+    """The hidden ``--run NAME=POLICY[:KEY=VALUE,...]`` -> (folder name, policy spec) (:func:`parse_policy`)."""
     name, sep, rest = spec.partition("=")
-    policy, _, opts = rest.partition(":")
-    if not sep or not name.strip() or not policy.strip() or "/" in name:
+    if not sep or not name.strip() or "/" in name or not rest.partition(":")[0].strip():
         raise ValueError(f"--run {spec!r} must look like NAME=POLICY or NAME=POLICY:key=value,key=value "
-                         f"(NAME is a folder name under --out-root)")
-    return name.strip(), policy.strip(), resolve_policy_options(policy.strip(), parse_options([opts] if opts else None))
+                         f"(NAME is a folder name under --out); or give --policy POLICY[:key=value,...]")
+    return name.strip(), parse_policy(rest)
 
 
-def run_specs(args, command: str, parse=None) -> list[tuple[str, str, dict]]:
-    """The ``--run NAME=POLICY[:options]`` of a multi-run command, parsed, with unique names (ValueError)."""
-    if not args.run:
-        raise ValueError(f"kvkit eval {command} needs at least one --run NAME=POLICY[:options]")
-    specs = [(parse or parse_run)(r) for r in args.run]
+def parse_run(spec: str) -> tuple[str, str, dict]:
+    """``NAME=POLICY[:KEY=VALUE,...]`` -> (name, policy, options), the options resolved against the policy's."""
+    name, p = split_run(spec)
+    return name, p.name, resolve_policy_options(p.name, p.options)
+
+
+def run_specs(args, command: str, resolve=None) -> list[tuple[str, str, dict]]:
+    """``(folder name, policy, options)`` of every ``--policy`` (folder: the spec's label) and hidden ``--run
+    NAME=POLICY[:options]`` of a multi-run command, with ``--budget`` / ``--compression-ratio`` folded in and the
+    options resolved (``resolve(name, options)``: :func:`resolve_policy_options` unless given); ValueError when none
+    is given or two share a folder."""
+    given = [(None, s) for s in (args.policy or [])] + [split_run(r) for r in (getattr(args, "run", None) or [])]
+    if not given:
+        raise ValueError(f"kvkit eval {command} needs at least one --policy NAME[:KEY=VALUE,...]")
+    specs = []
+    for name, spec in given:
+        budget = _budget_for(args, spec, strict=False)
+        given = _options_of(args, spec)
+        opts = (resolve or resolve_policy_options)(spec.name, given, budget)
+        # a --policy's folder: the setting as given, as a label (snapkv-window32-budget512; --budget and
+        # --compression-ratio included, defaults left out)
+        label = PolicySpec(spec.name, {**given, **({"budget": budget} if budget is not None else {})}).label()
+        specs.append((name or label, spec.name, opts))
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
-        raise ValueError(f"--run names must be unique, got {names}")
+        raise ValueError(f"run folder names must be unique, got {names}")
     return specs

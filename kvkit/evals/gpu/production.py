@@ -318,13 +318,15 @@ def parse_cells(text: str | None):
 
 def run_bench_args(args, command: str = "") -> int:
     """``kvkit bench --shape NAME --grid ...``: the grid from the bench's own arguments (``--device``,
-    ``--policies``, ``--steps``, ``--warmup``, ``--time-limit``, ``--out``, ``--compile-backend``; ``--batch`` and
+    ``--policy``, ``--steps``, ``--warmup``, ``--time-limit``, ``--out``, ``--compile-backend``; ``--batch`` and
     ``--lengths``, when given, make the cells ``batch x each length``), its tables printed."""
     cells = None
     if getattr(args, "lengths", None):
-        lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
+        lengths = args.lengths if isinstance(args.lengths, list) else \
+            [int(x) for x in str(args.lengths).split(",") if x.strip()]
         cells = tuple((args.batch or 1, L) for L in lengths)
-    res = run_grid(args.shape, args.device, policies=args.policies or list(DEFAULT_POLICIES), cells=cells,
+    given = [str(s) for s in [*(getattr(args, "policy", None) or []), *(getattr(args, "shape_rows", None) or [])]]
+    res = run_grid(args.shape, args.device, policies=given or list(DEFAULT_POLICIES), cells=cells,
                    steps=args.steps or 10, warmup=args.warmup, time_limit=args.time_limit,
                    out=Path(args.out) if args.out else None, command=command,
                    compile_backend=getattr(args, "compile_backend", None) or "inductor")
