@@ -15,7 +15,9 @@ import json
 import subprocess
 from pathlib import Path
 
+from kvkit import env
 from kvkit.evals.files import atomic_write_bytes, atomic_write_json, atomic_write_text, read_rows
+from kvkit.options import fmt_bytes as fmt
 
 NIAH_COLORS = ("#F0496E", "#EBB839", "#0CD79F")  # red -> yellow -> green
 
@@ -49,8 +51,6 @@ SCHEMA = 1
 def commit() -> str | None:
     """The commit kvkit runs from: ``KVKIT_GIT_COMMIT`` when set, else ``git rev-parse HEAD`` of the checkout holding
     this package (None outside a git checkout)."""
-    from kvkit import env
-
     if env.git_commit():
         return env.git_commit()
     try:
@@ -418,6 +418,4 @@ def _ratio(a, b) -> float | None:
 
 
 def fmt_bytes(n) -> str:
-    from kvkit.options import fmt_bytes as fmt
-
     return fmt(int(n))
