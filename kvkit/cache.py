@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 from transformers.cache_utils import Cache
 
 from kvkit.model_info import layer_infos, make_rope_fn, text_config
@@ -15,6 +16,7 @@ from kvkit.registry import available_policies, get_policy, policy_class
 from kvkit.state import patch_state
 from kvkit.stores.buffers import crop_count
 from kvkit.stores.full import SlidingStore
+from kvkit.stores.normal import to_normal_tensors
 
 
 def static_policies() -> tuple[str, ...]:
@@ -55,6 +57,11 @@ class KVCache(Cache):
     decode step; :attr:`compile_refusal` says why not.
     """
 
+    #: some tensor was made under ``torch.inference_mode()`` (:meth:`leave_inference_mode`)
+    inference_tensors = False
+    #: rows of the batch the cache holds, set by its first forward (:meth:`match_batch`); None: not known
+    batch_rows: int | None = None
+
     def __init__(self, model, policy=None, *, static: bool | None = None, max_length: int | None = None,
                  **options):
         state = patch_state(model)
@@ -94,6 +101,20 @@ class KVCache(Cache):
         #: a policy's own scoring forward is running (KVzip's reconstruction): its tokens are rolled back
         #: afterwards, so the context-length check and the policy's after-forward hook skip it
         self.scoring_pass = False
+        self.inference_tensors = torch.is_inference_mode_enabled()
+
+    def leave_inference_mode(self) -> None:
+        """Before a write: under ``torch.inference_mode()`` note that the cache holds inference tensors; outside it,
+        once, copy them into normal tensors (:func:`kvkit.stores.normal.to_normal_tensors`), since PyTorch refuses
+        in-place writes to inference tensors there. A cache filled under inference mode (``kvkit.prefill`` or a
+        forward) then decodes under ``no_grad`` (``generate``) as transformers' ``DynamicCache`` does."""
+        if torch.compiler.is_compiling():
+            return
+        if torch.is_inference_mode_enabled():
+            self.inference_tensors = True
+        elif self.inference_tensors:
+            to_normal_tensors(self.layers, self.shared)
+            self.inference_tensors = False
 
     # ---- guards ------------------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -102,6 +123,9 @@ class KVCache(Cache):
                 f"this KVCache has {len(self.layers)} layers but the model asked for layer {layer_idx}: it was built "
                 "for another model; build it with kvkit.KVCache(model, ...) for the model you run"
             )
+        self.leave_inference_mode()
+        if layer_idx == 0 and not torch.compiler.is_compiling():
+            self.match_batch(key_states.shape[0])
         layer = self.layers[layer_idx]
         if layer.needs_kvkit_attention:
             impl = getattr(self._model_config, "_attn_implementation", "kvkit")
@@ -122,11 +146,13 @@ class KVCache(Cache):
         """Remove the newest ``n`` tokens from every layer exactly, or raise ``ValueError`` and change nothing."""
         for layer in self.layers:
             layer.check_rollback(n)
+        self.leave_inference_mode()
         for layer in self.layers:
             layer.rollback(n, ends_round=ends_round)
 
     def reserve(self, n: int) -> None:
         """Let every layer compress now so that the next ``n`` tokens stay exactly croppable."""
+        self.leave_inference_mode()
         for layer in self.layers:
             layer.reserve(n)
 
@@ -155,12 +181,14 @@ class KVCache(Cache):
     def ensure_capacity(self, n: int) -> None:
         """Let every static layer hold ``n`` tokens (prompt + new ones) without re-allocating: call it before a
         compiled decode loop (a compiled step cannot grow its buffers). No-op for growing layers."""
+        self.leave_inference_mode()
         for layer in self.layers:
             if hasattr(layer, "ensure_capacity"):
                 layer.ensure_capacity(n)
 
     def before_compiled_step(self, T: int) -> None:
         """Eager work before a compiled forward of ``T`` new tokens (``StoreMixin.before_compiled_step``)."""
+        self.leave_inference_mode()
         for layer in self.layers:
             layer.before_compiled_step(T)
 
@@ -168,6 +196,39 @@ class KVCache(Cache):
         """Eager bookkeeping after it (``StoreMixin.after_compiled_step``)."""
         for layer in self.layers:
             layer.after_compiled_step(T)
+
+    # ---- batch operations (beam search, batch expansion): in place on the layers ---------------------------
+    def match_batch(self, rows: int) -> None:
+        """Before a forward of ``rows`` rows: a cache of one row that has seen tokens (a shared context) is
+        expanded to ``rows`` copies of it (:meth:`batch_repeat_interleave`, as transformers' ``DynamicCache``
+        broadcasts one), for every policy alike; a cache of another batch size is refused (``ValueError``). An
+        empty cache takes any batch (its first forward sets it)."""
+        if self.get_seq_length() == 0:
+            self.batch_rows = rows
+            return
+        have = self.batch_rows
+        if have is None or have == rows:
+            return
+        if have != 1:
+            raise ValueError(f"this KVCache holds a batch of {have} rows but the forward has {rows}: a cache continues "
+                             "the batch it was filled with (or one row, which is repeated for every row); select its "
+                             "rows first (cache.batch_select_indices) or fill a new KVCache for this batch")
+        self.batch_repeat_interleave(rows)
+
+    def reorder_cache(self, beam_idx):
+        self.leave_inference_mode()
+        return super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int):
+        self.leave_inference_mode()
+        super().batch_repeat_interleave(repeats)
+        if self.batch_rows is not None:
+            self.batch_rows *= repeats
+
+    def batch_select_indices(self, indices):
+        self.leave_inference_mode()
+        super().batch_select_indices(indices)
+        self.batch_rows = None  # the next forward's rows are taken as they come
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):

@@ -208,11 +208,13 @@ def _parse(path):
         raise CalibrationError(str(e)) from None
     try:
         data = json.loads(text, parse_constant=_constant)
+        where = _non_finite(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _bad(path, f"not valid JSON ({e})") from None
     except ValueError as e:  # a constant
         raise _bad(path, str(e)) from None
-    where = _non_finite(data)
+    except RecursionError:  # arrays or objects nested deeper than Python's recursion limit
+        raise _bad(path, "not valid JSON for a calibration file (nested too deeply)") from None
     if where is not None:
         raise _bad(path, f"{where} is not a finite number")
     return data
@@ -330,7 +332,7 @@ def write_section(path, model: dict, policy: str, options: dict, command: str, e
     """Add or replace ``policy``'s section of the calibration file ``path`` (created when missing)."""
     path = Path(path)
     if path.exists():
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _parse(path)
         check(data, path)
         if not matches(data["model"], model):
             raise CalibrationError(f"{str(path)!r} belongs to another model ({data['model'].get('name')!r}); "

@@ -43,6 +43,7 @@ from kvkit.policies.duo_patterns import (
     SHIPPED_PATTERNS,
     PatternFile,
     as_matrix,
+    check_pattern_model,
     load_pattern,
     model_identity,
     read_pattern,
@@ -202,6 +203,7 @@ class Duo(Policy):
                 f"model ({ident['model_type']}) has {L} layers x {H} KV heads: it belongs to another model; "
                 "calibrate one for this model with `kvkit calibrate duo`"
             )
+        check_pattern_model(meta, ident, source)
         return alpha, source
 
     def effective_sparsity(self, config) -> float:

@@ -65,6 +65,28 @@ def model_identity(config, name: str | None = None) -> dict:
     }
 
 
+def _describe(ident: dict) -> str:
+    """A model as a pattern's ``model`` object (or :func:`model_identity`) names it: name, type and shape."""
+    shape = ", ".join(f"{v} {k.replace('num_', '').replace('_', ' ')}" for k in _MODEL_INT_FIELDS
+                      if (v := ident.get(k)) is not None)
+    head = " ".join(repr(ident[k]) if k == "name" else str(ident[k]) for k in ("name", "model_type") if ident.get(k))
+    return f"{head or 'an unnamed model'} ({shape})" if shape else head or "an unnamed model"
+
+
+def check_pattern_model(meta: dict, ident: dict, source: str) -> None:
+    """Refuse a pattern whose ``model`` object (``meta``) describes another model than ``ident``
+    (:func:`model_identity` of the model it is used on): a model type, head count, KV head count, layer count or
+    hidden size that differs. The name is not compared (a local copy of a checkpoint has another path). A pattern
+    with no ``model`` object (values, a bare matrix, TSV) is checked by its shape only."""
+    diff = [k for k in ("model_type", *_MODEL_INT_FIELDS) if meta.get(k) is not None and meta[k] != ident.get(k)]
+    if diff:
+        raise ValueError(
+            f"duo: pattern {source!r} was calibrated for {_describe(meta)}, but this model is {_describe(ident)} "
+            f"({', '.join(diff)} differ): its gates belong to the other model's heads. Calibrate a pattern for this "
+            "model with `kvkit calibrate duo --model <model> --out pattern.json` and pass pattern='pattern.json'"
+        )
+
+
 def _bad(path, what: str) -> ValueError:
     return ValueError(f"duo: pattern file {str(path)!r} is not a valid DuoAttention pattern: {what}")
 
@@ -138,11 +160,28 @@ def _read_bytes(path) -> bytes:
         raise
 
 
+#: what a pattern file may be, for the messages that refuse another kind of file
+_FORMATS_READ = ("duo reads kvkit JSON patterns (.json, written by `kvkit calibrate duo --out pattern.json`) and the "
+                 "reference implementation's TSV (full_attention_heads.tsv)")
+
+
+def _is_safetensors(raw: bytes) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then that many bytes of JSON header."""
+    n = int.from_bytes(raw[:8], "little") if len(raw) >= 10 else 0
+    return 2 <= n <= len(raw) - 8 and raw[8:9] == b"{"
+
+
 def _decode(raw: bytes, path) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _bad(path, f"not a text file (not UTF-8 at byte {e.start})") from None
+        if _is_safetensors(raw):
+            raise _bad(path, "it is a safetensors file (a `kvkit calibrate duo --resume` checkpoint, <out>.ckpt.pt?), "
+                             f"not a pattern; {_FORMATS_READ}. A checkpoint is the state of an unfinished calibration: "
+                             "rerun its command with the same options and --out (the checkpoint next to it as "
+                             "<out>.ckpt.pt, --resume; --time-limit 0 stops after one more step) and it writes the "
+                             "pattern to --out (kvkit.calibrate.duo_checkpoint)") from None
+        raise _bad(path, f"not a text file (not UTF-8 at byte {e.start}); {_FORMATS_READ}") from None
 
 
 def read_tsv(path) -> torch.Tensor:

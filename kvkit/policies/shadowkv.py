@@ -322,6 +322,9 @@ class ShadowKVStore(SlotStore):
         self.mark_padding(attention_mask, T)
         if not self.compressed:
             self._record_positions(kwargs.get("position_ids"), T)
+            if self.static and T == 1:  # a static step's mask has one column, not read (StaticSlots): by position
+                return self.decode(query, torch.arange(self.seen - 1, self.seen, device=query.device,
+                                                       dtype=torch.int32), scaling)
             # exact, and bit-identical to `full`: the held tokens are all tokens, in position order
             out = hf_sdpa(module, query, self.keys, self.values, attention_mask, scaling, dropout, **kwargs)
             if self.seen == T and self.seen > self.min_prompt:

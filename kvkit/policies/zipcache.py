@@ -42,6 +42,17 @@ from kvkit.stores.static import static_store
 BITS = (2, 4, 8)
 
 
+def check_bits(name: str, b, allow_none: bool = False) -> None:
+    """A bit width option: an ``int`` of :data:`BITS` (None too with ``allow_none``); a float such as ``8.0`` (from
+    JSON, a calibration file) is refused by name, since the packing kernels index by it."""
+    if b is None and allow_none:
+        return
+    if isinstance(b, bool) or not isinstance(b, int) or b not in BITS:
+        kind = f" (a {type(b).__name__}; write it as an integer)" if isinstance(b, float) and b in BITS else ""
+        none = "None or " if allow_none else ""
+        raise ValueError(f"zipcache: {name} must be {none}an integer of {BITS} (bits per value), got {b!r}{kind}")
+
+
 @register("zipcache")
 @dataclass(frozen=True)
 class ZipCache(Policy):
@@ -106,17 +117,13 @@ class ZipCache(Policy):
     )
 
     def __post_init__(self):
-        for name in ("high_bits", "low_bits"):
-            b = getattr(self, name)
-            if isinstance(b, bool) or b not in BITS:
-                raise ValueError(f"zipcache: {name} must be one of {BITS} (bits per value), got {b!r}")
+        for name in ("high_bits", "low_bits", "key_bits"):
+            check_bits(name, getattr(self, name), allow_none=name == "key_bits")
         if self.low_bits > self.high_bits:
             raise ValueError(
                 f"zipcache: low_bits ({self.low_bits}) must not exceed high_bits ({self.high_bits}); "
                 "salient tokens get the higher precision"
             )
-        if self.key_bits is not None and (isinstance(self.key_bits, bool) or self.key_bits not in BITS):
-            raise ValueError(f"zipcache: key_bits must be None or one of {BITS} (bits per key value), got {self.key_bits!r}")
         if self.key_group is not None:
             check_positive_int("zipcache", "key_group", self.key_group)
         if self.stats not in ("float16", "float32", "auto"):
@@ -154,6 +161,34 @@ def probe_positions(n_real: int, ratio: float, seed: int) -> torch.Tensor:
     return torch.cat([rand, recent])
 
 
+@dataclass
+class SaliencyUndo:
+    """What a multi-token forward (a speculative verification) added to the tail's saliency, kept until the next
+    forward so that a rollback of its tokens removes their queries' attention from the sums exactly.
+
+    ``start``: the position of its first token; ``sal_sum [B, H, n]`` / ``sal_cnt [B, 1, n]``: the sums before it
+    observed (``n`` tail slots, its own tokens included at 0); ``per_query``: inside a verification, each query's
+    contribution ``([B, H, T, n] attention mass, [B, T, n] visibility)`` (small: ``T`` is the drafts + 1), so a
+    rollback keeping its first queries keeps theirs; None otherwise (a long chunk: only the whole forward is undone
+    exactly; a rollback keeping part of it keeps the sums as they are)."""
+
+    start: int
+    sal_sum: torch.Tensor
+    sal_cnt: torch.Tensor
+    per_query: tuple | None
+
+    def restore(self, seen_after: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sums ``(sal_sum, sal_cnt)`` (the ``n`` slots; the caller truncates) once the tokens from position
+        ``seen_after`` on are rolled back: those of the forward's first ``seen_after - start`` queries only."""
+        kept = seen_after - self.start
+        if kept <= 0:
+            return self.sal_sum, self.sal_cnt
+        if self.per_query is None:
+            return None
+        mass, see = self.per_query
+        return self.sal_sum + mass[:, :, :kept].sum(2), self.sal_cnt + see[:, :kept].sum(1, keepdim=True)
+
+
 class ZipCacheStore(QuantizedSegmentStore):
     """ZipCache's saliency and bit split over the quantized-segment store.
 
@@ -170,11 +205,21 @@ class ZipCacheStore(QuantizedSegmentStore):
         self.p = policy
         self.sal_sum: torch.Tensor | None = None  # [B, H, n_tail] fp32 attention mass on tail tokens
         self.sal_cnt: torch.Tensor | None = None  # [B, 1, n_tail] fp32 queries that could see them
+        #: the newest multi-token forward's saliency before it observed, for an exact rollback (:meth:`_drop_last`)
+        self.undo: SaliencyUndo | None = None
+        self.verifying = False  # inside a speculative verification: its per-query contributions are kept too
+
+    def set_verifying(self, on: bool) -> None:
+        self.verifying = on
 
     # ---- per-tail-token saliency accumulators (follow the tail through append / crop / batch ops) --------
     def reset(self) -> None:
         super().reset()
-        self.sal_sum = self.sal_cnt = None
+        self.sal_sum = self.sal_cnt = self.undo = None
+
+    def appended(self, T: int) -> None:
+        super().appended(T)
+        self.undo = None  # a new forward: the record of the previous one no longer describes the newest tokens
 
     def append(self, k, v) -> None:
         super().append(k, v)
@@ -185,10 +230,16 @@ class ZipCacheStore(QuantizedSegmentStore):
         self.sal_cnt = zc if self.sal_cnt is None else torch.cat([self.sal_cnt, zc], -1)
 
     def _drop_last(self, n: int) -> None:
+        """Drop the newest ``n`` tail tokens and the saliency their queries added (:class:`SaliencyUndo`): after a
+        rollback of a multi-token forward's tokens the tail's sums are those of a cache that never saw them."""
+        keep = self.sal_sum.shape[-1] - n
+        sums = self.undo.restore(self.seen - n) if self.undo is not None else None
+        s, c = sums if sums is not None else (self.sal_sum, self.sal_cnt)
         super()._drop_last(n)
-        self.sal_sum, self.sal_cnt = self.sal_sum[..., :-n], self.sal_cnt[..., :-n]
+        self.sal_sum, self.sal_cnt = s[..., :keep], c[..., :keep]
 
     def _apply_batch(self, fn) -> None:
+        self.undo = None
         super()._apply_batch(fn)
         self.sal_sum = None if self.sal_sum is None else fn(self.sal_sum)
         self.sal_cnt = None if self.sal_cnt is None else fn(self.sal_cnt)
@@ -243,6 +294,9 @@ class ZipCacheStore(QuantizedSegmentStore):
         see = (pos[:, None, :] <= qpos.view(1, T, 1)) & (pos[:, None, :] >= 0)  # [B, T, n]
         see_g = see[:, None, None].expand(B, H, G, T, n).reshape(B, H, G * T, n)
         prob = prob.masked_fill(~see_g, 0.0).nan_to_num(0.0)
+        if T > 1 and not torch.compiler.is_compiling():  # eager multi-token forward: keep what rollback restores
+            per_query = (prob.view(B, H, G, T, n).sum(2), see.float()) if self.verifying else None
+            self.undo = SaliencyUndo(self.seen - T, self.sal_sum.clone(), self.sal_cnt.clone(), per_query)
         self.sal_sum.add_(prob.sum(2))
         self.sal_cnt.add_(see.float().sum(1, keepdim=True))
 

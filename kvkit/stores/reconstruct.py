@@ -218,8 +218,29 @@ def forward_to_repeat(layers, input_ids, attention_mask, who: str, hint: str = "
     if input_ids is None:
         raise ValueError(f"{who} repeats the context from its token ids: call the model with input_ids "
                          f"(inputs_embeds cannot be repeated){hint}")
-    ok = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-    return T, attention_mask if ok and attention_mask.shape[1] == layers[0].seen else None
+    return T, context_mask(attention_mask, layers[0].seen)
+
+
+def context_mask(attention_mask, seen: int) -> torch.Tensor | None:
+    """The 2-D mask ``[B, seen]`` (1 = real token) of a forward's ``attention_mask`` that covers all ``seen``
+    tokens, or None when it covers none of them (no mask: no padding).
+
+    The mask comes as the caller gave it (2-D) or as transformers prepared it before the forward (``generate`` over
+    a static cache builds the 4-D mask ``[B, 1, T, seen]`` outside the model: bool, True = attend; or additive
+    float, 0 = attend; or a dict of them per layer type). The last query of a 4-D causal mask attends every real
+    token before it, so its row is the padding mask of the whole context (a left-padded row then repeats its
+    chunks at its own positions, as it would alone)."""
+    m = attention_mask
+    if isinstance(m, dict):
+        m = m.get("full_attention")
+    if not isinstance(m, torch.Tensor) or m.shape[-1] != seen:
+        return None
+    if m.dim() == 2:
+        return m
+    if m.dim() != 4:
+        return None
+    last = m[:, 0, -1, :]  # [B, seen]
+    return (last if last.dtype == torch.bool else last == 0).long()
 
 
 def reconstruct(base_model, cache, layers, ids, mask, ctx_mask, chunk: int, overlap: int, instruction=None,

@@ -86,11 +86,13 @@ def _split(spec) -> tuple[str | None, dict]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"kvkit.vllm: option {item!r} is not key=value (in {text!r})")
-        key = key.strip()
+        key, value = key.strip(), value.strip()
+        if not key:
+            raise ValueError(f"kvkit.vllm: option {item!r} has no name (in {text!r}); write key=value")
         if key in kwargs:
             raise ValueError(f"kvkit.vllm: option {key!r} is given twice in {text!r} ({key}={kwargs[key]} and "
-                             f"{key}={value.strip()}); give it once")
-        kwargs[key] = value.strip()
+                             f"{key}={value}); give it once")
+        kwargs[key] = value
     return name, kwargs
 
 
@@ -124,6 +126,9 @@ def parse_policy(spec, *, source: str | None = None) -> PluginPolicy | None:
         for k, v in kwargs.items():
             if isinstance(v, os.PathLike):
                 v = os.fspath(v)
+            if isinstance(v, str) and not v.strip():
+                raise ValueError(f"kvkit.vllm: option {k!r} of {name!r} has an empty value; give {k}=<value> "
+                                 f"({k}=none where None is allowed), or leave {k} out for its default")
             clean[k] = cls.parse_option(k, v) if isinstance(v, str) else v
         return cls(**clean)
     except ValueError as e:

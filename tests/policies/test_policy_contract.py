@@ -66,6 +66,50 @@ def test_crop_is_exact(policy):
         kvkit.unpatch(model)
 
 
+@torch.no_grad()
+def _decode_after_a_round(model, ids, drafts, verify: bool, steps: int = 10) -> torch.Tensor:
+    """Prefill ``ids``, decode 3 tokens, ``reserve`` a round of ``[last, drafts]``; with ``verify`` run it as one
+    verification forward and crop it all; then decode ``steps`` greedy tokens from ``last``: their logits
+    ``[1, steps, V]``."""
+    cache = kvkit.KVCache(model)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    for _ in range(3):
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    nxt = out.logits[:, -1:].argmax(-1)
+    k = drafts.shape[1] + 1
+    cache.reserve(k)
+    if verify:
+        seen = cache.get_seq_length()
+        with cache.verification():
+            model(input_ids=torch.cat([nxt, drafts], 1), past_key_values=cache, use_cache=True)
+        cache.crop(-k)
+        assert cache.get_seq_length() == seen
+    logits = []
+    for _ in range(steps):
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        nxt = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_crop_after_verification_equals_never_seeing_the_tokens(policy, static):
+    """``reserve(k)``, a verification forward of ``k`` tokens, ``crop(-k)``: the store is back where it was (held
+    slots, the statistics its queries fed: scores, saliencies, observation windows), so the next tokens (and the
+    compression events among them) decode as in a cache that never saw the round."""
+    if static and not policy_class(policy).static_capable:
+        pytest.skip(f"{policy} has no static stores")
+    model = tiny_model("llama")
+    ids, drafts = random_ids(40, seed=3), random_ids(4, seed=9)
+    kvkit.patch(model, policy, static=static, **policy_test_options(policy))
+    try:
+        torch.testing.assert_close(_decode_after_a_round(model, ids, drafts, verify=True),
+                                   _decode_after_a_round(model, ids, drafts, verify=False), rtol=1e-5, atol=1e-5)
+    finally:
+        kvkit.unpatch(model)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_left_padded_batch_equals_each_prompt_alone(policy, arch):

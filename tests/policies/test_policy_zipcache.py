@@ -175,3 +175,42 @@ def test_key_bits_keeps_every_key_at_one_width():
 def test_bad_options(bad):
     with pytest.raises(ValueError, match="zipcache"):
         kvkit.get_policy("zipcache", **bad)
+
+
+@torch.no_grad()
+def _after_verification(model, ids, round_ids, keep: int, steps: int = 8):
+    """Prefill, 2 decode steps, a verification forward of ``round_ids`` whose first ``keep`` tokens are kept (the
+    rest cropped), then ``steps`` greedy steps: the saliency sums right after the crop and the logits after."""
+    cache = kvkit.KVCache(model)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    for _ in range(2):
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    cache.reserve(round_ids.shape[1])
+    with cache.verification():
+        out = model(input_ids=round_ids, past_key_values=cache, use_cache=True)
+    cache.crop(-(round_ids.shape[1] - keep))
+    sums = [(s.sal_sum.clone(), s.sal_cnt.clone()) for s in _stores(cache)]
+    nxt, logits = out.logits[:, keep - 1 : keep].argmax(-1), []
+    for _ in range(steps):
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        nxt = out.logits[:, -1:].argmax(-1)
+    return sums, torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_partly_rejected_verification_keeps_only_the_accepted_queries_saliency(static):
+    """A verification of 5 tokens of which 2 are kept: the tail's saliency sums are those a verification of the 2
+    alone leaves (the rejected queries' attention removed), and so is the decoding after (its re-quantisations)."""
+    model = tiny_model("llama")
+    ids, round_ids = _ids(40, seed=3), _ids(5, seed=9)
+    kvkit.patch(model, "zipcache", static=static, requant_interval=8)
+    try:
+        sums, logits = _after_verification(model, ids, round_ids, keep=2)
+        ref_sums, ref_logits = _after_verification(model, ids, round_ids[:, :2], keep=2)
+    finally:
+        kvkit.unpatch(model)
+    for (s, c), (rs, rc) in zip(sums, ref_sums):
+        torch.testing.assert_close(s, rs, rtol=1e-6, atol=1e-7)
+        assert torch.equal(c, rc)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
