@@ -19,6 +19,12 @@ import importlib
 import sys
 import types
 
+from kvkit import registry as _registry
+
+# the registry sits below the policies and imports none of them: its first lookup imports the built-in policies
+# package, whose modules register themselves
+_registry.set_builtin_loader(lambda: importlib.import_module("kvkit.policies"))
+
 __version__ = "0.1.0"
 __all__ = ["patch", "unpatch", "patched", "patched_policy", "prefill", "KVCache", "available_policies", "get_policy", "policy_options"]
 

@@ -12,8 +12,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvkit.model_info import layer_infos, make_rope_fn, text_config
-from kvkit.registry import available_policies, policy_class
+from kvkit.registry import available_policies, get_policy, policy_class
 from kvkit.state import patch_state
+from kvkit.stores.buffers import crop_count
 from kvkit.stores.full import SlidingStore
 from kvkit.stores.normal import to_normal_tensors
 
@@ -63,8 +64,6 @@ class KVCache(Cache):
 
     def __init__(self, model, policy=None, *, static: bool | None = None, max_length: int | None = None,
                  **options):
-        from kvkit.registry import get_policy
-
         state = patch_state(model)
         if policy is None:
             policy = state.policy if state is not None and not options else "full"
@@ -141,8 +140,6 @@ class KVCache(Cache):
     # ---- rollback API (kvkit.speculative, transformers' assisted decoding) ------------------------------
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' ``crop``, all layers or none: every layer is checked before any is cropped."""
-        from kvkit.stores.base import crop_count
-
         self.rollback(crop_count(self.get_seq_length(), tokens_to_remove))
 
     def rollback(self, n: int, ends_round: bool = True) -> None:

@@ -53,9 +53,9 @@ def environment() -> dict:
 
 
 def small_options(policy: str) -> dict:
-    from kvkit.registry import policy_class
+    from kvkit.testing import tiny_options
 
-    return dict(policy_class(policy).test_options)
+    return tiny_options(policy)
 
 
 def check_cell(arch: str, policy: str) -> tuple[str, str]:

@@ -1,14 +1,34 @@
-"""Policy registry: ``@register("name")`` on a policy dataclass, lookup by name with clear errors."""
+"""Policy registry: ``@register("name")`` on a policy dataclass, lookup by name with clear errors.
+
+The registry sits below the policies and imports none of them: each policy module registers itself when it is
+imported, and ``kvkit/__init__.py`` hands the registry a loader of the built-in policies package
+(:func:`set_builtin_loader`), which the first lookup runs. ``import kvkit`` stays free of torch, and every lookup
+made after ``import kvkit`` (or ``import kvkit.registry``, which runs the package first) sees the built-in policies."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kvkit.policies.base import Policy
+#: name -> policy class (a :class:`kvkit.policies.base.Policy` subclass), in registration order
+_REGISTRY: dict[str, type] = {}
+#: imports the built-in policies (set by ``kvkit/__init__.py``); run once, by the first lookup
+_BUILTINS: list[Callable[[], object]] = []
 
-_REGISTRY: dict[str, type[Policy]] = {}
+
+def set_builtin_loader(load: Callable[[], object]) -> None:
+    """``load()`` imports the built-in policies (their modules register themselves); the first lookup calls it."""
+    _BUILTINS[:] = [load]
+
+
+def _ensure_builtins() -> None:
+    if _BUILTINS:
+        load = _BUILTINS.pop()
+        try:
+            load()
+        except BaseException:
+            _BUILTINS.append(load)
+            raise
 
 
 def registrar(table: dict[str, type], what: str):
@@ -32,19 +52,14 @@ def registrar(table: dict[str, type], what: str):
 register = registrar(_REGISTRY, "policy")
 
 
-def _ensure_loaded() -> None:
-    # Importing the package registers every built-in policy.
-    import kvkit.policies  # noqa: F401
-
-
 def available_policies() -> list[str]:
     """Names of all registered policies, in registry order."""
-    _ensure_loaded()
+    _ensure_builtins()
     return list(_REGISTRY)
 
 
-def policy_class(name: str) -> type[Policy]:
-    _ensure_loaded()
+def policy_class(name: str) -> type:
+    _ensure_builtins()
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown kvkit policy {name!r}; known policies: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
@@ -66,14 +81,19 @@ def policy_options(name: str) -> dict[str, object]:
     return out
 
 
-def get_policy(name, **options) -> Policy:
+def _is_policy(obj) -> bool:
+    """Whether ``obj`` is a built policy: an instance of a policy dataclass (registered or a subclass of one), which
+    builds stores through ``new_layer``."""
+    return (not isinstance(obj, (str, type)) and dataclasses.is_dataclass(obj)
+            and callable(getattr(obj, "new_layer", None)))
+
+
+def get_policy(name, **options):
     """Build a policy by name. Unknown option names raise ValueError listing the valid ones.
 
     ``name`` may also be an already-built policy instance (then ``options`` must be empty).
     """
-    from kvkit.policies.base import Policy
-
-    if isinstance(name, Policy):
+    if _is_policy(name):
         if options:
             raise ValueError("pass options either to the policy object or to get_policy, not both")
         return name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvkit.compat import cache_kw, output_cache
+from kvkit.hostsync import HostSyncCounter
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 #: every architecture of the support matrix (``kvkit doctor --matrix``)
@@ -126,12 +127,35 @@ def reconstruction_scores_reference(model, ids, chunk: int, overlap: int, normal
     return out
 
 
-def policy_test_options(policy: str, layers: int = 3) -> dict:
-    """A policy's ``test_options`` (its tiny-model options) for a tiny model of ``layers`` layers: a per-layer head
-    pattern (duo) gets one row per layer, repeating the declared rows."""
-    from kvkit.registry import policy_class
+#: each policy's options for the tiny random models (budgets of a few tokens, so a 30-60-token prompt compresses;
+#: ``kvkit doctor``'s support matrix, tests/policies/test_policy_contract.py); duo's pattern rows repeat per layer
+#: (:func:`policy_test_options`)
+TEST_OPTIONS: dict[str, dict] = {
+    "full": {},
+    "streaming": dict(budget=16, sink=2, tail=4),
+    "duo": dict(pattern=[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]], sparsity=0.5, sink=2, recent=8, tail=4),
+    "cake": dict(budget=16, window=4),
+    "chelsea": dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8),
+    "kvzip": dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4),
+    "shadowkv": dict(budget=16, min_prompt=16),
+    "snapkv": dict(budget=16, window=4, kernel=3, tail=4),
+    "tidal": dict(budget=8),
+    "zipcache": dict(requant_interval=4),
+}
 
-    opts = dict(policy_class(policy).test_options)
+
+def tiny_options(policy: str) -> dict:
+    """A copy of ``policy``'s :data:`TEST_OPTIONS`; ValueError naming the table for a policy it lacks."""
+    if policy not in TEST_OPTIONS:
+        raise ValueError(f"no tiny-model options for policy {policy!r}: add its entry to kvkit.testing.TEST_OPTIONS "
+                         f"(known: {', '.join(TEST_OPTIONS)})")
+    return dict(TEST_OPTIONS[policy])
+
+
+def policy_test_options(policy: str, layers: int = 3) -> dict:
+    """A policy's :data:`TEST_OPTIONS` for a tiny model of ``layers`` layers: a per-layer head pattern (duo) gets one
+    row per layer, repeating the declared rows."""
+    opts = tiny_options(policy)
     if "pattern" in opts:
         opts["pattern"] = [opts["pattern"][i % len(opts["pattern"])] for i in range(layers)]
     return opts
@@ -149,8 +173,6 @@ def decode_step_syncs(model, lengths, steps: int = 12, seed: int = 4) -> list:
     """Host synchronisations of ``steps`` greedy single-token steps after the prefill of a left-padded batch of
     prompts of ``lengths``: one ``(HostSyncCounter, compressed)`` per step (``compressed``: a compression event ran
     in it, see :func:`compression_marks`)."""
-    from kvkit.hostsync import HostSyncCounter
-
     ids, mask, _ = left_padded_batch(lengths, seed=seed)
     out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
     cache = output_cache(out)

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import pytest
 
-from kvkit import registry
+from kvkit import registry, testing
 from kvkit.policies.streaming import Streaming, StreamingStore
 
 NAME = "nostatic"
@@ -36,4 +36,5 @@ def no_static_policy():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(registry._REGISTRY, NAME, NoStatic)
         mp.setattr(NoStatic, "name", NAME, raising=False)
+        mp.setitem(testing.TEST_OPTIONS, NAME, testing.TEST_OPTIONS["streaming"])
         yield NAME

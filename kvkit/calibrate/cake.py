@@ -14,6 +14,7 @@ from argparse import ArgumentTypeError
 from kvkit.calibrate import needles
 from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
 from kvkit.calibrate.search import picked, pooling_sweep, window_option
+from kvkit.policies.cake import model_taus
 
 CAKE_TAUS = [(1.0, 1.0), (0.5, 0.5), (2.0, 2.0), (1.0, 2.0), (2.0, 1.0), (1.6, 0.4), (0.5, 2.0), (2.0, 0.5), (4.0, 4.0)]
 
@@ -29,8 +30,6 @@ def calibrate_cake(model, tokenizer, length: int = 2048, samples: int = 8, budge
     paper's value for the model first, then the order of ``CAKE_TAUS``); then, at those taus, the indicator's
     pooling kernel by :func:`pooling_sweep` (question in the prefill; the paper's 5 first). ``kernels=()`` skips
     the second stage. ``values``: the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
-    from kvkit.policies.cake import model_taus
-
     t0 = time.perf_counter()
     budget = max(2, int(budget_fraction * length))
     paper, source = model_taus(model.config)

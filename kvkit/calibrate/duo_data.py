@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvkit.calibrate.haystack import calibration_text
+from kvkit.calibrate.needles import WORDS, make_samples
 
 NATO = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
@@ -42,8 +43,6 @@ class PasskeyData:
         self.needles = [self._enc(NEEDLE.format(ordinal=o)) for o in ORDINALS[: cfg.num_passkeys]]
         self.questions = [self._enc(QUESTION.format(ordinal=o)) for o in ORDINALS[: cfg.num_passkeys]]
         if cfg.task == "keyed":
-            from kvkit.calibrate.needles import WORDS
-
             # kvkit's key words (the fresh-needle evaluation never uses them); a key is never a passkey word
             self.key_words = [w for w in WORDS if w not in NATO]
         lo = cfg.min_length if cfg.min_length is not None else 3 * cfg.length // 4
@@ -100,8 +99,6 @@ class PasskeyData:
         """``task="needles"``: sample ``i`` of :func:`kvkit.calibrate.needles.make_samples` (the knob calibrations'
         needles, in the model's chat template; kinds cycle over 1 needle / 3 needles x number / code), followed by
         its answer; labels: the question, the answer prefix and the answer."""
-        from kvkit.calibrate.needles import make_samples
-
         n = self.lengths[i % len(self.lengths)]
         s = make_samples(self.tok, i % 4 + 1, n, seed=self.cfg.seed * 1_000_003 + i)[-1]
         ctx = self._enc(s.prompt[: s.context_end])

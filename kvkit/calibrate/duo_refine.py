@@ -34,10 +34,13 @@ from pathlib import Path
 
 import torch
 
+import kvkit
 from kvkit.calibrate import needles
 from kvkit.calibrate.duo_merge import merge_alphas, read_sources
 from kvkit.policies.duo import binarize
 from kvkit.policies.duo_patterns import save_pattern
+from kvkit.workloads.prompts import encode
+from kvkit.workloads.shared_prefill import record_prefill
 
 
 def swing_split(alphas: list[torch.Tensor], sparsity: float, window: int = 4) -> tuple[torch.Tensor, list, int]:
@@ -82,10 +85,6 @@ def mask_options(mask: torch.Tensor) -> dict:
 def score_masks(model, tokenizer, samples, masks: dict, log=print, duo_options: dict | None = None) -> dict:
     """``{label: [(logprob, exact), ...]}`` per sample full answers exactly, for duo with each ``masks[label]``
     (context replayed, question after it); full's own scores under ``"full"``."""
-    import kvkit
-    from kvkit.evals.generation import encode
-    from kvkit.evals.shared_prefill import record_prefill
-
     out = {"full": [], **{lab: [] for lab in masks}}
     try:
         for i, s in enumerate(samples):

@@ -19,8 +19,12 @@ import random
 import time
 from dataclasses import dataclass
 
+import kvkit
 from kvkit.calibrate.haystack import calibration_text
 from kvkit.compat import cache_kw
+from kvkit.workloads.generation import generate
+from kvkit.workloads.prompts import encode
+from kvkit.workloads.shared_prefill import record_prefill, replay_prefill
 
 WORDS = (
     "amber anchor apricot arrow aspen badger basalt beacon birch bison bramble bronze cactus canyon cedar "
@@ -141,7 +145,7 @@ def _chat(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[s
 
 def answer_logprob(model, tokenizer, s: NeedleSample, rec, question_aware: bool = False) -> float:
     """Mean log-probability of the needle's answer tokens, teacher-forced after the question, under the policy
-    ``model`` is patched with (the context replayed from ``rec``, as :func:`kvkit.evals.generation.generate` does).
+    ``model`` is patched with (the context replayed from ``rec``, as :func:`kvkit.workloads.generation.generate` does).
 
     The question is fed in one forward on top of the compressed context, then the answer one token per forward
     (decode steps, so every policy runs its decode path). A margin: how far a policy is from losing the answer,
@@ -154,10 +158,6 @@ def answer_score(model, tokenizer, s: NeedleSample, rec, question_aware: bool = 
     """``(mean log-probability, exact)`` of the answer tokens as :func:`answer_logprob` computes them; ``exact``:
     every answer token is the model's top choice after the ones before it (greedy decoding would write the answer)."""
     import torch
-
-    import kvkit
-    from kvkit.evals.generation import encode
-    from kvkit.evals.shared_prefill import replay_prefill
 
     q = encode(tokenizer, s.prompt if question_aware else s.prompt[s.context_end:])
     full = encode(tokenizer, (s.prompt if question_aware else s.prompt[s.context_end:]) + " " + s.answer)[0]
@@ -193,10 +193,6 @@ def score_policies(model, tokenizer, samples: list[NeedleSample], candidates: li
     prompt, question included, in one forward (the policy compresses with the question seen: SnapKV's and
     CAKE's setting) instead of the shared context prefill with the question fed after it.
     """
-    import kvkit
-    from kvkit.evals.generation import encode, generate
-    from kvkit.evals.shared_prefill import record_prefill
-
     t0 = time.perf_counter()
     out = {"full": [], **{c[0]: [] for c in candidates}, "predictions": {}}
     if margin:

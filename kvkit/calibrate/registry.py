@@ -21,6 +21,10 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+from kvkit.calibrate.needles import VALUE_KINDS
+from kvkit.registry import available_policies, policy_class
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,6 @@ def calibrator(name: str, *, command: Callable):
     """Decorator on a calibration's ``run(model, tokenizer, args, out, log)``: register it under the policy ``name``
     with its ``command`` (refused when that policy declares no calibrated options: the store would refuse its
     section)."""
-    from kvkit.registry import policy_class
-
     if not policy_class(name).calibrated_options:
         raise ValueError(f"calibrator {name!r}: policy {name!r} declares no calibrated_options for it to set")
 
@@ -56,10 +58,7 @@ def calibrator(name: str, *, command: Callable):
 
 
 def _load_builtin() -> None:
-    import kvkit.calibrate
-    from kvkit.registry import available_policies, policy_class
-
-    here = {m.name for m in pkgutil.iter_modules(kvkit.calibrate.__path__)}
+    here = {m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])}
     for name in available_policies():
         if name in here and policy_class(name).calibrated_options:
             importlib.import_module(f"kvkit.calibrate.{name}")
@@ -94,8 +93,6 @@ def common_options(p, length: int, samples: int) -> None:
 
 def needle_values(p) -> None:
     """--values: the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
-    from kvkit.calibrate.needles import VALUE_KINDS
-
     p.add_argument("--values", default=VALUE_KINDS[0], choices=VALUE_KINDS,
                    help="needle values: 'mixed' (half of the samples hold UUID-shaped codes, which need every token "
                         "kept; default) or 'number' (7-digit numbers only, as calibrations before 2026-11-24)")

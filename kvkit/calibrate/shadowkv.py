@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from kvkit.calibrate.needles import essay_text
 from kvkit.calibrate.registry import calibrator, common_options
 
 
@@ -61,8 +62,6 @@ def key_rank_errors(keys: torch.Tensor) -> torch.Tensor:
 
 def _mean_key_errors(model, tokenizer, length: int, samples: int, seed: int, log) -> torch.Tensor:
     """``[L, W+1]``: :func:`key_rank_errors` per layer, averaged over ``samples`` essay excerpts of ``length`` tokens."""
-    from kvkit.calibrate.needles import essay_text
-
     text = essay_text()
     g = torch.Generator().manual_seed(seed)
     errs = None

@@ -16,9 +16,15 @@ from argparse import ArgumentTypeError
 
 import torch
 
+import kvkit
+from kvkit import calibration
 from kvkit.calibrate import needles
 from kvkit.calibrate.registry import calibrator, common_options, needle_values
 from kvkit.calibrate.search import mean_logprob
+from kvkit.compat import cache_kw
+from kvkit.policies.tidal import Tidal, TidalStore, group_score, union_ranks
+from kvkit.stores import attend_slots
+from kvkit.workloads.prompts import encode
 
 
 # ---- layouts and their reads ----------------------------------------------------------------------------------
@@ -52,8 +58,6 @@ def tidal_read_fraction(layout, num_layers: int, held: int, budget: int, layer_s
     if layer_shares is None:
         reuse_reads = reuse * f
     else:
-        from kvkit.policies.tidal import Tidal
-
         ks = Tidal(budget=budget, select_layers=tuple(layout), layer_shares=layer_shares).layer_budgets(num_layers)
         reuse_reads = sum(min(1.0, (ks[i] + 1) / held) for i in range(layout[0], num_layers) if i not in layout)
     return (layout[0] + len(layout) + reuse_reads) / num_layers
@@ -136,8 +140,6 @@ def _check_fractions(num_layers: int, budget_fraction, read_fraction) -> None:
 def _given_layout(model, tokenizer, layout: tuple, num_layers: int, read_fraction, shares: bool,
                   **kw) -> tuple[dict, dict]:
     """``calibrate_tidal`` with the selection layers given: only their shares (refused without a read fraction)."""
-    from kvkit.policies.tidal import Tidal
-
     Tidal(select_layers=layout).selection_layers(num_layers)  # a malformed layout is refused before any forward
     if not shares or read_fraction is None:
         raise ValueError("tidal calibration: a given layout (--select-layers) calibrates only the layer shares, "
@@ -201,14 +203,8 @@ def tidal_capture_curves(model, tokenizer, layout, data, grid: int = TIDAL_SHARE
     its own exact attention probability falls on the top ``ceil(j / grid * (n - 1))`` of that ranking plus the
     current token (averaged over its query heads). The model runs exact attention throughout (the reads are only
     measured). Returns ``{layer: [captured mass at fraction 1/grid, ..., 1]}`` for the reuse layers."""
-    import kvkit
-    from kvkit.compat import cache_kw
-    from kvkit.evals.generation import encode
-    from kvkit.policies.tidal import TidalStore, group_score, union_ranks
-
     if selection not in SHARE_SELECTIONS:
         raise ValueError(f"tidal capture curves: selection must be one of {SHARE_SELECTIONS}, got {selection!r}")
-    from kvkit.stores import attend_slots
 
     sums: dict[int, torch.Tensor] = {}
     counts: dict[int, int] = {}
@@ -380,9 +376,7 @@ def _keep_layout_evidence(ev: dict, out, layout: tuple) -> None:
     section is about to be replaced): its command and evidence as ``layout_command`` / ``layout_evidence``."""
     from pathlib import Path
 
-    from kvkit import calibration as store
-
-    old = store.read(out)["policies"].get("tidal") if Path(out).exists() else None
+    old = calibration.read(out)["policies"].get("tidal") if Path(out).exists() else None
     if old is not None and tuple(old["options"].get("select_layers") or ()) == layout:
         ev["layout_command"] = old.get("evidence", {}).get("layout_command", old.get("command"))
         ev["layout_evidence"] = old.get("evidence", {}).get("layout_evidence", old.get("evidence"))

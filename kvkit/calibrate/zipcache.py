@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import time
 
+import kvkit
 from kvkit.calibrate import needles
 from kvkit.calibrate.registry import calibrator, common_options, needle_values
+from kvkit.workloads.generation import generate
+from kvkit.workloads.prompts import encode
+from kvkit.workloads.shared_prefill import record_prefill
 
 
 def zipcache_bits(o: dict) -> float:
@@ -43,8 +47,6 @@ def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 8, s
     expensive candidate if none does). Each sample's context is prefilled once (recorded, kept in memory) and
     answered with the full cache; then the candidates run in order of bytes, each stopping at its first miss,
     and the first that answers every needle ends the sweep (the more expensive ones are not run)."""
-    import kvkit
-
     t0 = time.perf_counter()
     data = needles.make_samples(tokenizer, samples, length, seed=seed, values=values)
     cands = sorted(ZIPCACHE_CANDIDATES, key=zipcache_bits)
@@ -73,10 +75,6 @@ def calibrate_zipcache(model, tokenizer, length: int = 2048, samples: int = 8, s
 def _answered_by_full(model, tokenizer, data, log) -> list:
     """``(sample, recording)`` for each sample the full cache answers, its context prefilled once and recorded (the
     others' recordings are dropped)."""
-    import kvkit
-    from kvkit.evals.generation import encode, generate
-    from kvkit.evals.shared_prefill import record_prefill
-
     recs = []
     for s in data:
         kvkit.patch(model, "full")
@@ -95,9 +93,6 @@ def _answered_by_full(model, tokenizer, data, log) -> list:
 def _first_keeping_all(model, tokenizer, cands, recs, per: dict, preds: dict, log) -> dict | None:
     """The first of ``cands`` that answers every recorded sample, each candidate stopping at its first miss; fills
     ``per`` (per candidate: answered, tried, kept) and ``preds`` (its answers) on the way. None: none kept all."""
-    import kvkit
-    from kvkit.evals.generation import generate
-
     n_full = len(recs)
     for o in cands:
         kvkit.patch(model, "zipcache", **dict(o, calibrated=False))

@@ -1,152 +1,16 @@
-"""The model side of one eval sample: its prompt text, its tokens, and a greedy generation under a policy's cache.
+"""The evals' import path of the prompt and generation helpers they share with the calibrations:
+:mod:`kvkit.workloads.prompts` (prompt text, tokens, context checks) and :mod:`kvkit.workloads.generation` (a greedy
+generation under a policy's cache)."""
 
-Prompts (:func:`build_prompt`): the chat template around the user message when the tokenizer has one, then the
-answer prefix after the generation prompt (as RULER does); without a template the tokenizer's own leading special
-tokens (e.g. Llama's BOS) as text, then the message and the prefix. Prompts are tokenized with
-``add_special_tokens=False`` (:func:`encode`, :func:`count_tokens`); :func:`check_length` refuses a length above the
-model's context.
+from kvkit.workloads.generation import Generation, generate
+from kvkit.workloads.prompts import (
+           build_prompt,
+           check_length,
+           count_tokens,
+           encode,
+           has_chat_template,
+           model_context,
+)
 
-Generation (:func:`generate`): greedy ``model.generate`` with an explicit cache: ``kvkit.KVCache`` when the model is
-patched, a peer's cache (:mod:`kvkit.evals.peers`) on the unpatched model, transformers' own otherwise. With a
-context/question split the context is prefilled (and compressed) first and the question fed on top of what the policy
-kept (question-agnostic compression, as kvpress evaluates), or rebuilt from a recorded prefill (policy sweeps).
-"""
-
-from __future__ import annotations
-
-import time
-from dataclasses import dataclass
-
-import torch
-
-import kvkit
-from kvkit.compat import cache_kw
-from kvkit.evals import peers
-from kvkit.evals.shared_prefill import replay_prefill
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def build_prompt(tokenizer, user: str, answer_prefix: str = "", chat: bool = True) -> str:
-    """The full prompt text: the chat template around ``user`` (when the model has one), then the
-    answer prefix after the generation prompt, as RULER does. Tokenize it with ``add_special_tokens=False``."""
-    if chat and has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
-        )
-        return text + answer_prefix.lstrip(" ")
-    return _default_prefix(tokenizer) + user + answer_prefix
-
-
-def _default_prefix(tokenizer) -> str:
-    """The special tokens the tokenizer itself puts in front of a plain text (e.g. Llama's BOS), as text."""
-    ids = tokenizer("a")["input_ids"]
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    n = len(ids) - len(bare)
-    return tokenizer.decode(ids[:n]) if n > 0 and ids[n:] == bare else ""
-
-
-def count_tokens(tokenizer, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def encode(tokenizer, text: str) -> torch.Tensor:
-    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
-
-
-
-def model_context(model) -> int | None:
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return getattr(cfg, "max_position_embeddings", None)
-
-
-def check_length(model, length: int, what: str = "--length") -> None:
-    ctx = model_context(model)
-    if ctx is not None and length > ctx:
-        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        raise ValueError(f"{what} {length} is above the model's context of {ctx} tokens ({name})")
-
-
-@dataclass
-class Generation:
-    text: str
-    prompt_tokens: int
-    new_tokens: int
-    seconds: float
-    kv_bytes: int
-    kv_offloaded: int
-    #: bytes one decode step read at the end (``KVCache.read_nbytes``; a peer's: its bytes held); None: not known.
-    #: A policy that held and read all of full's bytes did not compress (e.g. a prompt below its ``min_prompt``)
-    kv_read: int | None = None
-
-
-def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: int | None = None,
-             replay=None, peer: tuple[str, dict] | None = None) -> Generation:
-    """Greedy ``model.generate`` on one prompt with an explicit ``kvkit.KVCache`` (when patched).
-
-    With ``context_end`` (a character offset), the context ``prompt[:context_end]`` is prefilled first
-    and compressed by the policy; the rest (question, answer prefix) is then fed on top of what the
-    policy kept, as kvpress evaluates (question-agnostic compression). Without the split, the
-    question would be read with full attention during prefill and eviction would cost nothing.
-
-    ``replay``: a :class:`kvkit.evals.shared_prefill.PrefillRecording` of the context (``prompt[:context_end]``):
-    the policy's cache is rebuilt from it instead of running the context through the model again
-    (policy sweeps; identical result, see ``shared_prefill``). ``seconds`` then excludes the shared prefill.
-
-    ``peer``: ``(name, options)`` of a :mod:`kvkit.evals.peers` cache (transformers' ``QuantizedCache``) used on the
-    unpatched model instead, with the same split; its ``kv_bytes`` are :func:`kvkit.evals.peers.cache_nbytes`.
-    """
-    patched = kvkit.patched_policy(model) is not None
-    if context_end is not None and 0 < context_end < len(prompt):
-        ctx = encode(tokenizer, prompt[:context_end])
-        ids = torch.cat([ctx, encode(tokenizer, prompt[context_end:])], dim=1).to(model.device)
-    else:
-        ctx = None
-        ids = encode(tokenizer, prompt).to(model.device)
-    kwargs = {}
-    cache = None
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        if peer is not None:
-            if patched:
-                raise ValueError(f"the peer row {peer[0]!r} runs on the unpatched model; kvkit.unpatch(model) first")
-            cache = peers.make_cache(model, *peer)
-            if ctx is not None:
-                model(input_ids=ids[:, : ctx.shape[1]], **cache_kw(cache), use_cache=True)
-            kwargs.update(cache_kw(cache))
-        elif patched:
-            cache = kvkit.KVCache(model)
-            if ctx is not None and replay is not None:
-                if replay.tokens != ctx.shape[1]:
-                    raise ValueError(f"replay: the recording holds {replay.tokens} context tokens, this prompt's "
-                                     f"context has {ctx.shape[1]}")
-                cache = replay_prefill(model, replay, cache=cache)
-            elif ctx is not None:
-                n = ctx.shape[1]
-                cache, _ = kvkit.prefill(model, ids[:, :n], chunk_size=n, cache=cache)
-            kwargs.update(cache_kw(cache))
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=pad,
-            **kwargs,
-        )
-    dt = time.perf_counter() - t0
-    new = out[0, ids.shape[1]:]
-    return Generation(
-        text=tokenizer.decode(new, skip_special_tokens=True),
-        prompt_tokens=int(ids.shape[1]),
-        new_tokens=int(new.shape[0]),
-        seconds=dt,
-        kv_bytes=(peers.cache_nbytes(cache) if peer is not None else int(cache.nbytes())) if cache is not None else 0,
-        kv_offloaded=int(cache.offloaded_nbytes()) if cache is not None and peer is None else 0,
-        kv_read=(None if cache is None else peers.cache_nbytes(cache) if peer is not None else int(cache.read_nbytes())),
-    )
+__all__ = ["Generation", "build_prompt", "check_length", "count_tokens", "encode", "generate", "has_chat_template",
+           "model_context"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from kvkit.evals import longbench_config as cfg
 from kvkit.evals import metrics
 from kvkit.evals.files import read_jsonl
-from kvkit.evals.generation import build_prompt
+from kvkit.workloads.prompts import build_prompt
 
 FIELDS = ("input", "context", "answers")
 #: tokens of ``--length`` left for the chat template around the (truncated) raw prompt

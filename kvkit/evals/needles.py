@@ -29,10 +29,10 @@ import random
 import uuid
 import zlib
 
-from kvkit.evals.generation import build_prompt, count_tokens
 from kvkit.evals.haystack import SENTENCE_END, essay_words, insert_at_depths, qa_data, word_lists
 from kvkit.evals.niah import depth_grid
 from kvkit.evals.runner import progress
+from kvkit.workloads.prompts import build_prompt, count_tokens
 
 FORMATS = ("digits", "uuid", "words")
 HAYSTACKS = ("essay", "squad")

@@ -19,10 +19,10 @@ from __future__ import annotations
 import zlib
 
 from kvkit.evals import metrics
-from kvkit.evals.generation import build_prompt, count_tokens
 from kvkit.evals.haystack import word_lists
 from kvkit.evals.ruler_tasks import TASKS, build
 from kvkit.evals.runner import progress
+from kvkit.workloads.prompts import build_prompt, count_tokens
 
 
 def parse_tasks(spec: str | list[str] | None) -> list[str]:

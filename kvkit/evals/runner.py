@@ -5,7 +5,7 @@ finishes, alone (:func:`run_samples`) or several policies sharing one exact cont
 Samples run index-major (every task's sample 0, then every task's sample 1, ...), so a run stopped early still
 covers every task with the same count. A row: the sample's id, task, index and seed, its content digest
 (:func:`kvkit.evals.rundir.sample_digest`), the prediction, references and score, prompt and generated tokens,
-seconds and the KV bytes held at the end (:class:`kvkit.evals.generation.Generation`).
+seconds and the KV bytes held at the end (:class:`kvkit.workloads.generation.Generation`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from tqdm.auto import tqdm
 
 import kvkit
 from kvkit import env
-from kvkit.evals.generation import Generation, encode, generate
-from kvkit.evals.peers import is_peer
 from kvkit.evals.rundir import RunDir, sample_digest
-from kvkit.evals.shared_prefill import record_prefill, replayable
+from kvkit.workloads.generation import Generation, generate
+from kvkit.workloads.peers import is_peer
+from kvkit.workloads.prompts import encode
+from kvkit.workloads.shared_prefill import record_prefill, replayable
 
 
 def progress(iterable=None, total=None, desc=None):
@@ -79,7 +80,7 @@ def run_sweep(model, tokenizer, samples: list[dict], runs: list, score_fn, desc:
     """Several (``RunDir``, policy, options) runs over the same samples, one shared context prefill per sample.
 
     For each sample that some run has not finished, the context is prefilled once with exact attention
-    (:func:`kvkit.evals.shared_prefill.record_prefill`) and replayed into each policy's cache, then the
+    (:func:`kvkit.workloads.shared_prefill.record_prefill`) and replayed into each policy's cache, then the
     question and the answer are decoded by that policy as in :func:`run_samples`. Rows are the same as
     a run of that policy alone (``seconds`` excludes the shared prefill; ``shared_prefill_seconds`` has it).
     """

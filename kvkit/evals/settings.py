@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 
 from kvkit.calibration import CALIBRATED_OPTIONS, lookup, resolve
-from kvkit.evals.peers import is_peer
 from kvkit.models import load
+from kvkit.policies.duo_patterns import PatternFile
+from kvkit.policies.protect_heads import pattern_hashes
 from kvkit.registry import policy_class, policy_options
+from kvkit.workloads.peers import is_peer
 
 
 def file_sha256(path) -> str:
@@ -40,7 +42,7 @@ def option_files(options: dict) -> dict:
 
 def build_policy(policy: str, options: dict):
     """The kvkit policy ``policy`` with ``options`` (its files read once, here), or None for a peer
-    (:mod:`kvkit.evals.peers`: no kvkit policy)."""
+    (:mod:`kvkit.workloads.peers`: no kvkit policy)."""
     return None if is_peer(policy) else policy_class(policy)(**options)
 
 
@@ -48,12 +50,30 @@ def policy_files(model, policy: str, options: dict, built=None) -> dict:
     """``{option: sha256}`` of the files ``policy`` with ``options`` reads on ``model``, the ones it picks by itself
     included (duo's shipped pattern for the model when no ``pattern`` is given): a run that used a shipped file is
     recorded by that file's content, so replacing the file makes ``--resume`` refuse the old folder. A peer
-    (:mod:`kvkit.evals.peers`, e.g. ``quantized``: transformers' cache, no kvkit policy) reads none: {}.
+    (:mod:`kvkit.workloads.peers`, e.g. ``quantized``: transformers' cache, no kvkit policy) reads none: {}.
     ``built``: the policy already made from ``options`` (made here when None), so one read of its files serves
     every record."""
     if is_peer(policy):
         return {}
-    return (built if built is not None else policy_class(policy)(**options)).content_hashes(model.config)
+    return file_hashes(built if built is not None else policy_class(policy)(**options), model.config)
+
+
+def file_hashes(policy, config=None) -> dict[str, str]:
+    """``{option: sha256}`` of the files the built ``policy`` read, and froze, when it was built (an option holding a
+    :class:`~kvkit.policies.duo_patterns.PatternFile`: duo's ``pattern``, the ``protect_pattern`` of the policies with
+    ``protect_heads``): the content its caches use, which a run's record names rather than the path. Given the model's
+    ``config``, also the DuoAttention pattern shipped for the model where the policy ranks heads by it on its own
+    (duo without ``pattern``; ``protect_heads`` > 0 without ``protect_pattern``), so a run's record changes when a
+    shipped file does. A policy that reads no file: {}."""
+    out = {k: v.sha256 for k, v in policy.options().items() if isinstance(v, PatternFile)}
+    if config is None:
+        return out
+    if policy.name == "duo" and policy.pattern is None:
+        sha = policy.pattern_sha256_for(config)
+        out.update({"pattern": sha} if sha is not None else {})
+    if getattr(policy, "protect_heads", 0) and getattr(policy, "protect_pattern", ...) is None:
+        out.update(pattern_hashes(policy, config))
+    return out
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32"):

@@ -10,14 +10,14 @@ import math
 
 import torch
 
+from kvkit import env
+
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INTS = (torch.int32, torch.int64)
 
 
 def debug() -> bool:
     """``KVKIT_DEBUG=1``: check index ranges on the host (costs a device sync, so off by default)."""
-    from kvkit import env
-
     return env.debug()
 
 

@@ -31,6 +31,9 @@ from typing import Optional  # noqa: UP035 -- custom_op reads these annotations;
 import torch
 
 from . import reference as _ref
+from .dispatch import on_device, use_triton
+from .lowrank_read import lowrank_decode
+from .packed import quant_decode
 from .quant import Packed
 from .view import DecodeView, PackedPart
 
@@ -44,13 +47,11 @@ def view_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: Optio
                 index: Optional[torch.Tensor], pos: Optional[torch.Tensor], qpos: Optional[torch.Tensor],
                 log_weight: Optional[torch.Tensor], scale: float,
                 num_splits: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    from . import _on_device, use_triton
-
     view = _view(k, v, length, index, pos, qpos, log_weight)
     if use_triton(q, *view.tensors()):
         from .fused_decode import fused_decode_triton
 
-        with _on_device(q):
+        with on_device(q):
             out, lse = fused_decode_triton(q, view, scale=scale, num_splits=num_splits)
     else:
         out, lse = _ref.decode_ref(q, view, scale=scale)
@@ -78,8 +79,6 @@ def packed_decode(q: torch.Tensor, kdata: torch.Tensor, kscale: torch.Tensor, kz
     ``length [B]`` or None) -> ``(out [B, Hq, D] in q's dtype, lse [B, Hq] fp32)``, read by
     :func:`kvkit.kernels.quant_decode` (quant_attn's Triton kernel on CUDA, the packed-code C kernel on the CPU, the
     reference elsewhere)."""
-    from . import quant_decode
-
     k = _packed(kdata, kscale, kzero, kprescale, kbits, kgroup, kaxis, q.dtype)
     v = _packed(vdata, vscale, vzero, vprescale, vbits, vgroup, vaxis, q.dtype)
     out, lse = quant_decode(q, k, v, scale=scale, valid=length, return_lse=True)
@@ -103,8 +102,6 @@ def lowrank_op(q: torch.Tensor, U: torch.Tensor, SV: torch.Tensor, v: torch.Tens
     :func:`kvkit.kernels.lowrank_decode` (``rope_cos``/``rope_sin`` its ``rope_table``, both or neither) ->
     ``(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] fp32)``; the Triton kernel on CUDA, the torch reference
     elsewhere, chosen when the graph runs."""
-    from . import lowrank_decode
-
     table = None if rope_cos is None else (rope_cos, rope_sin)
     out, lse = lowrank_decode(q, U, SV, v, chunk_ids, chunk_size, inv_freq, positions=positions,
                               position_offset=position_offset, attention_scaling=attention_scaling,

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from . import reference as _ref
 from ._triton import interpreting, next_pow2
+from .quant_attn import quant_decode_triton
 from .splitk import (
     LOG2E,
     accumulate,
@@ -194,8 +195,6 @@ def packed_part_triton(q3, part, *, scale, num_splits=None):
     if not (_quant_triton_ok(q3.shape[-1], part.k.bits) and _quant_triton_ok(q3.shape[-1], part.v.bits)):
         out, lse = _ref.packed_part_ref(q3, part, scale=scale)
         return out, lse.float()
-    from .quant_attn import quant_decode_triton
-
     N = part.k.shape[-2]
     mask = None
     if part.length is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import decode_cpu
+from .dispatch import use_triton
+from .selected import sparse_decode
 
 GATHER_BYTES = 1 << 21  # torch path: gathered K/V per block of batch rows (cache-sized)
 
@@ -24,8 +26,6 @@ def gather_attend(query, keys, values, idx, valid, scaling, bufs=None):
     ``index_select`` into ``bufs`` (a dict reused across calls; new buffers when None) and attended with two
     batched matmuls and an fp32 softmax. Returns ``[B, T, Hq, D]``.
     """
-    from . import sparse_decode, use_triton
-
     B, Hq, T, D = query.shape
     H = keys.shape[1]
     Hs, L = idx.shape[1], idx.shape[-1]

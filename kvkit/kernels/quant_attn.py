@@ -208,7 +208,7 @@ def _parts(p):
 
 def quant_decode_triton(q4, kpack, vpack, *, scale, mask=None, num_splits=None, block_n=None):
     """Launcher. q4 ``[B, Hq, Tq, D]``; kpack/vpack pack ``[B, Hkv, N, D]``; mask ``[B, N]`` bool.
-    D/(8/bits) must be a power of two >= 16 for both packs (``kvkit.kernels._quant_supported``).
+    D/(8/bits) must be a power of two >= 16 for both packs (``kvkit.kernels.packed._quant_supported``).
     Returns out ``[B, Hq, Tq, D]`` (q dtype) and lse ``[B, Hq, Tq]`` fp32."""
     B, Hq, Tq, D = q4.shape
     _, Hkv, N, _ = kpack.shape

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant import dequantize
+
 NEG_INF = float("-inf")
 
 
@@ -153,8 +155,6 @@ def merge_partials(out, lse):
 # ---- quantized decode --------------------------------------------------------------------------------
 def quant_decode_ref(q, kpack, vpack, *, scale, mask=None, upcast=True):
     """Dequantize both packed stores (see ``quant.Packed``) and attend densely: the quant_decode reference."""
-    from .quant import dequantize
-
     k = dequantize(kpack, q.dtype if not upcast else torch.float32)
     v = dequantize(vpack, q.dtype if not upcast else torch.float32)
     if upcast:

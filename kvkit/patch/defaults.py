@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from kvkit.cache import KVCache
+
 #: said once per process (:func:`choose_static`)
 _said: set[str] = set()
 
@@ -52,8 +54,6 @@ def static_fits(model, policy) -> str | None:
     """Why ``policy`` (a built :class:`~kvkit.policies.base.Policy`) gets no static cache on ``model`` (None when
     it does): no static stores, options its static stores do not take (``static_options``: shadowkv's default
     ``offload=True``), or the static ``KVCache`` refuses this model / is not compileable."""
-    from kvkit.cache import KVCache
-
     if not type(policy).static_capable:
         return f"{policy.name!r} has no static stores"
     need = {k: v for k, v in type(policy).static_options.items() if getattr(policy, k, v) != v}

@@ -39,14 +39,9 @@ class Policy:
     saves: ClassVar[str] = "nothing"
     #: needs rotary position embeddings in the model
     needs_rope: ClassVar[bool] = True
-    #: options for tiny random test models (``kvkit doctor``'s support matrix, tests/policies/test_policy_contract.py)
-    test_options: ClassVar[dict] = {}
     #: options under which the policy keeps and reads everything of a short (<= 256 tokens) context, so its
     #: output equals ``full``'s; None when no setting is lossless (e.g. quantisation)
     covering_options: ClassVar[dict | None] = None
-    #: the prefill is exact attention over the prompt whose K/V the store receives unchanged, so a recorded
-    #: prefill can be replayed into this policy's cache (``kvkit.evals.shared_prefill``)
-    replayable: ClassVar[bool] = True
     #: why self-speculative decoding over this policy's target would not reproduce its own one-token decoding
     #: (``kvkit.speculative`` refuses it with this reason); None: lossless
     speculative_refusal: ClassVar[str | None] = None
@@ -82,11 +77,6 @@ class Policy:
         policy (``input_ids`` / ``attention_mask`` as the forward received them, either may be None); e.g.
         KVzip's reconstruction pass. Default: nothing."""
 
-    def replays_prefill(self) -> bool:
-        """Whether this policy *with its options* prefills with exact attention into a replayable cache (``replayable``
-        by default; e.g. Chelsea's reconstruction-scored protection runs a pass after the prefill, so it is not)."""
-        return type(self).replayable
-
     def validate(self, config) -> None:
         """Raise ValueError when the policy cannot run on this model config."""
 
@@ -94,13 +84,6 @@ class Policy:
         """Whether a per-model calibration (:mod:`kvkit.calibration`) may fill this policy's calibrated options
         (with ``calibrated`` True and none of them given); e.g. Chelsea's only with ``protect`` > 0."""
         return True
-
-    def content_hashes(self, config=None) -> dict[str, str]:
-        """``{option: sha256}`` of the files this policy read, and froze, when it was built (duo's ``pattern``): the
-        content its caches use, which a record of the run (``kvkit.evals``' ``option_files``) should name rather
-        than the path. Given the model's ``config``, also the files the policy picks for that model by itself (duo's
-        shipped pattern when ``pattern`` is None), so a run's record changes when a shipped file does. Default: none."""
-        return {}
 
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -155,7 +155,6 @@ class Cake(ProtectHeads, Policy):
     calibrated_options: ClassVar[tuple[str, ...]] = ("tau1", "tau2", "pool_kernel", "pool_window")
     ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     paper: ClassVar[dict] = dict(calibrated=False, protect_heads=0.0)
-    test_options: ClassVar[dict] = dict(budget=16, window=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (
         "CAKE evicts in bulk when its tail fills, ranking tokens by the attention of the buffered decode "

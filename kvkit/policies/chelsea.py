@@ -174,7 +174,6 @@ class Chelsea(ProtectHeads, Policy):
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = (
         "chunk_size", "protect_kernel", "protect_pooling", "protect_window")
-    test_options: ClassVar[dict] = dict(ratio=0.5, chunk_size=8, window=4, sink=2, merge_interval=8)
     ratio_knobs: ClassVar[tuple[str, ...]] = ("ratio",)
     #: the paper: its matching over every slot (no protection), no size bias, every head merged
     paper: ClassVar[dict] = dict(calibrated=False, size_bias=False, protect_heads=0.0)
@@ -276,9 +275,6 @@ class Chelsea(ProtectHeads, Policy):
         """The protection is scored by a reconstruction pass (``protect_score="reconstruct"`` with slots to protect)."""
         return self.protect_score == "reconstruct" and self.ratio < 1 and (
             self.protect is None and self.calibrated or bool(self.protect))
-
-    def replays_prefill(self) -> bool:
-        return not self.reconstructs()  # the reconstruction runs after the prefill: a replayed one skips it
 
     def new_layer(self, info: LayerInfo):
         refuse_static(self, info)

@@ -118,7 +118,6 @@ class Duo(Policy):
     static_capable: ClassVar[bool] = True
     description = "DuoAttention: full KV for retrieval heads, sink+recent for streaming heads (2410.10819)"
     saves = "memory+reads"
-    test_options: ClassVar[dict] = dict(pattern=[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]], sparsity=0.5, sink=2, recent=8, tail=4)
     covering_options: ClassVar[dict | None] = dict(pattern=[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]], sparsity=0.5, sink=2, recent=4096)
 
     def __post_init__(self):
@@ -172,15 +171,6 @@ class Duo(Policy):
             return self.pattern_sha256
         path = shipped_pattern(config)
         return self._shipped(path).sha256 if path is not None and path.is_file() else None
-
-    def content_hashes(self, config=None) -> dict:
-        """The given pattern file's sha256; with ``config`` and no ``pattern``, the shipped pattern's for that model:
-        replacing the shipped file changes a run's record, so ``--resume`` refuses to add rows of the new pattern to
-        the old."""
-        if self.pattern is None and config is not None:
-            sha = self.pattern_sha256_for(config)
-            return {"pattern": sha} if sha is not None else {}
-        return {"pattern": self.pattern.sha256} if isinstance(self.pattern, PatternFile) else {}
 
     # ---- pattern -> per-layer retrieval heads ----
     def load_alpha(self, config) -> tuple[torch.Tensor, str]:

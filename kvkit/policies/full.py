@@ -22,7 +22,6 @@ class Full(Policy):
     static_capable: ClassVar[bool] = True
     description = "no compression; identical outputs to the unpatched model (baseline)"
     saves = "nothing"
-    test_options: ClassVar[dict] = {}
     covering_options: ClassVar[dict | None] = {}
 
     def new_layer(self, info: LayerInfo):

@@ -126,13 +126,11 @@ class KVzip(ProtectHeads, Policy):
     static_capable: ClassVar[bool] = True
     description = "KVzip: question-agnostic eviction scored by context reconstruction (2505.23416)"
     saves = "memory+reads"
-    test_options: ClassVar[dict] = dict(budget=16, window=4, sink=2, chunk=8, overlap=2, tail=4)
     ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     #: the reference: its instruction prompt, its local softmax, every head evicted
     paper: ClassVar[dict] = dict(instruct=True, normalize="chunk", protect_heads=0.0)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     #: the reconstruction is a model forward run from kvkit's hook after the prefill: a replayed prefill skips it
-    replayable: ClassVar[bool] = False
     speculative_refusal: ClassVar[str | None] = (
         "kvzip re-scores after every multi-token forward (a reconstruction pass), so a verification forward "
         "would compress differently from one-token decoding")

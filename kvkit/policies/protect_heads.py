@@ -88,7 +88,7 @@ def protect_fraction(policy, config) -> float:
 
 
 def pattern_hashes(policy, config=None) -> dict:
-    """``{"protect_pattern": sha256}`` when the policy read a pattern file (``Policy.content_hashes``), else {}. With
+    """``{"protect_pattern": sha256}`` when the policy read a pattern file (``kvkit.evals.settings.file_hashes``), else {}. With
     the model's ``config`` also the pattern shipped for the model, when
     ``protect_heads`` > 0 ranks by it (no ``protect_pattern`` given): a run's record then changes with that file."""
     p = policy.protect_pattern
@@ -163,6 +163,3 @@ class ProtectHeads:
 
     def validate(self, config) -> None:
         self.protection(config)
-
-    def content_hashes(self, config=None) -> dict:
-        return pattern_hashes(self, config)

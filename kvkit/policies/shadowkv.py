@@ -144,7 +144,6 @@ class ShadowKV(Policy):
     description = "ShadowKV: low-rank pre-RoPE keys + landmarks on device, values offloaded, top-k chunks (2410.21465)"
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("rank",)
-    test_options: ClassVar[dict] = dict(budget=16, min_prompt=16)
     ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     paper: ClassVar[dict] = dict(calibrated=False)  # the paper's rank (160 per 1024 key channels)
     static_capable: ClassVar[bool] = True

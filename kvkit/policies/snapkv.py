@@ -87,7 +87,6 @@ class SnapKV(ProtectHeads, Policy):
     calibrated_options: ClassVar[tuple[str, ...]] = ("kernel", "pooling", "pool_window")
     ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     paper: ClassVar[dict] = dict(calibrated=False, protect_heads=0.0)
-    test_options: ClassVar[dict] = dict(budget=16, window=4, kernel=3, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (
         "SnapKV evicts in bulk when its tail fills, ranking tokens by the attention of its observation-window "

@@ -54,7 +54,6 @@ class Streaming(Policy):
     description = "StreamingLLM: sink tokens + recent window, middle evicted (2309.17453)"
     saves = "memory+reads"
     ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
-    test_options: ClassVar[dict] = dict(budget=16, sink=2, tail=4)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):

@@ -142,7 +142,6 @@ class Tidal(Policy):
     ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     #: the paper: per-query-head lists, its selection layout (layer 2 and round(0.4 L)), uniform budgets
     paper: ClassVar[dict] = dict(selection="q_head", calibrated=False)
-    test_options: ClassVar[dict] = dict(budget=8)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
 
     def __post_init__(self):

@@ -111,7 +111,6 @@ class ZipCache(Policy):
     saves = "memory+reads"  # decode reads the packed codes (Triton quant_decode on CUDA)
     static_capable: ClassVar[bool] = True
     calibrated_options: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
-    test_options: ClassVar[dict] = dict(requant_interval=4)
     ratio_knobs: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
     #: the paper: one key statistic per channel per part, the model's 16-bit statistics, the 60% 4-bit / 40% 2-bit split
     paper: ClassVar[dict] = dict(key_group=None, stats="auto", calibrated=False)

@@ -20,58 +20,33 @@ _SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux", "sinks")
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-_SEAM = {"failed": None}  # the first exception of a kernel launch on the seam (then SDPA for the process)
-
-#: inside a :func:`skip_prompt_attention` block: the prompt length whose own attention :func:`hf_sdpa` skips, and
-#: the block's count of skipped calls
-_PROMPT_SKIP = {"tokens": None, "counts": None}
-
-
 def seam_decode(query, keys, values, scaling, *, pos=None, qpos=None, extra_mask=None, log_weight=None):
-    """One decode query per row through the decode seam (:func:`kvkit.kernels.decode`: the fused split-K Triton
-    kernel where the kernels package picks Triton), or None when the caller's SDPA path should run instead.
+    """One decode query per row through the decode seam (:func:`kvkit.kernels.decode`, which picks the backend), or
+    None where the kernels package leaves the read to the caller's SDPA path (its ``torch_path="caller"``).
 
     query ``[B, Hq, 1, D]``; keys/values ``[B, H, n, D]``; pos ``[B, Hp, n]`` (-1 = not read) with qpos ``[1]``,
     or both None (every slot read); extra_mask ``[B, Hp|1, 1, n]`` bool folded into pos; log_weight
-    ``[B, H|1, n]``. Returns ``(out [B, 1, Hq, D], lse [B, Hq, 1] fp32)``. The seam runs for single-token steps on
-    the Triton path, eager or compiled (:func:`seam_open`); an eager launch that raises (a Triton build the device
-    cannot compile) is reported once and the SDPA path serves the process.
+    ``[B, H|1, n]``. Returns ``(out [B, 1, Hq, D], lse [B, Hq, 1] fp32)``. The view is built only where a kernel
+    reads it.
     """
-    if not seam_open(query, keys, values):
-        return None
-    B, H, n = query.shape[0], keys.shape[1], keys.shape[2]
-    if extra_mask is not None:
-        pos = torch.where(extra_mask[:, :, 0, :], pos, -1)
-    lw = None
-    if log_weight is not None:
-        lw = log_weight.to(torch.float32).expand(B, H, n).contiguous()
-    view = DecodeView(keys, values, pos=pos, qpos=None if pos is None else qpos[-1], log_weight=lw)
+
+    def view():
+        p = pos if extra_mask is None else torch.where(extra_mask[:, :, 0, :], pos, -1)
+        B, H, n = query.shape[0], keys.shape[1], keys.shape[2]
+        lw = None if log_weight is None else log_weight.to(torch.float32).expand(B, H, n).contiguous()
+        return DecodeView(keys, values, pos=p, qpos=None if p is None else qpos[-1], log_weight=lw)
+
     r = seam_view(query, view, scaling)
     return None if r is None else (r[0][:, None], r[1][:, :, None])
 
 
-def seam_view(query, view, scaling):
-    """:func:`kvkit.kernels.decode` of ``query [B, Hq, 1, D]`` over a store's own :class:`DecodeView`, once the
-    caller has checked the seam applies (single token, eager, :func:`kvkit.kernels.use_triton`, not failed).
-    Returns ``(out [B, Hq, D], lse [B, Hq] fp32)``, or None after a launch that raised (reported once; the
-    caller's SDPA path then serves the process)."""
-    try:
-        return kernels.decode(query[:, :, 0], view, scale=scaling, return_lse=True)
-    except Exception as e:  # noqa: BLE001 - any launch failure means the same: use SDPA, say so once
-        import warnings
-
-        _SEAM["failed"] = f"{type(e).__name__}: {e}"
-        warnings.warn(f"kvkit: the fused decode kernel failed ({_SEAM['failed'][:200]}); decode falls back to "
-                      "torch's SDPA for this process", RuntimeWarning, stacklevel=3)
+def seam_view(query, view, scaling, torch_path: str = "caller"):
+    """:func:`kvkit.kernels.decode` of ``query [B, Hq, 1, D]`` over a store's own :class:`DecodeView` (or a function
+    building it). Returns ``(out [B, Hq, D], lse [B, Hq] fp32)``, or None where the kernels package leaves the read to
+    the caller (``torch_path="caller"``: the CPU, a multi-token step, a failed launch)."""
+    if query.shape[2] != 1:
         return None
-
-
-def seam_open(query, *tensors) -> bool:
-    """Whether a step of ``query [B, Hq, T, D]`` reading ``tensors`` goes through the decode seam: one query
-    token, no earlier launch failure, and the Triton path picked. Eager steps launch the kernels directly; a
-    compiled step (``torch.compile`` tracing) gets the opaque operator ``torch.ops.kvkit.view_decode``
-    (:mod:`kvkit.kernels.decode_op`), so its graph launches the fused kernel rather than SDPA over the buffers."""
-    return query.shape[2] == 1 and _SEAM["failed"] is None and kernels.use_triton(query, *tensors)
+    return kernels.decode(query[:, :, 0], view, scale=scaling, return_lse=True, torch_path=torch_path)
 
 
 def decode_backends(query: torch.Tensor):
@@ -89,7 +64,7 @@ def plain_sdpa_call(kwargs) -> bool:
     return not any(kwargs.get(k) is not None for k in _SDPA_EXTRAS) and not torch.compiler.is_compiling()
 
 
-def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, output_unused=False, **kwargs):
     """transformers' own sdpa attention (bit-identical to an unpatched ``sdpa`` model).
 
     One CPU shortcut: for a multi-token forward with a mask over a cache (chunked prefill, speculative
@@ -99,11 +74,12 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
     bits (``tests/core/test_core.py::test_cpu_masked_gqa_matches_transformers_bitwise``); cost measured by
     ``benchmarks/speculative/profile_verify.py`` (results/speculative).
 
-    Inside :func:`skip_prompt_attention` a call whose queries and keys both span the prompt returns zeros.
+    ``output_unused=True``: the caller discards the output of this prefill attention (a replayed prefill,
+    :func:`kvkit.workloads.shared_prefill.replay_prefill`: the stores keep K/V and their statistics from the query,
+    never the output); a call whose queries span all its keys (the prompt's own attention) then returns zeros
+    ``[B, T, Hq, Dv]`` instead of computing it.
     """
-    skip = _PROMPT_SKIP["tokens"]
-    if skip is not None and query.shape[2] == skip and key.shape[2] == skip:
-        _PROMPT_SKIP["counts"]["skipped"] += 1
+    if output_unused and query.shape[2] == key.shape[2]:
         B, Hq, T, _ = query.shape
         return query.new_zeros(B, T, Hq, value.shape[-1])
     if (
@@ -124,23 +100,6 @@ def hf_sdpa(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
     return out
 
 
-@contextlib.contextmanager
-def skip_prompt_attention(tokens: int):
-    """Inside the block, :func:`hf_sdpa` returns zeros ``[B, T, Hq, Dv]`` for the prompt's own attention (a call
-    whose queries and keys both span the ``tokens`` prompt tokens) instead of computing it; every other call runs
-    the real one. For a replay of a recorded prefill (:func:`kvkit.evals.shared_prefill.replay_prefill`), which
-    discards the attention output: the stores keep K/V and their statistics from the query, never the output.
-    Yields ``{"skipped": n}``, the number of calls skipped so far in the block. Blocks do not nest."""
-    if _PROMPT_SKIP["tokens"] is not None:
-        raise RuntimeError("skip_prompt_attention blocks do not nest")
-    counts = {"skipped": 0}
-    _PROMPT_SKIP.update(tokens=tokens, counts=counts)
-    try:
-        yield counts
-    finally:
-        _PROMPT_SKIP.update(tokens=None, counts=None)
-
-
 def attend_static(module, query, keys, values, attention_mask, length, scaling, dropout=0.0, **kwargs):
     """Attention of a static layer's step (:class:`kvkit.stores.full.StaticFullStore`): fixed shapes, no host read.
 
@@ -158,14 +117,16 @@ def attend_static(module, query, keys, values, attention_mask, length, scaling, 
             or (m is not None and (m.dtype != torch.bool or m.dim() != 4))):
         return hf_sdpa(module, query, keys, values, attention_mask, scaling, dropout, **kwargs)
     G = Hq // H
-    if T == 1 and seam_open(query, keys, values):
+    if T == 1:
         # the fused split-K kernel (an opaque operator in the compiled graph): slots [0, length) are held (the loop
         # stops there: free capacity is not read), the mask's hidden slots (padding) get a -inf log-weight
-        lw = None
-        if m is not None:
-            lw = torch.zeros(m.shape[0], cap, device=query.device).masked_fill(~m[:, 0, 0], float("-inf"))
-            lw = lw[:, None].expand(B, H, cap)
-        view = DecodeView(keys, values, length=length.reshape(1).expand(B), log_weight=lw)
+        def view():
+            lw = None
+            if m is not None:
+                lw = torch.zeros(m.shape[0], cap, device=query.device).masked_fill(~m[:, 0, 0], float("-inf"))
+                lw = lw[:, None].expand(B, H, cap)
+            return DecodeView(keys, values, length=length.reshape(1).expand(B), log_weight=lw)
+
         r = seam_view(query, view, scaling)
         if r is not None:
             return r[0][:, None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from kvkit.model_info import LayerInfo
 from kvkit.stores.attend import (
     attend_static,
     causal_suffix_attention,
@@ -14,7 +15,8 @@ from kvkit.stores.attend import (
     plain_sdpa_call,
     seam_decode,
 )
-from kvkit.stores.base import LayerInfo, StoreMixin, crop_count, grow_in_place, tensor_bytes
+from kvkit.stores.buffers import crop_count, grow_in_place
+from kvkit.stores.layer import StoreMixin, tensor_bytes
 
 
 class FullStore(StoreMixin, DynamicLayer):

@@ -16,21 +16,21 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvkit.model_info import LayerInfo
 
 
 def _owned_by_kvkit(obj) -> bool:
     """Objects whose attributes may hold a cache's tensors: every store (a third-party policy's too) and kvkit's own
     classes (packed blocks, segments, the policies' shared state), not policies (frozen options), layer infos (the
-    model's config and rotary embedding) or modules."""
-    from transformers.cache_utils import CacheLayerMixin
-
-    from kvkit.model_info import LayerInfo
-    from kvkit.policies.base import Policy
-
+    model's config and rotary embedding) or modules. A policy is known by what it builds (``new_layer`` and
+    ``new_shared``): the stores sit below the policies and import none of them."""
     if isinstance(obj, CacheLayerMixin):
         return True
     module = type(obj).__module__ or ""
-    return (module.startswith("kvkit.") and not isinstance(obj, (type, Policy, LayerInfo, torch.nn.Module))
+    policy = hasattr(type(obj), "new_layer") and hasattr(type(obj), "new_shared")
+    return (module.startswith("kvkit.") and not policy and not isinstance(obj, (type, LayerInfo, torch.nn.Module))
             and (hasattr(obj, "__dict__") or dataclasses.is_dataclass(obj)))
 
 

@@ -34,16 +34,14 @@ multi-token forward) is appended as an ordinary segment.
 Decode: the tail goes to :func:`kvkit.stores.attend_slots` with ``return_lse=True`` (causal by position,
 padding); all parts of the other segments go to :func:`kvkit.kernels.quant_decode` in one call (one softmax over
 their union: Triton on CUDA, the packed-code C kernel on CPU, the torch reference otherwise) with the
-tail's ``(out, lse)`` as ``prior``, merged through the log-sum-exp. A single-token eager step on the Triton path
-(:func:`kvkit.kernels.use_triton`) is instead ONE :func:`kvkit.kernels.decode` call over a
-:class:`~kvkit.kernels.DecodeView`: the tail as its own keys (pos/qpos), the packed parts as its ``parts``. Compression of the tail happens only at the start of ``update`` (or right after prefill), so ``crop``
+tail's ``(out, lse)`` as ``prior``, merged through the log-sum-exp. A single-token step is first offered to
+:func:`kvkit.kernels.decode` as ONE :class:`~kvkit.kernels.DecodeView` (the tail as its own keys, pos/qpos, the
+packed parts as its ``parts``): where the kernels package picks Triton (and in every compiled step) that call is the
+whole read; elsewhere it hands the read back and the path above runs. Compression of the tail happens only at the start of ``update`` (or right after prefill), so ``crop``
 of the tail is exact (the :class:`~kvkit.stores.SlotStore` contract).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import torch
 
@@ -58,68 +56,19 @@ from kvkit.kernels import (
     quant_decode,
     quantize,
 )
-from kvkit.stores.attend import attend_slots, seam_open, seam_view
-from kvkit.stores.base import LayerInfo, SlotStore, tensor_bytes
-
-
-class Group(NamedTuple):
-    """Tokens of a block quantised together: ``idx [B, H, m]`` token indices into the block (per row and KV
-    head), ``count [B]`` int64 valid entries per row (the rest of ``idx`` is padding), key and value bits."""
-
-    key_bits: int
-    value_bits: int
-    idx: torch.Tensor
-    count: torch.Tensor
-
-
-@dataclass
-class Segment:
-    """One quantised block of tokens: one ``(kpack, vpack, length [B])`` part per non-empty group."""
-
-    parts: list
-    #: a static store's preallocated segment: written in place at a compression, every part's length 0 until then
-    slot: bool = False
-
-    def tokens(self) -> int:
-        return sum(int(n.max()) for _, _, n in self.parts)
-
-
-def map_packed(p: Packed, fn) -> Packed:
-    """``fn`` applied along the batch dim of every tensor of ``p`` (beam reorder, batch select)."""
-    pre = None if p.prescale is None else fn(p.prescale)
-    data = fn(p.data)
-    return replace(p, data=data, scale=fn(p.scale), zero=fn(p.zero), prescale=pre,
-                   shape=(data.shape[0], *p.shape[1:]))
-
-
-def rank_groups(score, valid, fractions, bits) -> list[Group]:
-    """Split a block's tokens by rank of ``score [B, H, n]`` (highest first; padding, ``valid [B, n]`` False,
-    always last): group i takes the next ``ceil(n_real * fractions[i])`` tokens of each row (clipped to what is
-    left), the last group the rest. ``bits``: one ``(key_bits, value_bits)`` per group (``len(fractions) + 1``).
-    Empty groups are dropped."""
-    if len(bits) != len(fractions) + 1:
-        raise ValueError(f"rank_groups: {len(fractions)} fractions need {len(fractions) + 1} bit settings, got {len(bits)}")
-    B, H, n = score.shape
-    n_real = valid.sum(-1)  # [B]
-    order = score.float().masked_fill(~valid[:, None, :], float("-inf")).argsort(dim=-1, descending=True, stable=True)
-    start = torch.zeros_like(n_real)
-    groups = []
-    for i, (kb, vb) in enumerate(bits):
-        left = n_real - start
-        if i < len(fractions):
-            count = torch.ceil(n_real.double() * fractions[i] - 1e-9).long().clamp(min=0)
-            count = torch.minimum(count, left)
-        else:
-            count = left
-        m = int(count.max()) if count.numel() else 0
-        if m > 0:
-            j = torch.arange(m, device=score.device)
-            src = (start[:, None] + j).clamp(max=n - 1)  # [B, m]
-            first = start.clamp(max=n - 1)[:, None].expand(B, m)
-            src = torch.where(j[None] < count[:, None], src, first)  # padding repeats the group's first token
-            groups.append(Group(kb, vb, order.gather(-1, src[:, None, :].expand(B, H, m)), count.clone()))
-        start = start + count
-    return groups
+from kvkit.stores.attend import attend_slots, seam_view
+from kvkit.stores.base import LayerInfo, SlotStore
+from kvkit.stores.layer import tensor_bytes
+from kvkit.stores.segments import (
+    Group,
+    Segment,
+    cat_packed,
+    map_packed,
+    rank_groups,
+    rows_of,
+    same_layout,
+    zeroed,
+)
 
 
 class QuantizedSegmentStore(SlotStore):
@@ -260,7 +209,7 @@ class QuantizedSegmentStore(SlotStore):
         valid = torch.ones(B, n, dtype=torch.bool, device=z.device)
         proto = self.quantize_block(z, z, valid, torch.zeros(B, H, n, device=z.device))
         for _ in range(count):
-            parts = [(_zeroed(k), _zeroed(v), torch.zeros_like(m)) for k, v, m in proto.parts]
+            parts = [(zeroed(k), zeroed(v), torch.zeros_like(m)) for k, v, m in proto.parts]
             self.segments.append(Segment(parts, slot=True))
         self._stack_slots()
         self._build_read()
@@ -278,11 +227,11 @@ class QuantizedSegmentStore(SlotStore):
         B = slots[0].parts[0][2].shape[0]
         area = []
         for g in range(len(slots[0].parts)):
-            area.append((_cat_packed([s.parts[g][0] for s in slots]), _cat_packed([s.parts[g][1] for s in slots]),
+            area.append((cat_packed([s.parts[g][0] for s in slots]), cat_packed([s.parts[g][1] for s in slots]),
                          torch.cat([s.parts[g][2] for s in slots])))
         for i, seg in enumerate(slots):
             rows = slice(i * B, (i + 1) * B)
-            seg.parts = [(_rows(k, rows), _rows(v, rows), n[rows]) for k, v, n in area]
+            seg.parts = [(rows_of(k, rows), rows_of(v, rows), n[rows]) for k, v, n in area]
         self._area = area
 
     def _place(self, seg: Segment) -> bool:
@@ -290,7 +239,7 @@ class QuantizedSegmentStore(SlotStore):
         step's graph reads the same tensors without re-tracing), doubling the slot segments when none is left.
         False (the caller appends it) for a store that is not static or a block whose layout is not a full tail's."""
         slots = self._slot_segments()
-        if not slots or not _same_layout(slots[0], seg):
+        if not slots or not same_layout(slots[0], seg):
             return False
         if self._slots_used == len(slots):
             self.reserve_segments(len(slots))
@@ -333,7 +282,7 @@ class QuantizedSegmentStore(SlotStore):
         if u < S:
             B = self._area[0][2].shape[0] // S
             rows = slice(0, u * B)
-            written = [(_rows(k, rows), _rows(v, rows), n[rows], u) for k, v, n in self._area] if u else []
+            written = [(rows_of(k, rows), rows_of(v, rows), n[rows], u) for k, v, n in self._area] if u else []
         else:
             written = whole
         self._read = (base, whole) if base is not None or whole else None
@@ -398,52 +347,21 @@ class QuantizedSegmentStore(SlotStore):
         tail = self.keys is not None and self.keys.shape[-2] > 0
         if not (tail or base is not None):
             return None
-        held = (self.keys, self.values) if tail else ()
-        packed = [p.data for p in base[0] + base[1]] if base is not None else []
+
+        def view():
+            parts = ()
+            if base is not None:
+                ks, vs, ns = base
+                parts = tuple(PackedPart(k, v, n) for k, v, n in zip(ks, vs, ns))
+            if tail:
+                dense = self.dense_decode(1)
+                return DecodeView(self.keys, self.values, pos=None if dense else self.pos,
+                                  qpos=None if dense else qpos[-1], parts=parts)
+            return DecodeView(None, None, parts=parts)
+
         # a compiled step (static variant) always reads through the seam: its operators pick the path at run time
-        if not (torch.compiler.is_compiling() or seam_open(query, *held, *packed)):
-            return None
-        parts = ()
-        if base is not None:
-            ks, vs, ns = base
-            parts = tuple(PackedPart(k, v, n) for k, v, n in zip(ks, vs, ns))
-        if tail:
-            dense = self.dense_decode(1)
-            view = DecodeView(self.keys, self.values, pos=None if dense else self.pos,
-                              qpos=None if dense else qpos[-1], parts=parts)
-        else:
-            view = DecodeView(None, None, parts=parts)
-        r = seam_view(query, view, scaling)
+        r = seam_view(query, view, scaling, "reference" if torch.compiler.is_compiling() else "caller")
         return None if r is None else (r[0][:, None], r[1][:, :, None])
-
-
-def _rows(p: Packed, rows: slice) -> Packed:
-    """The rows ``rows`` (batch dim) of every tensor of ``p``: views, so writes reach ``p``."""
-    return map_packed(p, lambda t: t[rows])
-
-
-def _cat_packed(ps: list) -> Packed:
-    """Packed blocks of one layout concatenated along the batch dim (new tensors)."""
-    pre = None if ps[0].prescale is None else torch.cat([p.prescale for p in ps])
-    data = torch.cat([p.data for p in ps])
-    return replace(ps[0], data=data, scale=torch.cat([p.scale for p in ps]), zero=torch.cat([p.zero for p in ps]),
-                   prescale=pre, shape=(data.shape[0], *ps[0].shape[1:]))
-
-
-def _zeroed(p: Packed) -> Packed:
-    """A packed block of ``p``'s layout holding zeros (codes, statistics; pre-scale 1): dequantizes to 0."""
-    pre = None if p.prescale is None else torch.ones_like(p.prescale)
-    return replace(p, data=torch.zeros_like(p.data), scale=torch.zeros_like(p.scale), zero=torch.zeros_like(p.zero),
-                   prescale=pre)
-
-
-def _same_layout(a: Segment, b: Segment) -> bool:
-    """Whether two segments' parts have the same packed shapes, dtypes and bit widths (one can be written into
-    the other)."""
-    def layout(seg):
-        return [(p.bits, p.group_size, p.axis, tuple(t.shape), t.dtype) for k, v, _ in seg.parts for p in (k, v)
-                for t in (p.data, p.scale, p.zero)] + [n.shape for _, _, n in seg.parts]
-    return len(a.parts) == len(b.parts) and layout(a) == layout(b)
 
 
 __all__ = ["Group", "Segment", "QuantizedSegmentStore", "rank_groups", "map_packed"]

@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvkit.stores.base import LayerInfo, SlotStore, ring_last, ring_write, tensor_bytes
+from kvkit.stores.base import LayerInfo, SlotStore
+from kvkit.stores.buffers import ring_last, ring_write
+from kvkit.stores.layer import tensor_bytes
 
 
 def window_attention(q_obs, keys, pos, qpos, scaling) -> torch.Tensor:

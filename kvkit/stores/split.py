@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvkit.stores.base import LayerInfo, SeenLength, SlotStore, StoreMixin, crop_count
+from kvkit.stores.base import LayerInfo, SlotStore
+from kvkit.stores.buffers import crop_count
+from kvkit.stores.layer import SeenLength, StoreMixin
 from kvkit.stores.static import static_store
 
 

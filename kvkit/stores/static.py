@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from kvkit.stores.base import tensor_bytes
+from kvkit.stores.layer import tensor_bytes
 
 #: what a compiled step that runs out of static slots says (its compression events did not run between steps)
 OVERFLOW = ("kvkit: a compiled decode step ran out of static slots: compile it through model.get_compiled_call(...) "

@@ -16,6 +16,10 @@ import os
 import random
 import time
 
+from kvkit.demo import needle_prompt
+from kvkit.vllm import testing as T
+from kvkit.vllm.stats import STATS
+
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -75,8 +79,6 @@ def _gen(a, llm) -> dict:
     """``--gen N,LEN,TOKENS``: greedy tokens and log-probs of N random prompts (and the decode steps' reads)."""
     from vllm import SamplingParams
 
-    from kvkit.vllm.stats import STATS
-
     n, length, tokens = (int(x) for x in a.gen.split(","))
     vocab = 500 if a.model.startswith("tiny:") else 49000
     prompts = _prompts(n, length, vocab, a.seed)
@@ -103,8 +105,6 @@ def _trace(a, llm, T) -> dict:
     """``--trace LEN,TOKENS``: one request stepped to the end, free / held blocks after every step."""
     from vllm import SamplingParams
 
-    from kvkit.vllm.stats import STATS
-
     length, tokens = (int(x) for x in a.trace.split(","))
     eng = llm.llm_engine
     prompt = _prompts(1, length, 500 if a.model.startswith("tiny:") else 49000, a.seed + 1)[0]
@@ -126,9 +126,6 @@ def _trace(a, llm, T) -> dict:
 def _needle(a, llm) -> dict:
     """``--needle CONTEXT[,DEPTH]``: the demo needle question, its greedy answer and the read fractions."""
     from vllm import SamplingParams
-
-    from kvkit.demo import needle_prompt
-    from kvkit.vllm.stats import STATS
 
     parts = a.needle.split(",")
     context, depth = int(parts[0]), float(parts[1]) if len(parts) > 1 else 0.5
@@ -153,8 +150,6 @@ def main(argv=None) -> dict:
     if a.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(a.tp)))
     import vllm  # noqa: F401  (imported before _engine changes the environment, as it always was)
-
-    from kvkit.vllm import testing as T
 
     llm, res = _engine(a, T)
     if a.gen:

@@ -6,6 +6,8 @@ import gc
 import os
 from pathlib import Path
 
+from kvkit import models
+
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -15,8 +17,6 @@ def default_model_dir() -> str:
     kvkit.models converts the packaged GGUF once and caches the converted folder (no quantizer
     state) under $KVKIT_CACHE; that folder is what vLLM loads.
     """
-    from kvkit import models
-
     conv = models._converted_dir(models.DEFAULT_MODEL)
     if not ((conv / "config.json").exists() and (conv / "tokenizer_config.json").exists()):
         models.load(models.DEFAULT_MODEL)

@@ -9,7 +9,7 @@ import torch
 
 import kvkit
 from kvkit import calibration
-from kvkit.testing import random_ids, tiny_model
+from kvkit.testing import random_ids, tiny_model, tiny_options
 from kvkit.vllm import config as vllm_config
 
 #: a Qwen2-7B pattern block over an alpha of the tiny llama's shape (3 layers x 2 KV heads)
@@ -28,7 +28,7 @@ def test_pattern_calibrated_for_another_model_is_refused_naming_both(tmp_path, o
     model = tiny_model("llama")
     path = _pattern(tmp_path / "qwen.json", OTHER_MODEL)
     policy, opts = ("duo", {"pattern": str(path)}) if option == "pattern" else (
-        "kvzip", {"protect_heads": 0.5, "protect_pattern": str(path), **kvkit.registry.policy_class("kvzip").test_options})
+        "kvzip", {"protect_heads": 0.5, "protect_pattern": str(path), **tiny_options("kvzip")})
     with pytest.raises(ValueError, match=r"calibrated for 'Qwen/Qwen2-7B-Instruct' qwen2 .*28 heads.*3584 hidden "
                                          r"size.*this model is .*llama .*4 heads.*64 hidden size.*kvkit calibrate duo"):
         kvkit.patch(model, policy, **opts)

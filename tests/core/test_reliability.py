@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.testing import greedy, random_ids, tiny_model
+from kvkit.testing import greedy, random_ids, tiny_model, tiny_options
 
 
 def test_cache_continued_after_unpatch_is_refused():
@@ -29,7 +29,7 @@ def test_cache_of_a_policy_on_a_model_never_patched_is_refused():
                                      num_attention_heads=4, num_key_value_heads=2)).eval()
     ids = random_ids(40, seed=2)
     for policy in ("tidal", "cake", "zipcache", "streaming", "duo", "chelsea", "shadowkv", "snapkv"):
-        opts = dict(kvkit.registry.policy_class(policy).test_options)
+        opts = tiny_options(policy)
         if policy == "duo":
             opts["pattern"] = [[0.9, 0.1]] * 4
         with pytest.raises(RuntimeError, match="kvkit.patch"):
@@ -91,7 +91,7 @@ def test_generation_crossing_the_context_refused_before_decoding():
 @pytest.mark.parametrize("policy", ["full", "streaming", "tidal"])
 def test_crop_semantics_are_the_same_for_full_and_compressing_stores(policy):
     model = tiny_model("llama")
-    kvkit.patch(model, policy, **kvkit.registry.policy_class(policy).test_options)
+    kvkit.patch(model, policy, **tiny_options(policy))
     try:
         _, _, cache = greedy(model, random_ids(30, seed=5), 4)
         seen = cache.get_seq_length()

@@ -15,14 +15,14 @@ from transformers import DynamicCache, GenerationConfig
 import kvkit
 from kvkit.compat import cache_kw, output_cache
 from kvkit.registry import policy_class
-from kvkit.testing import random_ids, tiny_model
+from kvkit.testing import random_ids, tiny_model, tiny_options
 from tests._nostatic import no_static_policy
 
 STREAMING = dict(budget=16, sink=2, tail=4)
 
 
 def _opts(policy):
-    return dict(policy_class(policy).test_options)
+    return tiny_options(policy)
 
 
 class _Forwards:

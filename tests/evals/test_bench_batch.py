@@ -132,24 +132,21 @@ def test_replayed_prefill_decodes_like_own_prefill(model, tok, name, opts):
         assert torch.equal(tokens(replayed), tokens(own))
 
 
-def test_skip_prompt_attention_switches_hf_sdpa():
-    """The replay's switch: inside the block ``hf_sdpa`` returns zeros for the prompt's own attention (queries and
-    keys both span the prompt) and the real attention for any other call; after it, the real attention again."""
+def test_hf_sdpa_skips_the_prompt_attention_whose_output_is_unused():
+    """The replay's shortcut (``replay_prefill(..., skip_prompt_attention=True)``): ``hf_sdpa`` told the output is
+    unused returns zeros for the prompt's own attention (queries span all keys) and the real attention for any other
+    call; without the option, the real attention."""
     from types import SimpleNamespace
 
-    from kvkit.stores.attend import hf_sdpa, skip_prompt_attention
+    from kvkit.stores.attend import hf_sdpa
 
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
     prompt, step = hf_sdpa(module, q, k, k, None, 8**-0.5), hf_sdpa(module, q[:, :, -1:], k, k, None, 8**-0.5)
-    with skip_prompt_attention(6) as counts:
-        assert torch.equal(hf_sdpa(module, q, k, k, None, 8**-0.5), torch.zeros(1, 6, 4, 8))
-        assert torch.equal(hf_sdpa(module, q[:, :, -1:], k, k, None, 8**-0.5), step)
-        assert counts["skipped"] == 1
-        with pytest.raises(RuntimeError, match="nest"), skip_prompt_attention(6):
-            pass
-    assert torch.equal(hf_sdpa(module, q, k, k, None, 8**-0.5), prompt)
+    assert torch.equal(hf_sdpa(module, q, k, k, None, 8**-0.5, output_unused=True), torch.zeros(1, 6, 4, 8))
+    assert torch.equal(hf_sdpa(module, q[:, :, -1:], k, k, None, 8**-0.5, output_unused=True), step)
+    assert not torch.equal(prompt, torch.zeros_like(prompt))
 
 
 def test_bad_input_refused(model, tok):

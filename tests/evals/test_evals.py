@@ -8,7 +8,7 @@ import pytest
 
 from kvkit.cli import main
 from kvkit.evals import files, longbench, rundir, runner
-from kvkit.evals.report import compare, compare_matched
+from kvkit.evals.compare import compare, compare_matched
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvkit.cli import main
 from kvkit.evals import files, longbench, report, rundir
-from kvkit.evals.report import compare_matched
+from kvkit.evals.compare import compare_matched
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"

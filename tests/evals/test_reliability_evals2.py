@@ -21,7 +21,7 @@ import pytest
 from kvkit.cli import main
 from kvkit.evals import files, generation, ruler, rundir, runner, settings
 from kvkit.evals.commands import runs as eval_runs
-from kvkit.evals.report import compare, compare_matched
+from kvkit.evals.compare import compare, compare_matched
 
 
 def run(*argv):

@@ -5,7 +5,7 @@ import torch
 
 import kvkit
 from kvkit.doctor import small_options
-from kvkit.evals.shared_prefill import record_prefill, replay_prefill, replayable_policies
+from kvkit.evals.shared_prefill import NOT_REPLAYABLE, record_prefill, replay_prefill, replayable_policies
 from kvkit.testing import greedy, random_ids, tiny_model
 
 
@@ -43,8 +43,6 @@ def test_replay_equals_own_prefill(arch, policy):
 
 
 def test_replay_refuses_non_exact_prefill_and_unpatched(monkeypatch):
-    from kvkit.policies.streaming import Streaming
-
     model = tiny_model("llama")
     ids = random_ids(30, seed=1)
     with pytest.raises(ValueError, match="kvkit.patch"):
@@ -52,7 +50,8 @@ def test_replay_refuses_non_exact_prefill_and_unpatched(monkeypatch):
     kvkit.patch(model, "full")
     rec = record_prefill(model, ids)
     kvkit.patch(model, "streaming", **small_options("streaming"))
-    monkeypatch.setattr(Streaming, "replayable", False)  # a policy declaring a non-exact prefill is refused
+    # a policy whose prefill is not exact is refused
+    monkeypatch.setitem(NOT_REPLAYABLE, "streaming", lambda policy: "a pass after the prefill")
     try:
         with pytest.raises(ValueError, match="cannot be replayed"):
             replay_prefill(model, rec)

@@ -324,7 +324,7 @@ def test_reconstruct_protection_in_generate_batches_and_refusals():
             assert torch.equal(toks[i], alone[0]), i
         out = model.generate(ids[:1], max_new_tokens=4, do_sample=False)
         assert out.shape == (1, 64)
-        assert not kvkit.patched_policy(model).replays_prefill()
+        assert not replayable(kvkit.patched_policy(model))
         with torch.no_grad(), pytest.raises(ValueError, match="input_ids.*protect_score='window'"):
             model(inputs_embeds=model.get_input_embeddings()(ids[:1]), use_cache=True)
     finally:

@@ -1,7 +1,7 @@
 """The contract every registered policy keeps (one test per rule, parametrized over ``kvkit.available_policies()``).
 
-Per-policy test files keep only what is specific to their method; a new policy is covered here by declaring
-``test_options`` (tiny-model options) and ``covering_options`` (a lossless setting) on its dataclass.
+Per-policy test files keep only what is specific to their method; a new policy is covered here by its tiny-model
+options in ``kvkit.testing.TEST_OPTIONS`` and ``covering_options`` (a lossless setting) on its dataclass.
 """
 
 import dataclasses

@@ -7,6 +7,7 @@ from transformers import CompileConfig
 
 import kvkit
 from kvkit.compat import cache_kw
+from kvkit.evals.settings import file_hashes
 from kvkit.policies.protect_heads import protected_heads
 from kvkit.policies.snapkv import SnapKVStore
 from kvkit.stores.split import HeadSplitStore, WholeHeadsStore
@@ -187,11 +188,11 @@ def test_protect_pattern_is_read_once_checked_and_named_by_its_content(tmp_path)
     path = tmp_path / "pattern.json"
     save_pattern(path, torch.tensor(_pattern(model, {(0, 1), (2, 0)})), model_identity(model.config))
     p = kvkit.get_policy("snapkv", protect_heads=0.5, protect_pattern=str(path), **OPTS)
-    sha = p.content_hashes()["protect_pattern"]
+    sha = file_hashes(p)["protect_pattern"]
     path.write_text("not a pattern")  # the policy kept the content it read
     keep = protected_heads("snapkv", model.config, p.protect_heads, p.protect_pattern)
     assert keep.tolist() == [[False, True], [False, False], [True, True]]
-    assert len(sha) == 64 and kvkit.get_policy("snapkv", **OPTS).content_hashes() == {}
+    assert len(sha) == 64 and file_hashes(kvkit.get_policy("snapkv", **OPTS)) == {}
     with pytest.raises(ValueError, match="kvzip: protect_pattern: .*not a valid DuoAttention pattern"):
         kvkit.get_policy("kvzip", protect_heads=0.5, protect_pattern=str(path))
     with pytest.raises(ValueError, match="give protect_heads > 0 too"):
@@ -201,7 +202,7 @@ def test_protect_pattern_is_read_once_checked_and_named_by_its_content(tmp_path)
 @pytest.mark.parametrize("policy", ["snapkv", "cake", "kvzip", "chelsea"])
 def test_protect_heads_names_the_shipped_pattern_it_ranks_by(policy, tmp_path, monkeypatch):
     """With no ``protect_pattern`` the protected heads come from the pattern shipped for the model: a run's record
-    (``content_hashes(config)``, what ``kvkit.evals`` keeps as ``option_files``) names that file's content, so a
+    (``kvkit.evals.settings.file_hashes(policy, config)``, what ``kvkit.evals`` keeps as ``option_files``) names that file's content, so a
     recalibrated shipped pattern makes ``--resume`` refuse rows ranked by the old one."""
     import kvkit.policies.duo as duo_mod
     from kvkit.evals.settings import file_sha256
@@ -213,11 +214,11 @@ def test_protect_heads_names_the_shipped_pattern_it_ranks_by(policy, tmp_path, m
     monkeypatch.setattr(duo_mod, "shipped_pattern", lambda config: shipped)
     opts = {"protect_heads": 0.5} if policy != "snapkv" else dict(OPTS, protect_heads=0.5)
     pol = kvkit.get_policy(policy, **opts)
-    assert pol.content_hashes() == {}  # nothing read when built
-    assert pol.content_hashes(model.config) == {"protect_pattern": file_sha256(shipped)}
-    assert kvkit.get_policy(policy, protect_heads=0).content_hashes(model.config) == {}  # ranks nothing
+    assert file_hashes(pol) == {}  # nothing read when built
+    assert file_hashes(pol, model.config) == {"protect_pattern": file_sha256(shipped)}
+    assert file_hashes(kvkit.get_policy(policy, protect_heads=0), model.config) == {}  # ranks nothing
     monkeypatch.setattr(duo_mod, "shipped_pattern", lambda config: None)  # no pattern ships for the model
-    assert kvkit.get_policy(policy, **opts).content_hashes(model.config) == {}
+    assert file_hashes(kvkit.get_policy(policy, **opts), model.config) == {}
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
 """The decode seam inside the stores: single-token eager steps of every policy read through
 :func:`kvkit.kernels.decode` where the kernels package picks Triton (forced here on CPU tensors with
 ``KVKIT_KERNELS=triton`` under ``TRITON_INTERPRET=1``), with the same tokens as the SDPA path; a kernel launch that
-fails falls back to SDPA with one warning."""
+fails falls back to SDPA with one warning. The backend is picked by :func:`kvkit.kernels.decode` alone: on the CPU default
+path it hands every store's read back (returns None) and the store's SDPA path runs."""
 
 import warnings
 
@@ -10,7 +11,7 @@ import torch
 
 import kvkit
 from kvkit import kernels
-from kvkit.stores import attend
+from kvkit.kernels import dispatch, seam
 from kvkit.testing import greedy, left_padded_batch, policy_test_options, tiny_model
 
 POLICIES = kvkit.available_policies()
@@ -32,12 +33,14 @@ def count_seam(monkeypatch):
     calls = []
     real = kernels.decode
 
-    def counted(q, view, **kw):
-        calls.append(view)
-        return real(q, view, **kw)
+    def counted(q, view, **kw):  # the reads a kernel served (None: handed back to the store's own path)
+        r = real(q, view, **kw)
+        if r is not None:
+            calls.append(view() if callable(view) else view)
+        return r
 
     monkeypatch.setattr(kernels, "decode", counted)
-    monkeypatch.setattr(attend, "_SEAM", {"failed": None})
+    monkeypatch.setattr(dispatch, "_LAUNCH", {"failed": None})
     return calls
 
 
@@ -56,20 +59,20 @@ def test_triton_seam_gives_the_sdpa_tokens(policy, lengths, monkeypatch, count_s
 
 def test_failed_launch_falls_back_to_sdpa_once(monkeypatch):
     ref_toks, _ = _run("streaming", (40,))
-    monkeypatch.setattr(attend, "_SEAM", {"failed": None})
+    monkeypatch.setattr(dispatch, "_LAUNCH", {"failed": None})
     monkeypatch.setenv("KVKIT_KERNELS", "triton")
 
     def broken(*a, **k):
         raise RuntimeError("no such PTX target")
 
-    monkeypatch.setattr(kernels, "decode", broken)
+    monkeypatch.setattr(seam, "_launch", broken)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         toks, _ = _run("streaming", (40,))
     assert torch.equal(toks, ref_toks)
     msgs = [str(x.message) for x in w if "fused decode kernel failed" in str(x.message)]
     assert len(msgs) == 1 and "no such PTX target" in msgs[0]
-    assert attend._SEAM["failed"]
+    assert dispatch.launch_failed()
 
 
 @pytest.mark.parametrize("lengths", [(40,), (40, 27)], ids=["single", "left-padded"])

@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 
 import kvkit
 from kvkit import fileio
+from kvkit.evals.settings import file_hashes
 from kvkit.patch import is_patched
 from kvkit.policies import duo as D
 from kvkit.policies import duo_patterns as DP
@@ -276,7 +277,7 @@ def test_patched_model_keeps_the_pattern_it_was_patched_with(tmp_path):
         assert _retrieval(kvkit.KVCache(model)) == RETRIEVAL
         pol = kvkit.patched_policy(model)
         assert pol.pattern_sha256 == hashlib.sha256(raw).hexdigest()
-        assert pol.content_hashes() == {"pattern": hashlib.sha256(raw).hexdigest()}
+        assert file_hashes(pol) == {"pattern": hashlib.sha256(raw).hexdigest()}
         assert json.loads(json.dumps(pol.options()))["pattern"] == str(path)  # recorded as the path it was given
     finally:
         kvkit.unpatch(model)
@@ -306,7 +307,7 @@ def test_frozen_pattern_survives_replace_copy_and_pickle(tmp_path):
 def test_pattern_sha256_of_values_and_of_the_shipped_pattern(monkeypatch):
     assert Duo(pattern=MIXED).pattern_sha256 == Duo(pattern=torch.tensor(MIXED, dtype=torch.float64)).pattern_sha256
     assert Duo(pattern=MIXED).pattern_sha256 != Duo(pattern=FLIPPED).pattern_sha256
-    assert Duo(pattern=MIXED).content_hashes() == {}  # no file: the values are the options
+    assert file_hashes(Duo(pattern=MIXED)) == {}  # no file: the values are the options
     from transformers import AutoConfig
 
     types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]

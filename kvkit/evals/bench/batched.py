@@ -26,9 +26,9 @@ from kvkit.evals.bench.prompts import batch_prompts
 from kvkit.evals.bench.replay import record_prefill_spilled
 from kvkit.evals.bench.runs import DecodeRun, prefill_run
 from kvkit.evals.bench.timing import decode_rounds, pair_rows, profile_runs, step_rows
-from kvkit.evals.generation import check_length
 from kvkit.evals.runner import progress
-from kvkit.evals.shared_prefill import replayable
+from kvkit.workloads.prompts import check_length
+from kvkit.workloads.shared_prefill import replayable
 
 
 @dataclass
@@ -59,7 +59,7 @@ def decode_bench(model, tokenizer, configs, batch: int = 8, length: int = 4096, 
     Returns ``{"rows": [...], "fits": [...], "memory": [...], "profile": {...}, ...}``.
 
     One exact prefill is recorded (spilled to a memory-mapped temp file) and replayed into each policy's cache
-    (:mod:`kvkit.evals.shared_prefill`; policies without an exact prefill run their own). Each policy is then
+    (:mod:`kvkit.workloads.shared_prefill`; policies without an exact prefill run their own). Each policy is then
     measured against a fresh full cache in interleaved rounds (round k: full and the policy each decode ``steps``
     timed steps, which goes first alternating), so only two caches are alive at a time and each speed-up is a
     ratio of medians taken under the same load. The ``full`` row holds the full cache's steps over all pairs.

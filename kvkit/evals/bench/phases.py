@@ -21,8 +21,8 @@ from kvkit.compat import cache_kw
 from kvkit.evals.bench.configs import positive_int
 from kvkit.evals.bench.memory import PeakMemory, sync
 from kvkit.evals.bench.prompts import batch_prompts, bench_prompt, positions
-from kvkit.evals.generation import check_length
 from kvkit.evals.runner import progress
+from kvkit.workloads.prompts import check_length
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """One exact prefill of the bench's padded batch, recorded once, spilled to a memory-mapped file and replayed into
-each policy's cache (:mod:`kvkit.evals.shared_prefill`), at the recorded batch or at another batch size whose rows
+each policy's cache (:mod:`kvkit.workloads.shared_prefill`), at the recorded batch or at another batch size whose rows
 repeat the recorded ones.
 
 The recording holds every layer's keys, values and queries (``3 x`` a full cache); memory-mapped, it stays out of
 the process's memory except while a replay reads it. A replay skips the prompt's own attention
-(:func:`kvkit.stores.attend.skip_prompt_attention`): it discards the attention output, since the stores keep K/V
+(``replay_prefill(..., skip_prompt_attention=True)``): it discards the attention output, since the stores keep K/V
 and their statistics from the query, never the output.
 """
 
@@ -20,8 +20,7 @@ import torch
 
 from kvkit.evals.bench.fit import weight_bytes
 from kvkit.evals.bench.prompts import positions
-from kvkit.evals.shared_prefill import LayerCall, PrefillRecording, record_prefill, replay_prefill
-from kvkit.stores.attend import skip_prompt_attention
+from kvkit.workloads.shared_prefill import LayerCall, PrefillRecording, record_prefill, replay_prefill
 
 
 def _prompt_key(model, ids, mask) -> str:
@@ -35,7 +34,7 @@ def _prompt_key(model, ids, mask) -> str:
 
 def record_prefill_spilled(model, ids, mask, spill_dir=None, reuse: bool = False):
     """One exact prefill of the padded batch through the kvkit-patched ``model``, recorded
-    (:func:`kvkit.evals.shared_prefill.record_prefill` with the left-padding mask and positions) and written to a
+    (:func:`kvkit.workloads.shared_prefill.record_prefill` with the left-padding mask and positions) and written to a
     file, then memory-mapped back: the recorded keys, values and queries (``3 x`` a full cache) stay out of the
     process's memory except while a replay reads them.
 
@@ -120,6 +119,5 @@ def replay_rows(model, rec, rows, b0: int):
     sub = rec if batch == b0 else PrefillRecording(
         calls=_RowCalls(rec.calls, rows, b0), tokens=rec.tokens, batch=batch,
         logits=rec.logits.index_select(0, rows), seconds=rec.seconds)
-    with skip_prompt_attention(rec.tokens):
-        cache = replay_prefill(model, sub)
+    cache = replay_prefill(model, sub, skip_prompt_attention=True)
     return cache, sub.logits

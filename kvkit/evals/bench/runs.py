@@ -18,7 +18,7 @@ from kvkit.compat import cache_kw
 from kvkit.evals.bench.memory import sync
 from kvkit.evals.bench.prompts import positions
 from kvkit.evals.bench.replay import replay_rows
-from kvkit.evals.shared_prefill import replayable
+from kvkit.workloads.shared_prefill import replayable
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """``kvkit eval compare``: eval summaries joined into one policy x budget table with retention against a baseline
-run (:func:`kvkit.evals.report.compare`); ``--matched`` scores every run only on the samples it shares with its
-baseline (:func:`kvkit.evals.report.compare_matched`)."""
+run (:func:`kvkit.evals.compare.compare`); ``--matched`` scores every run only on the samples it shares with its
+baseline (:func:`kvkit.evals.compare.compare_matched`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvkit.evals.report import compare, compare_matched
+from kvkit.evals.compare import compare, compare_matched
 
 
 def cmd_compare(args) -> int:

@@ -21,7 +21,7 @@ import contextlib
 import torch
 from transformers import CompileConfig
 
-from kvkit.stores.base import StoreMixin
+from kvkit.stores.layer import StoreMixin
 
 #: seconds a compiled row is expected to spend compiling before any of its rows has been measured (the time limit's
 #: estimate; afterwards the measured compiled rows' durations are used): inductor on CUDA (CUDA graphs recorded

@@ -30,6 +30,7 @@ from collections import Counter
 import torch
 
 import kvkit
+from kvkit import env
 from kvkit.compat import cache_kw
 
 #: aten operators that only re-describe a tensor (no kernel, no copy): left out of the ``compute`` count
@@ -74,8 +75,6 @@ class _Recorder:
 
 @contextlib.contextmanager
 def _kernels(path: str | None):
-    from kvkit import env
-
     if path is None:
         yield
         return

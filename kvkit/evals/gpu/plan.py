@@ -13,7 +13,7 @@ policy without a static store gets no compiled row; :func:`static_refusal` says 
 
 Options (:func:`default_options`), before the user's own: on the real shapes :data:`GPU_OPTIONS` (budgets chosen for
 the reference workload of :data:`REFERENCE_LENGTH` tokens; streaming keeps a quarter of the length); on ``tiny`` each
-policy's ``test_options``. duo always gets a seeded random gate pattern (random weights have no calibrated one).
+policy's tiny-model options (:data:`kvkit.testing.TEST_OPTIONS`). A compiled row adds the policy's ``static_options``. duo always gets a seeded random gate pattern (random weights have no calibrated one).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 from kvkit.cache import KVCache, static_policies
 from kvkit.evals.settings import resolve_policy_options
 from kvkit.options import parse_options
-from kvkit.registry import available_policies, policy_class
+from kvkit.registry import available_policies
+from kvkit.testing import tiny_options
 
 #: the transformers rows (unpatched model)
 HF_ROWS = ("hf-dynamic", "hf-static")
@@ -105,13 +106,13 @@ def static_refusal(model, policy: str, options: dict) -> str:
 def default_options(policy: str, shape: str, length: int, config, seed: int = 0) -> tuple[dict, dict]:
     """``(options, label options)`` for ``policy`` on this shape and length, before the user's own.
 
-    Real shapes: :data:`GPU_OPTIONS` (streaming keeps ``length // 4``). ``tiny``: the policy's ``test_options``
+    Real shapes: :data:`GPU_OPTIONS` (streaming keeps ``length // 4``). ``tiny``: the policy's tiny-model options
     (budgets of a few tokens) with streaming at ``length // 4``, chelsea ratio 0.25, duo sparsity 0.5. duo always
     gets a random gate pattern ``[layers, kv_heads]`` (seeded; random weights have no calibrated one), shown as
     ``pattern=random`` in labels."""
     if policy in ("full", *HF_ROWS):
         return {}, {}
-    opts = dict(policy_class(policy).test_options) if shape == "tiny" else dict(GPU_OPTIONS.get(policy, {}))
+    opts = tiny_options(policy) if shape == "tiny" else dict(GPU_OPTIONS.get(policy, {}))
     if policy == "streaming":
         opts["budget"] = max(8, length // 4)
     if shape == "tiny" and policy == "chelsea":

@@ -14,7 +14,7 @@ import functools
 import importlib
 import pkgutil
 
-from kvkit.registry import registrar
+from kvkit.registry import available_policies, registrar
 from kvkit.vllm.plans.base import LayerContext, Plan  # noqa: F401
 
 _PLANS: dict[str, type[Plan]] = {}
@@ -49,8 +49,6 @@ def options() -> dict[str, tuple[str, ...]]:
 
 def transformers_only() -> tuple[str, ...]:
     """kvkit policies (``kvkit.registry``) that the vLLM plugin does not run."""
-    from kvkit.registry import available_policies
-
     return tuple(p for p in available_policies() if p not in plans())
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from kvkit.registry import get_policy
+
 _NONE = ("none", "")
 
 
@@ -117,7 +119,6 @@ class Plan:
         opts = self.hf_options()
         if opts is None:
             return None
-        from kvkit.registry import get_policy
 
         try:
             return get_policy(self.name, **opts)

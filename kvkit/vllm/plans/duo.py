@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvkit import env
+from kvkit.kernels import paged_heads_cpu as PH
 from kvkit.vllm import reads
 from kvkit.vllm.plans import register
 from kvkit.vllm.plans.base import Plan, require_int, set_default
@@ -238,7 +239,6 @@ class DuoPlan(Plan):
             return impl.vllm_forward(layer, query, key, value, kv_cache, step.stream_md(), output)
         if step.need_op:  # prefill rows / short decode rows; the kernel's rows read one block there, overwritten
             impl.vllm_forward(layer, query, key, value, kv_cache, step.trim_md(), output)
-        from kvkit.kernels import paged_heads_cpu as PH
 
         blocks, ntok = step.lists(mask)
         key_cache, value_cache = PH.split_cache(kv_cache)
