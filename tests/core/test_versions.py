@@ -19,8 +19,14 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.compat import (PYTHON_LOWEST, RELEASE, SUPPORT_STATEMENT, TORCH_LOWEST, TRANSFORMERS_LOWEST,
-                          TRANSFORMERS_SUPPORTED)
+from kvkit.compat import (
+    PYTHON_LOWEST,
+    RELEASE,
+    SUPPORT_STATEMENT,
+    TORCH_LOWEST,
+    TRANSFORMERS_LOWEST,
+    TRANSFORMERS_SUPPORTED,
+)
 from kvkit.model_info import layer_infos, layer_types_and_windows
 from kvkit.testing import tiny_model
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from kvkit.evals.gpu.plan import REFERENCE_LENGTH, compiled_name, parse_rows
+from kvkit.evals.gpu.production import run_bench_args
 from kvkit.evals.gpu.report import environment, write
 from kvkit.evals.gpu.runner import Bench
-from kvkit.evals.gpu.production import run_bench_args
 from kvkit.evals.gpu.shapes import SHAPES, shape_config
 from kvkit.evals.report import SCHEMA
 
