@@ -89,7 +89,9 @@ class Policy:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def __str__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        # the shared knobs appear only when set, so a policy reads (and a run's record stays) as its own options
+        unset = {"compression_ratio": None, "preset": "kvkit"}
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items() if k not in unset or unset[k] != v)
         return f"{self.name}({opts})" if opts else self.name
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from kvkit.model_info import layer_types
+
 PRESETS = ("kvkit", "paper")
 
 
@@ -89,8 +91,6 @@ def protected_share(mask, config) -> float:
     None)."""
     if mask is None:
         return 0.0
-    from kvkit.model_info import layer_types
-
     types = layer_types(config)
     rows = [i for i, t in enumerate(types) if t == "full_attention"] or list(range(mask.shape[0]))
     return float(mask[rows].float().mean())

@@ -145,7 +145,7 @@ def test_registry_and_bad_input():
     assert kvkit.available_policies()[:2] == ["full", "streaming"]
     with pytest.raises(ValueError, match="known policies: full, streaming"):
         kvkit.get_policy("nope")
-    with pytest.raises(ValueError, match="valid options: budget=1024, sink=4, tail=32"):
+    with pytest.raises(ValueError, match="valid options: compression_ratio=None, preset=.kvkit., budget=1024, sink=4, tail=32"):
         kvkit.get_policy("streaming", window=3)
     for bad in (dict(budget=0), dict(budget=-5), dict(budget=8, sink=8), dict(budget=8, sink=9), dict(sink=-1)):
         with pytest.raises(ValueError, match="streaming"):

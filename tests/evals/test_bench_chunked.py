@@ -34,8 +34,9 @@ def test_bench_prefill_chunk_rows_and_fields(tiny_dir, tmp_path):
 
 
 def test_bench_prefill_chunk_must_be_positive(tiny_dir, tmp_path, capsys):
-    code = run("bench", "--model", tiny_dir, "--lengths", "256", "--prefill-chunk", 0, "--out", tmp_path / "b")
-    assert code == 2 and "--prefill-chunk must be a positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        run("bench", "--model", tiny_dir, "--lengths", "256", "--prefill-chunk", 0, "--out", tmp_path / "b")
+    assert e.value.code == 2 and "argument --prefill-chunk: must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_bench_run_rejects_bad_chunk():
