@@ -15,8 +15,8 @@ from kvkit.stores import tensor_bytes as _tensor_bytes
 from kvkit.stores.base import new_ring, ring_last, ring_write
 from kvkit.stores.scored import pool_group, window_attention
 
-if TYPE_CHECKING:  # the policy module imports this one
-    from kvkit.policies.cake import Cake
+if TYPE_CHECKING:  # annotations only: the policy (Cake, kvkit.policies.cake) is a Policy
+    from kvkit.policies.base import Policy
 
 QUERY_SLACK = 64  # decode queries kept beyond `tail`, so crop of up to 64 tokens keeps the scoring exact
 EPS = 1e-10  # CAKE entropy epsilon
@@ -62,7 +62,7 @@ class CakeStore(SlotStore):
 
     _batch_tensors = SlotStore._batch_tensors + ("score", "size", "qbuf")
 
-    def __init__(self, info: LayerInfo, policy: Cake, tau1: float, tau2: float, num_heads: int | None = None,
+    def __init__(self, info: LayerInfo, policy: Policy, tau1: float, tau2: float, num_heads: int | None = None,
                  budget_at=None):
         super().__init__(info, num_heads)
         self.budget_at = budget_at  # compression_ratio: ``context -> budget`` at each prefill

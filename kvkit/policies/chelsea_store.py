@@ -21,8 +21,8 @@ from kvkit.stores.merge import (
 from kvkit.stores.reconstruct import ReconstructionScoring
 from kvkit.stores.scored import pool_group, window_attention
 
-if TYPE_CHECKING:  # the policy module imports this one
-    from kvkit.policies.chelsea import Chelsea
+if TYPE_CHECKING:  # annotations only: the policy (Chelsea, kvkit.policies.chelsea) is a Policy
+    from kvkit.policies.base import Policy
 
 
 class ChelseaStore(ReconstructionScoring, SlotStore):
@@ -33,7 +33,7 @@ class ChelseaStore(ReconstructionScoring, SlotStore):
     _batch_tensors = ("keys", "values", "pos", "first_pos", "size", "merged_upto", "score")
     static_slot_tensors = {"size": 1}  # a static variant's free slots: a new token is a cluster of one
 
-    def __init__(self, info: LayerInfo, policy: Chelsea, num_heads: int | None = None, settings_at=None):
+    def __init__(self, info: LayerInfo, policy: Policy, num_heads: int | None = None, settings_at=None):
         super().__init__(info, num_heads)
         self.p = policy
         self.settings_at = settings_at  # compression_ratio: ``context -> settings`` (its ratio) at each prefill

@@ -24,8 +24,8 @@ from kvkit.stores.lowrank import (
     top_chunks,
 )
 
-if TYPE_CHECKING:  # the policy module imports this one
-    from kvkit.policies.shadowkv import ShadowKV
+if TYPE_CHECKING:  # annotations only: the policy (ShadowKV, kvkit.policies.shadowkv) is a Policy
+    from kvkit.policies.base import Policy
 
 PAPER_OUTLIERS, PAPER_BUDGET = 48, 2048  # ShadowKV: 48 outlier chunks at a 2048-token budget
 
@@ -43,7 +43,7 @@ class ShadowKVStore(SlotStore):
         "rope_pos", "v_off",
     )
 
-    def __init__(self, info: LayerInfo, policy: ShadowKV, rank: int):
+    def __init__(self, info: LayerInfo, policy: Policy, rank: int):
         super().__init__(info)
         self.budget, self.chunk = policy.budget, policy.chunk_size
         self.rank, self.n_out = rank, policy.num_outliers()

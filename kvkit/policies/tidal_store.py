@@ -13,8 +13,8 @@ import torch
 from kvkit.kernels import gather_attend
 from kvkit.stores import LayerInfo, SlotStore, attend_slots
 
-if TYPE_CHECKING:  # the policy module imports this one
-    from kvkit.policies.tidal import Tidal
+if TYPE_CHECKING:  # annotations only: the policy (Tidal, kvkit.policies.tidal) is a Policy
+    from kvkit.policies.base import Policy
 
 MAX_SPARSE_CHUNK = 16  # longer multi-token forwards (chunked prefill) run exact full attention
 
@@ -96,14 +96,14 @@ class TidalStore(SlotStore):
     own slot is ``nslots - T + arange(T)``, a reuse layer trusts the selection of the same forward (no host check)
     and reads its rows with :func:`kvkit.kernels.gather_attend` (a compiled step: one torch gather, fixed shapes)."""
 
-    def __init__(self, info: LayerInfo, policy: Tidal):
+    def __init__(self, info: LayerInfo, policy: Policy):
         super().__init__(info)
         self.policy = policy
         self._configure(policy)
         self.last_read = 0  # K/V bytes read by the last decode forward
         self.last_full_read = 0  # K/V bytes full attention would have read in that forward
 
-    def _configure(self, policy: Tidal) -> None:
+    def _configure(self, policy: Policy) -> None:
         info = self.info
         L, i = info.num_layers, info.layer_idx
         self.budget = policy.layer_budgets(L)[i]  # tokens this layer reads from a selection (reuse layers)

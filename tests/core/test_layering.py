@@ -92,7 +92,6 @@ TRITON = "imports triton at module top: loaded only when a Triton kernel is abou
 VLLM = "imports vllm at module top: loaded only when a vLLM engine uses the plugin"
 DEFERRED_IMPORTS = [
     ("kvkit.cli", "kvkit", CLI),
-    ("kvkit.cli_grammar", "kvkit", CLI),
     ("kvkit.catalog", "kvkit", CLI),
     ("kvkit.evals.commands", "kvkit", CLI),
     ("kvkit.doctor", "kvkit", CLI),
@@ -251,7 +250,7 @@ LAYERS = [
     ("kvkit.model_info",),
     ("kvkit.stores",),
     ("kvkit.registry", "kvkit.calibration"),
-    ("kvkit.catalog", "kvkit.cli_grammar"),  # the policy catalog and the commands' grammar: no torch, any command
+    ("kvkit.catalog", "kvkit.policy_spec", "kvkit.cli_grammar"),  # the policy catalog and the commands' grammar: no torch
     ("kvkit.policies",),
     ("kvkit.attention", "kvkit.cache"),
     ("kvkit.patch",),
