@@ -71,8 +71,8 @@ def file_hashes(policy, config=None) -> dict[str, str]:
     if policy.name == "duo" and policy.pattern is None:
         sha = policy.pattern_sha256_for(config)
         out.update({"pattern": sha} if sha is not None else {})
-    if getattr(policy, "protect_heads", 0) and getattr(policy, "protect_pattern", ...) is None:
-        out.update(pattern_hashes(policy, config))
+    if hasattr(policy, "protect_heads") and getattr(policy, "protect_pattern", ...) is None:
+        out.update(pattern_hashes(policy, config))  # the protection in effect (None: on where a pattern ships)
     return out
 
 

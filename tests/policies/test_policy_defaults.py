@@ -95,3 +95,16 @@ def test_patched_reinstalls_the_previous_patch_on_exit():
         assert kvkit.patched_policy(model) == kvkit.get_policy("streaming", budget=16, sink=2, tail=4)
     finally:
         kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "cake", "kvzip", "chelsea"])
+def test_a_runs_record_names_the_shipped_pattern_its_default_protection_reads(policy):
+    """With ``protect_heads`` left at its default the shipped DuoAttention pattern ranks the protected heads, so an
+    evaluation's record (``file_hashes``, what ``--resume`` compares) names that file's sha256; the paper's eviction
+    reads no pattern and names none."""
+    from kvkit.evals.settings import file_hashes
+
+    cfg = smollm2_config()
+    assert set(file_hashes(kvkit.get_policy(policy), cfg)) == {"protect_pattern"}
+    assert file_hashes(kvkit.get_policy(policy, protect_heads=0), cfg) == {}
+    assert file_hashes(kvkit.get_policy(policy, preset="paper"), cfg) == {}
