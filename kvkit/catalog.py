@@ -75,53 +75,12 @@ def _wrap(text: str, width: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- generation
-def _docstring_params(cls) -> dict[str, str]:
-    """``{field: text}`` from the numpydoc ``Parameters`` section of ``cls``'s docstring (each entry's lines joined)."""
-    doc = cls.__doc__ or ""
-    m = re.search(r"^\s*Parameters\s*\n\s*-+\s*\n(.*?)(?:\n\s*\n\s*[A-Z][A-Za-z ]+\n\s*-+\s*\n|\Z)", doc, re.S | re.M)
-    if not m:
-        return {}
-    out, cur = {}, None
-    for line in m.group(1).splitlines():
-        head = re.match(r"^\s{0,8}(\w+)\s*:", line)
-        if head and len(line) - len(line.lstrip()) <= 4:
-            cur = head.group(1)
-            out[cur] = []
-        elif cur is not None and line.strip():
-            out[cur].append(line.strip())
-    return {k: " ".join(v) for k, v in out.items()}
-
-
-def _field_comments(cls) -> dict[str, str]:
-    """``{field: comment}``: the ``# ...`` after a field's default in the class body (the reason for it)."""
-    import inspect
-
-    out = {}
-    for klass in reversed(cls.__mro__):
-        try:
-            src = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        for m in re.finditer(r"^    (\w+)\s*:[^=\n]*=[^#\n]*#\s*(.+)$", src, re.M):
-            out[m.group(1)] = m.group(2).strip()
-    return out
-
-
-def option_docs(name: str, cls) -> dict[str, dict]:
-    """``{option: {"meaning": ..., "why": ...}}`` of policy ``name``: ``kvkit.registry.describe`` when present, else the
-    class's docstring and field comments."""
+def option_docs(name: str) -> dict[str, dict]:
+    """``{option: {"meaning": ..., "why": ...}}`` of policy ``name``, from :func:`kvkit.registry.describe` (the class
+    docstring's Parameters entry and the comment on the field's line)."""
     from kvkit import registry
 
-    describe = getattr(registry, "describe", None)
-    if callable(describe):
-        d = describe(name)
-        opts = d.get("options", d) if isinstance(d, dict) else {}
-        if isinstance(opts, dict) and opts:
-            return {k: {"meaning": str((v or {}).get("meaning", "") if isinstance(v, dict) else v),
-                        "why": str((v or {}).get("why", "")) if isinstance(v, dict) else ""}
-                    for k, v in opts.items()}
-    meaning, why = _docstring_params(cls), _field_comments(cls)
-    return {k: {"meaning": meaning.get(k, ""), "why": why.get(k, "")} for k in set(meaning) | set(why)}
+    return {d["name"]: {"meaning": d.get("meaning", ""), "why": d.get("why", "")} for d in registry.describe(name)}
 
 
 def _jsonable(v):
@@ -139,7 +98,7 @@ def build() -> dict:
     out = []
     for name in available_policies():
         cls = policy_class(name)
-        docs = option_docs(name, cls)
+        docs = option_docs(name)
         paper = re.search(r"\((\d{4}\.\d{4,5})\)", cls.description or "")
         out.append(dict(
             name=name, paper=f"arXiv:{paper.group(1)}" if paper else None,
