@@ -37,11 +37,11 @@ smollm2)
     --run shadowkvcal2048-4k=shadowkv:budget=2048,min_prompt=2048 \
     --run shadowkvcal1024-4k=shadowkv:budget=1024,min_prompt=2048 \
     --run shadowkv1024-4k=shadowkv:budget=1024,min_prompt=2048,calibrated=False \
-    --run cake2048tr-4k=cake:budget=2048 --run cake2048-4k=cake:budget=2048,calibrated=False \
-    --run cake1024-4k=cake:budget=1024,calibrated=False \
-    --run chelsea50p40cal-4k=chelsea:ratio=0.5,protect=0.4 --run chelsea50-4k=chelsea:ratio=0.5,protect=0 \
-    --run chelsea20p16cal-4k=chelsea:ratio=0.2,protect=0.16 --run chelsea20-4k=chelsea:ratio=0.2,protect=0 \
-    --run snapkv2048tr-4k=snapkv:budget=2048 --run snapkv2048-4k=snapkv:budget=2048,calibrated=False "$@" ;;
+    --run cake2048tr-4k=cake:budget=2048,protect_heads=0 --run cake2048-4k=cake:budget=2048,calibrated=False,protect_heads=0 \
+    --run cake1024-4k=cake:budget=1024,calibrated=False,protect_heads=0 \
+    --run chelsea50p40cal-4k=chelsea:ratio=0.5,protect=0.4,protect_heads=0 --run chelsea50-4k=chelsea:ratio=0.5,protect=0,protect_heads=0 \
+    --run chelsea20p16cal-4k=chelsea:ratio=0.2,protect=0.16,protect_heads=0 --run chelsea20-4k=chelsea:ratio=0.2,protect=0,protect_heads=0 \
+    --run snapkv2048tr-4k=snapkv:budget=2048,protect_heads=0 --run snapkv2048-4k=snapkv:budget=2048,calibrated=False,protect_heads=0 "$@" ;;
 smollm2-own)
   ruler $S $P5 default kvzip2048a-4k kvzip budget=2048 "$@"
   ruler $S $P5 default kvzip2048-4k kvzip budget=2048,adaptive=false "$@"
@@ -71,11 +71,11 @@ qwen05)
   $KV sweep --model $QWEN --prompts $P3 --out-root $Q --resume --run full=full \
     --run duo054=duo:sparsity=0.54 --run duo081=duo:sparsity=0.81 \
     --run streaming2048=streaming:budget=2048 --run streaming1024=streaming:budget=1024 \
-    --run snapkv2048cal=snapkv:budget=2048 --run snapkv2048=snapkv:budget=2048,calibrated=False \
-    --run snapkv1024=snapkv:budget=1024,calibrated=False \
-    --run cake2048=cake:budget=2048 --run cake1024=cake:budget=1024 \
-    --run chelsea50d=chelsea:ratio=0.5 --run chelsea50=chelsea:ratio=0.5,protect=0 \
-    --run chelsea25d=chelsea:ratio=0.25 --run chelsea25=chelsea:ratio=0.25,protect=0 \
+    --run snapkv2048cal=snapkv:budget=2048,protect_heads=0 --run snapkv2048=snapkv:budget=2048,calibrated=False,protect_heads=0 \
+    --run snapkv1024=snapkv:budget=1024,calibrated=False,protect_heads=0 \
+    --run cake2048=cake:budget=2048,protect_heads=0 --run cake1024=cake:budget=1024,protect_heads=0 \
+    --run chelsea50d=chelsea:ratio=0.5,protect_heads=0 --run chelsea50=chelsea:ratio=0.5,protect=0,protect_heads=0 \
+    --run chelsea25d=chelsea:ratio=0.25,protect_heads=0 --run chelsea25=chelsea:ratio=0.25,protect=0,protect_heads=0 \
     --run zipcachecal=zipcache:key_group=None,stats=auto --run zipcache=zipcache:$PAPERZIP \
     --run shadowkv1024=shadowkv:budget=1024,min_prompt=2048 --run shadowkv512=shadowkv:budget=512,min_prompt=2048 \
     --run tidalrf999kv=tidal:budget=999,selection=kv_head \

@@ -19,7 +19,7 @@ PY
 .venv/bin/kvkit eval sweep --model default --prompts $OUT/prompts.jsonl --out-root $OUT --resume \
   --run full-4k=full --run streaming1024-4k=streaming:budget=1024 \
   --run duo054-4k=duo:sparsity=0.54,pattern=benchmarks/replay/duo_smollm2_2fa10fc.json --run tidal1732kv-4k=tidal:budget=1732,selection=kv_head,calibrated=False \
-  --run cake1024-4k=cake:budget=1024,calibrated=False --run chelsea20-4k=chelsea:ratio=0.2,protect=0 \
+  --run cake1024-4k=cake:budget=1024,calibrated=False,protect_heads=0 --run chelsea20-4k=chelsea:ratio=0.2,protect=0,protect_heads=0 \
   --run zipcache84-4k=zipcache:high_bits=8,low_bits=4,calibrated=False,key_group=None,stats=auto --run shadowkv1024-4k=shadowkv:budget=1024,min_prompt=2048,calibrated=False
 .venv/bin/python - <<'PY' | tee results/ruler/replay/compare.md
 import json, pathlib
