@@ -20,6 +20,7 @@ from kvkit.cli_grammar import (
     choice_list,
     int_list,
     integer,
+    nonnegative_float,
     nonnegative_int,
     policy_list,
     policy_spec,
@@ -225,7 +226,7 @@ def _add_bench(sub) -> None:
                         "StaticCache, kvkit full and every policy in one run (kvkit/evals/gpu/); default "
                         "--batch 16 --lengths 16384")
     b.add_argument("--warmup", type=nonnegative_int, default=3, help="--shape: untimed decode steps per row")
-    b.add_argument("--time-limit", type=positive_float, default=420.0, metavar="S",
+    b.add_argument("--time-limit", type=nonnegative_float, default=420.0, metavar="S",
                    help="--shape: seconds from the start after which the remaining rows are skipped")
     b.add_argument("--no-compile", action="store_true", help="--shape: run hf-static eager (no torch.compile)")
     b.add_argument("--compiled", dest="compiled", action="store_true", default=True,
