@@ -142,6 +142,9 @@ def _add_needles(esub) -> None:
     nd.add_argument("--samples", type=positive_int, default=33, help="samples per length (formats and depths cycle)")
     nd.add_argument("--formats", type=choice_list(NEEDLE_FORMATS, "formats"), default=list(NEEDLE_FORMATS),
                     metavar="NAME[,NAME...]", help="needle values: digits, uuid, words")
+    nd.add_argument("--no-shared-prefill", action="store_true",
+                    help="prefill every run on its own (by default, question-agnostic runs whose prefill replays "
+                         "share one exact prefill per sample: the same rows, fewer prefills)")
     nd.add_argument("--haystack", default="essay", choices=NEEDLE_HAYSTACKS,
                     help="essay (first 66%% of the essays) | squad (paragraphs)")
     nd.add_argument("--depths", type=positive_int, default=11, help="number of depths from 0%% to 100%%")

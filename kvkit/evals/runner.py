@@ -51,8 +51,7 @@ def run_samples(model, tokenizer, samples: list[dict], run: RunDir, policy: str,
     finally:
         if peer is None:
             kvkit.unpatch(model)
-    order = {s["id"]: i for i, s in enumerate(samples)}
-    return sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])
+    return rows_in_order(run, samples)
 
 
 def _row(s: dict, g: Generation, score: float) -> dict:
@@ -76,8 +75,9 @@ def _row(s: dict, g: Generation, score: float) -> dict:
     return row
 
 
-def run_sweep(model, tokenizer, samples: list[dict], runs: list, score_fn, desc: str = "sweep") -> None:
-    """Several (``RunDir``, policy, options) runs over the same samples, one shared context prefill per sample.
+def run_sweep(model, tokenizer, samples: list[dict], runs: list, score_fn, desc: str = "sweep") -> list[list[dict]]:
+    """Several (``RunDir``, policy, options) runs over the same samples, one shared context prefill per sample;
+    returns each run's rows in sample order (as :func:`run_samples` does for one run).
 
     For each sample that some run has not finished, the context is prefilled once with exact attention
     (:func:`kvkit.workloads.shared_prefill.record_prefill`) and replayed into each policy's cache, then the
@@ -118,3 +118,10 @@ def run_sweep(model, tokenizer, samples: list[dict], runs: list, score_fn, desc:
     finally:
         kvkit.unpatch(model)
         bar.close()
+    return [rows_in_order(run, samples) for run, _, _ in runs]
+
+
+def rows_in_order(run: RunDir, samples: list[dict]) -> list[dict]:
+    """The rows of ``run`` that belong to ``samples``, in the samples' order."""
+    order = {s["id"]: i for i, s in enumerate(samples)}
+    return sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])

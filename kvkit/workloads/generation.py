@@ -75,7 +75,8 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
                 if replay.tokens != ctx.shape[1]:
                     raise ValueError(f"replay: the recording holds {replay.tokens} context tokens, this prompt's "
                                      f"context has {ctx.shape[1]}")
-                cache = replay_prefill(model, replay, cache=cache)
+                # the context's own attention output is not needed (its last logits come from the recording)
+                cache = replay_prefill(model, replay, cache=cache, skip_prompt_attention=True)
             elif ctx is not None:
                 n = ctx.shape[1]
                 cache, _ = kvkit.prefill(model, ids[:, :n], chunk_size=n, cache=cache)

@@ -320,3 +320,32 @@ def test_pooled_ratio_counts_only_the_needles_every_run_scored(tmp_path, capsys,
     pr.main(["--roots", str(a), str(b), "--runs", "x", "y", "--resamples", "200"])
     out = capsys.readouterr().out
     assert "| x | 6 | 5 | 4 | 0.800 |" in out and "| y | 6 | 5 | 4 | 0.800 |" in out
+
+
+def test_needle_runs_sharing_one_prefill_write_the_rows_each_writes_alone(tiny_dir, tmp_path):
+    """Question-agnostic runs whose prefill replays share one prefill per sample, and their rows (answer, score,
+    bytes held and read) are those of each run prefilled on its own; kvzip, whose prefill does not replay, runs
+    alone beside them."""
+    from kvkit.cli import main
+
+    def rows(root):
+        out = {}
+        for name in ("full", "snap", "stream", "zip"):
+            lines = (root / name / "samples.jsonl").read_text().splitlines()
+            out[name] = [{k: r[k] for k in ("id", "prediction", "score", "kv_bytes", "kv_read") if k in r}
+                         for r in map(json.loads, lines)]
+        return out
+
+    args = ["eval", "needles", "--model", tiny_dir, "--run", "full=full", "--run", "snap=snapkv:budget=128",
+            "--run", "stream=streaming:budget=96", "--run", "zip=kvzip:budget=128", "--lengths", "512",
+            "--samples", "3", "--depths", "3"]
+    assert main(args + ["--out", str(tmp_path / "shared")]) == 0
+    assert main(args + ["--out", str(tmp_path / "alone"), "--no-shared-prefill"]) == 0
+    shared, alone = rows(tmp_path / "shared"), rows(tmp_path / "alone")
+    assert shared == alone and all(len(v) == 3 for v in shared.values())
+    first = json.loads((tmp_path / "shared" / "snap" / "samples.jsonl").read_text().splitlines()[0])
+    assert "shared_prefill_seconds" in first  # it did share
+    assert "shared_prefill_seconds" not in json.loads(
+        (tmp_path / "shared" / "zip" / "samples.jsonl").read_text().splitlines()[0])
+    assert "shared_prefill_seconds" not in json.loads(
+        (tmp_path / "alone" / "snap" / "samples.jsonl").read_text().splitlines()[0])

@@ -4,11 +4,17 @@ kvkit policies and peers (:mod:`kvkit.evals.peers`, e.g. ``quantized:nbits=4``) 
 too). Every run folder gets its ``summary.json`` (scores per needle format, KV bytes held and read), and ``--out``
 one listing the runs (:func:`write_root_summary`), so ``kvkit eval compare OUT`` reads them all. ``--protocol agnostic`` prefills and compresses the context before the question is fed;
 ``aware`` prefills them together.
+
+Under ``agnostic`` the runs whose prefill replays (:func:`kvkit.workloads.shared_prefill.replayable`: every kvkit
+policy but kvzip and reconstruction-scored chelsea) share one exact context prefill per sample
+(:func:`kvkit.evals.runner.run_sweep`): their rows are the rows each would write alone, at one prefill per sample
+instead of one per run. Peers, kvzip and ``--no-shared-prefill`` runs prefill on their own.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 from kvkit.evals import needles, ruler
@@ -18,8 +24,9 @@ from kvkit.evals.generation import check_length
 from kvkit.evals.needles_report import report_title, write_report
 from kvkit.evals.peers import is_peer, peer_options
 from kvkit.evals.rundir import RunDir, check_out_folder
-from kvkit.evals.runner import run_samples
+from kvkit.evals.runner import run_samples, run_sweep
 from kvkit.evals.settings import resolve_policy_options
+from kvkit.workloads.shared_prefill import replayable
 
 
 def _resolve(policy: str, options: dict, budget) -> dict:
@@ -47,16 +54,36 @@ def cmd_needles(args) -> int:
     samples = needles.generate_samples(tok, lengths, args.samples, seed=args.seed, formats=formats,
                                        haystack=args.haystack, depths=args.depths)
     aware = args.protocol == "aware"
-    for name, policy, options in specs:
+    score = lambda s, p: ruler.score(s["metric"], p, s["outputs"])  # noqa: E731
+
+    def config(policy, options):
         cfg = runs.run_config(args, "needles", policy, options, model=model, length=max(lengths), lengths=lengths,
                               formats=formats, haystack=args.haystack, depths=args.depths, protocol=args.protocol,
                               chat=True)
         cfg["full_prompt_prefill"] = aware
-        with RunDir(root / name, cfg, resume=args.resume) as run:
-            rows = run_samples(model, tok, samples, run, policy, options,
-                               lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"needles {name}",
+        return cfg
+
+    def summarise(run, rows, name):
+        runs.task_summary(run, rows, formats, f"Fresh needles - {args.model} - {name}")
+
+    shared = [] if aware or getattr(args, "no_shared_prefill", False) else \
+        [sp for sp in specs if not is_peer(sp[1]) and replayable(sp[1], sp[2])]
+    if len(shared) < 2:
+        shared = []
+    if shared:
+        with ExitStack() as stack:
+            folders = [(stack.enter_context(RunDir(root / name, config(policy, options), resume=args.resume)),
+                        policy, options) for name, policy, options in shared]
+            all_rows = run_sweep(model, tok, samples, folders, score, desc=f"needles x{len(folders)} (one prefill)")
+            for (run, _, _), rows, (name, _, _) in zip(folders, all_rows, shared):
+                summarise(run, rows, name)
+    for name, policy, options in specs:
+        if (name, policy, options) in shared:
+            continue
+        with RunDir(root / name, config(policy, options), resume=args.resume) as run:
+            rows = run_samples(model, tok, samples, run, policy, options, score, desc=f"needles {name}",
                                full_prompt_prefill=aware)
-            runs.task_summary(run, rows, formats, f"Fresh needles - {args.model} - {name}")
+            summarise(run, rows, name)
     # the table covers every needle run folder under --out (earlier invocations' runs too)
     folders = sorted(d for d in root.iterdir() if (d / "config.json").is_file()
                      and json.loads((d / "config.json").read_text()).get("benchmark") == "needles")

@@ -83,11 +83,9 @@ def cmd_sweep(args) -> int:
             cfg["full_prompt_prefill"] = False
             folders.append((held.enter_context(RunDir(Path(args.out) / name, cfg, resume=args.resume)), policy,
                             options))
-        run_sweep(model, tok, runs.cap(args, samples), folders,
-                  lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER sweep x{len(folders)}")
-        order = {s["id"]: i for i, s in enumerate(samples)}
-        for (run, policy, options), (name, _, _) in zip(folders, specs):
-            rows = sorted((r for r in run.rows if r["id"] in order), key=lambda r: order[r["id"]])
+        all_rows = run_sweep(model, tok, runs.cap(args, samples), folders,
+                             lambda s, p: ruler.score(s["metric"], p, s["outputs"]), desc=f"RULER sweep x{len(folders)}")
+        for (run, policy, options), (name, _, _), rows in zip(folders, specs, all_rows):
             ruler_summary(run, rows, tasks, length, args.model, policy, options)
             print(f"== {name}\n" + (run.path / "summary.md").read_text())
     return 0
