@@ -7,9 +7,8 @@
 
 Only the parser of the command asked for is built (:data:`COMMANDS`; the others are listed by name and help), and
 every parser is built without importing torch or transformers: ``kvkit --help``, ``kvkit policies`` (read from
-:mod:`kvkit.catalog`'s data file) and the refusal of a bad argument take a fraction of a second. A command's code
-(and torch with it) is imported when it runs. ``kvkit calibrate``'s parsers come from its calibrator modules,
-which import torch.
+:mod:`kvkit.catalog`'s data file), ``kvkit calibrate --help`` (its parsers: :mod:`kvkit.calibrate.parsers`) and the
+refusal of a bad argument take a fraction of a second. A command's code (and torch with it) is imported when it runs.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvkit.cli_grammar import checked, fraction, integer, positive_float, positive_int
+from kvkit.cli_grammar import check_device, checked, fraction, integer, positive_float, positive_int
 
 
 def _pattern_path(text: str) -> str:
@@ -119,17 +119,17 @@ def cmd_duo_refine(args) -> int:
     import shlex
     import sys
 
-    import torch
-
-    from kvkit.calibrate.duo_refine import refine_files
-    from kvkit.cli_grammar import check_device
-    from kvkit.models import load
-
-    if not 0.0 < args.sparsity < 1.0:
+    if not 0.0 < args.sparsity < 1.0:  # the checks that need no model and no torch come first
         raise ValueError(f"--sparsity must be a fraction strictly between 0 and 1, got {args.sparsity}")
     if args.samples < 1 or args.window < 1:
         raise ValueError("--samples and --window must be positive")
     check_device(args.device)
+
+    import torch
+
+    from kvkit.calibrate.duo_refine import refine_files
+    from kvkit.models import load
+
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", file=sys.stderr, flush=True)
@@ -150,13 +150,13 @@ def cmd_calibrate_duo(args) -> int:
     import sys
     from dataclasses import fields
 
+    check_device(args.device)  # before torch and the model load
+
     import torch
 
     from kvkit.calibrate.duo import DuoCalibration, calibrate
-    from kvkit.cli_grammar import check_device
     from kvkit.models import load, resolve_name
 
-    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", file=sys.stderr, flush=True)

@@ -733,9 +733,12 @@ def test_each_calibrated_policy_has_its_calibrator_module():
     the policies' own ``calibrated_options``; the CLI offers one command per calibrator (and duo)."""
     import argparse
 
-    from kvkit.calibrate import cli, duo_cli, registry
+    from kvkit.calibrate import cli, duo_cli, parsers, registry
 
     cals = registry.calibrators()
+    # the torch-free parser table: every calibrator, in the policy registry's order
+    assert list(parsers.COMMANDS) == [name for name in kvkit.available_policies() if name in cals]
+    assert all(cal.command is parsers.COMMANDS[name] for name, cal in cals.items())
     assert set(cals) == set(store.calibrated_options()) == {"shadowkv", "tidal", "zipcache", "cake", "snapkv",
                                                              "chelsea"}
     assert all(cal.run.__module__ == f"kvkit.calibrate.{name}" for name, cal in cals.items())
