@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from argparse import ArgumentTypeError
 
+from kvkit.cli_grammar import add_model
+
 #: value kinds of the calibration needles (:func:`kvkit.calibrate.needles.make_samples`): "number" (7-digit numbers
 #: only) or "mixed" (half of the samples hold UUID-shaped codes: a 36-character answer, ~20-30 tokens, that a kept
 #: number's first digits do not stand in for)
@@ -19,16 +21,15 @@ VALUE_KINDS = ("mixed", "number")
 
 # ---- the options every calibrator's command shares ------------------------------------------------------------
 def common_options(p, length: int, samples: int) -> None:
-    """--model, --out, --length, --samples, --seed, --device, --threads (``length`` / ``samples``: the defaults)."""
-    p.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    """--model, --device, --threads (:func:`kvkit.cli_grammar.add_model`), --out, --length, --samples, --seed
+    (``length`` / ``samples``: the defaults)."""
+    add_model(p, threads="torch CPU threads")
     p.add_argument("--out", default=None,
                    help="calibration file to add this policy's section to (default: "
                         "$KVKIT_CALIBRATION_DIR or ~/.cache/kvkit/calibration/<model>.json, found automatically)")
     p.add_argument("--length", type=int, default=length, help="tokens per calibration sample")
     p.add_argument("--samples", type=int, default=samples, help="calibration samples")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
 def needle_values(p) -> None:
