@@ -21,17 +21,6 @@ class WordTokenizer:
         return [2 + sum(map(ord, w)) % 126 for w in text.split()] or [2]
 
 
-@pytest.fixture
-def caldir(tmp_path, monkeypatch):
-    """An empty calibration folder searched first; the user folder is moved into tmp_path too."""
-    d = tmp_path / "cal"
-    d.mkdir()
-    monkeypatch.setenv("KVKIT_CALIBRATION_DIR", str(d))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    store._CACHE.clear()
-    return d
-
-
 def _write(path, model, policies):
     data = {"format": store.FORMAT, "version": store.VERSION, "model": store.identity(model.config, "tiny"),
             "policies": policies}
