@@ -7,9 +7,8 @@
 
 Only the parser of the command asked for is built (:data:`COMMANDS`; the others are listed by name and help), and
 every parser is built without importing torch or transformers: ``kvkit --help``, ``kvkit policies`` (read from
-:mod:`kvkit.catalog`'s data file) and the refusal of a bad argument take a fraction of a second. A command's code
-(and torch with it) is imported when it runs. ``kvkit calibrate``'s parsers come from its calibrator modules,
-which import torch.
+:mod:`kvkit.catalog`'s data file), ``kvkit calibrate --help`` (its parsers: :mod:`kvkit.calibrate.parsers`) and the
+refusal of a bad argument take a fraction of a second. A command's code (and torch with it) is imported when it runs.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from kvkit.cli_grammar import (
     Parser,
     PolicySpec,
     add_alias,
-    add_device,
     add_max_new_tokens,
+    add_model,
     add_out,
     add_policy_options,
     check_device,
@@ -31,6 +30,7 @@ from kvkit.cli_grammar import (
     fraction,
     int_list,
     integer,
+    lazy_command,
     parse_policy,
     policies_of,
     policy_list,
@@ -206,7 +206,7 @@ def print_run_table(runs: list, expected: str | None) -> None:
 
 def add_run(sub) -> None:
     r = sub.add_parser("run", help=COMMAND_HELP["run"], description=COMMAND_HELP["run"])
-    r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    add_model(r)
     add_policy_options(r, several=True, default=" ".join(f"--policy {p}" for p in DEMO_POLICIES) + " (full is "
                        "always run first)")
     r._option_string_actions["--policy"].type = policy_list  # also the older "duo,zipcache"
@@ -217,7 +217,6 @@ def add_run(sub) -> None:
     r.add_argument("--depth", type=fraction, default=None,
                    help=f"demo needle depth in [0, 1] (default {DEMO_DEPTH}; not with --prompt-file)")
     add_max_new_tokens(r, 16, "tokens to generate per policy (prompt + this must fit the model's context)")
-    add_device(r)
     r.add_argument("--seed", type=integer, default=0, help="seed of the demo's needle")
     r.set_defaults(func=cmd_run)
 
@@ -232,7 +231,8 @@ def add_policies(sub) -> None:
 def add_speculate(sub) -> None:
     """``kvkit speculate``'s parser (the command: :func:`kvkit.speculative.cli.cmd_speculate`)."""
     s = sub.add_parser("speculate", help=COMMAND_HELP["speculate"], description=COMMAND_HELP["speculate"])
-    s.add_argument("--model", default="default", help="target model: default | packaged name | local dir | .gguf")
+    add_model(s, "target model: default | packaged name | local dir | .gguf",
+              threads="CPU threads for torch (default: torch's)")
     s.add_argument("--length", type=positive_int, default=4096,
                    help="prompt length in tokens (essay haystack + question + chat template)")
     s.add_argument("--task", default="needle", choices=["needle", "continue"],
@@ -255,10 +255,8 @@ def add_speculate(sub) -> None:
     s.add_argument("--adaptive", type=fraction, default=None, help="stop drafting below this draft confidence")
     s.add_argument("--assistant", default=None, help="tiny draft model sharing the tokenizer (hierarchical)")
     s.add_argument("--assistant-gamma", type=positive_int, default=None, help="the assistant's draft length")
-    add_device(s)
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--seed", type=integer, default=0)
-    s.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
     s.add_argument("--repeat", type=positive_int, default=1,
                    help="run plain decoding and every setting this many times, interleaved; report medians "
                         "(speedup: median of the per-repeat ratios, each against the plain run of the same repeat)")
@@ -268,20 +266,10 @@ def add_speculate(sub) -> None:
                         "default: copies the whole KV at every step) and/or static (preallocated StaticCache); "
                         "kvkit's own plain decoding appends in place. Speedups are also reported against each")
     add_out(s, "append one JSON line per setting to this file (.jsonl)", old=("--json",), kind="file")
-    s.set_defaults(func=_lazy("kvkit.speculative.cli", "cmd_speculate"))
+    s.set_defaults(func=lazy_command("kvkit.speculative.cli", "cmd_speculate"))
 
 
 # ------------------------------------------------------------------------------------------ the command table
-def _lazy(module: str, name: str):
-    """The command ``module.name``, imported when it runs (so building the parser imports no command code)."""
-
-    def command(args) -> int:
-        return getattr(importlib.import_module(module), name)(args)
-
-    command.__name__ = command.__qualname__ = name
-    return command
-
-
 COMMAND_HELP = {
     "run": "answer a long prompt with policies and compare KV bytes / speed with full (kvkit alone: the demo)",
     "policies": "list the policies, or explain one policy's options (kvkit policies NAME)",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import json
 import os
 import sys
@@ -327,6 +328,34 @@ def add_max_new_tokens(p, default=None, help: str = "tokens to generate", old: t
 
 def add_device(p, default: str = "cpu") -> None:
     p.add_argument("--device", default=default, help="cpu | cuda | cuda:N")
+
+
+#: what ``--model`` takes
+MODEL_HELP = "default | packaged name | local dir | .gguf file"
+
+
+def add_model(p, help: str = MODEL_HELP, *, device: str | None = "cpu", threads: str | None = None) -> None:
+    """Add the options of a command that loads a model: ``--model`` (default ``default``, the bundled model; ``help``
+    says what it takes), ``--device`` (default ``device``; None: no such option) and, when ``threads`` gives its
+    help, ``--threads`` (torch CPU threads, an integer >= 1)."""
+    p.add_argument("--model", default="default", help=help)
+    if device is not None:
+        add_device(p, device)
+    if threads is not None:
+        p.add_argument("--threads", type=positive_int, default=None, help=threads)
+
+
+def lazy_command(module: str, name: str, before=None):
+    """The command ``module.name`` for a parser's ``set_defaults(func=...)``, imported when it runs (so building the
+    parser imports no command code, nor torch); ``before(args)``, when given, runs first (checks that need none)."""
+
+    def command(args) -> int:
+        if before is not None:
+            before(args)
+        return getattr(importlib.import_module(module), name)(args)
+
+    command.__name__ = command.__qualname__ = name
+    return command
 
 
 def check_device(device: str) -> None:

@@ -62,6 +62,22 @@ def no_model_load(monkeypatch):
 
 
 @pytest.fixture
+def caldir(tmp_path, monkeypatch):
+    """An empty calibration folder searched first (``KVKIT_CALIBRATION_DIR``), the user folder moved into
+    ``tmp_path`` too (``XDG_CACHE_HOME``), and the calibration store's cache cleared before and after: for tests that
+    write (hostile) calibration files for a model."""
+    from kvkit import calibration
+
+    d = tmp_path / "cal"
+    d.mkdir()
+    monkeypatch.setenv("KVKIT_CALIBRATION_DIR", str(d))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calibration._CACHE.clear()
+    yield d
+    calibration._CACHE.clear()
+
+
+@pytest.fixture
 def fresh_dynamo():
     """A clean torch.compile state around a test (compiled graphs, recompile counters): compile tests use it
     (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``) so their graph counts are their own."""

@@ -9,8 +9,8 @@
 #   4. spec:     benchmarks/gpu/speculative_gpu.py: the streaming self-draft over static caches, compiled, at
 #                batch 16 / 64 x 16K (1B shape): draft and verify ms per round, acceptance, speed-up over the
 #                compiled plain step                                       -> $OUT/speculative.json
-#   5. profile:  benchmarks/gpu/profile_compiled.py: torch.profiler over compiled steps of full, streaming, snapkv
-#                at 16 x 16K: kernels per step, gaps between kernels, CUDA-graph replays -> $OUT/profile.txt
+#   5. profile:  benchmarks/gpu/profile_step.py --compiled: torch.profiler over compiled steps of full, streaming,
+#                snapkv at 16 x 16K: kernels per step, gaps between kernels, CUDA-graph replays -> $OUT/profile.txt
 # plus $OUT/log.txt: 8 files in all (the most the device tool brings back).
 #
 # Time (seconds; each stage has its own limit inside, and a hard `timeout` of limit + 20): install ~15, ops T_OPS=30,
@@ -103,7 +103,7 @@ transformers.__version__, '| kvkit', kvkit.__version__, '| cuda', torch.cuda.is_
   if [ "$T_PROFILE" != 0 ]; then
     echo "== [$((SECONDS - t0))s] profile of compiled steps ($POLICIES)"
     # shellcheck disable=SC2086
-    timeout $((T_PROFILE + 20)) $PY benchmarks/gpu/profile_compiled.py --device "$DEVICE" "${PROFILE_ARGS[@]}" \
+    timeout $((T_PROFILE + 20)) $PY benchmarks/gpu/profile_step.py --compiled --device "$DEVICE" "${PROFILE_ARGS[@]}" \
       --policies $POLICIES --time-limit "$T_PROFILE" --out "$OUT/profile.txt" 2>&1 | grep -v USDT
   fi
   echo "== [$((SECONDS - t0))s] done"

@@ -9,10 +9,10 @@ at those taus; written by :func:`kvkit.calibration.write_section`.
 from __future__ import annotations
 
 import time
-from argparse import ArgumentTypeError
 
 from kvkit.calibrate import needles
-from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
+from kvkit.calibrate.parsers import cake_command
+from kvkit.calibrate.registry import calibrator, sweep_args
 from kvkit.calibrate.search import picked, pooling_sweep, window_option
 from kvkit.policies.cake import model_taus
 
@@ -81,40 +81,7 @@ def _pooling_stage(model, tokenizer, kernels, budget: int, t1, t2, length: int, 
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
-def parse_kernels(text: str) -> tuple:
-    """``--kernels``: odd kernels separated by commas, a ``t`` suffix for kvkit's trailing window ("31t"); checked
-    when the command line is parsed, before the model loads (a typo costs no minutes)."""
-    kernels = []
-    for item in (k.strip() for k in text.split(",")):
-        if not item:
-            continue
-        trailing = item.endswith("t")
-        try:
-            k = int(item[:-1] if trailing else item)
-        except ValueError:
-            raise ArgumentTypeError(f"expected odd integers (a 't' suffix: trailing window) separated by "
-                             f"commas, got {text!r}") from None
-        if k <= 0 or k % 2 == 0:
-            raise ArgumentTypeError(f"every kernel must be a positive odd integer, got {text!r}")
-        kernels.append((k, "trailing") if trailing else k)
-    return tuple(kernels)
-
-
-def _command(sub):
-    c = sweep_command(
-        sub, "cake", "CAKE layer-preference temperatures tau1/tau2, then its pooling kernel",
-        "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text; CAKE at --budget-fraction of the context with "
-        "each candidate (tau1, tau2) decodes them from one shared prefill per sample; the pair answering most "
-        "needles is kept (ties: the paper's). Then, at those taus and with the question in the prefill, the "
-        "indicator's pooling kernel (--kernels).")
-    c.add_argument("--kernels", type=parse_kernels, default=None,
-                   help="pooling kernels (odd; a 't' suffix: kvkit's trailing window, the token and the kernel - 1 "
-                        "before it) for the second, question-aware stage at the chosen taus; '' skips it (default: "
-                        "kvkit.calibrate.cake.CAKE_KERNELS, the paper's 5 and wider, centered and trailing)")
-    return c
-
-
-@calibrator("cake", command=_command)
+@calibrator("cake", command=cake_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
     kernels = CAKE_KERNELS if args.kernels is None else args.kernels
     return calibrate_cake(model, tokenizer, **sweep_args(args), kernels=kernels, log=log)

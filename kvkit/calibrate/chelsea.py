@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 
-from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
+from kvkit.calibrate.parsers import chelsea_command
+from kvkit.calibrate.registry import calibrator, sweep_args
 from kvkit.calibrate.search import picked, pool_label, pooling_sweep
 
 #: (chunk_size, protect_kernel, protect_pooling, protect_window) candidates: kvkit's fallback first (64-token chunks,
@@ -55,17 +56,6 @@ def calibrate_chelsea(model, tokenizer, length: int = 2048, samples: int = 8, bu
     return picked(chosen, names), evidence
 
 
-def _command(sub):
-    return sweep_command(
-        sub, "chelsea", "Chelsea chunk size and protection score from a question-aware needle sweep",
-        "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text, the question in the prefill, "
-        "half of them with the value a dozen words after its key; Chelsea at ratio --budget-fraction with protect = "
-        "0.8 x ratio (kvkit: the highest-attention tokens of each chunk kept exact) and each candidate chunk size and "
-        "protection pooling (kernel, max/avg, centered/trailing) decodes them; the one answering most needles is kept "
-        "(ties: the answers' teacher-forced log-probability, then kvkit's fallback, 64-token chunks with kernel 7 max "
-        "centered, first).")
-
-
-@calibrator("chelsea", command=_command)
+@calibrator("chelsea", command=chelsea_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
     return calibrate_chelsea(model, tokenizer, **sweep_args(args), log=log)

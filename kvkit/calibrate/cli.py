@@ -2,29 +2,40 @@
 ``duo-refine``) and ``kvkit calibrate <policy>`` for every registered calibrator (:mod:`kvkit.calibrate.registry`:
 shadowkv, tidal, cake, snapkv, chelsea, zipcache, ...): a per-model knob, written as one section of the model's
 calibration file (:mod:`kvkit.calibration`), which the policy then finds from the model's config. This module names
-no calibrated policy: each calibrator brings its own command and run."""
+no calibrated policy: each calibrator brings its own command and run.
+
+Building the parsers imports neither torch nor transformers (the built-in calibrators' parsers come from
+:mod:`kvkit.calibrate.parsers`, duo's from :mod:`kvkit.calibrate.duo_cli`): ``kvkit calibrate --help`` and the
+refusal of a bad argument take a fraction of a second. A calibrator's module (and torch) loads when its command
+runs, after the checks that need no model (counts, ``--out``, ``--device``).
+"""
 
 from __future__ import annotations
 
 import json
 
+from kvkit.calibrate import parsers, registry
+from kvkit.calibrate.duo_cli import add_duo_commands
+from kvkit.cli_grammar import Parser, check_device
+
+
+def calibrator_commands() -> dict:
+    """Policy -> the parser function of its ``kvkit calibrate <policy>`` command: the built-in calibrators'
+    (:data:`kvkit.calibrate.parsers.COMMANDS`), then those registered elsewhere that are already imported (without
+    importing any calibrator module)."""
+    extra = {name: cal.command for name, cal in registry.registered().items() if name not in parsers.COMMANDS}
+    return {**parsers.COMMANDS, **extra}
+
 
 def add_commands(subparsers) -> None:
-    from kvkit.calibrate.duo_cli import add_duo_commands
-    from kvkit.calibrate.registry import calibrators
-
-    names = ", ".join(["duo", *calibrators()])
+    """Add ``kvkit calibrate``'s parser and its subcommands (duo's and every calibrator's) to ``subparsers``."""
+    commands = calibrator_commands()
+    names = ", ".join(["duo", *commands])
     cal = subparsers.add_parser("calibrate", help=f"per-model calibration of a policy ({names})")
     sub = cal.add_subparsers(dest="calibrate_policy", required=True)
     add_duo_commands(sub)
-    _add_calibrator_commands(sub)
-
-
-def _add_calibrator_commands(sub) -> None:
-    from kvkit.calibrate.registry import calibrators
-
-    for name, cal in calibrators().items():
-        cal.command(sub).set_defaults(func=cmd_calibrate_knob, knob=name)
+    for name, command in commands.items():
+        command(sub).set_defaults(func=cmd_calibrate_knob, knob=name)
 
 
 def check_calibration_out(out) -> None:
@@ -69,18 +80,17 @@ def cmd_calibrate_knob(args) -> int:
     import shlex
     import sys
 
-    import torch
-
-    from kvkit import calibration as store
-    from kvkit.calibrate import registry
-    from kvkit.cli_grammar import check_device
-    from kvkit.models import load, resolve_name
-
-    cal = registry.get(args.knob)
-    check_counts(args)
+    check_counts(args)  # the checks that need no model and no torch come first
     if args.out:
         check_calibration_out(args.out)
     check_device(args.device)
+
+    import torch
+
+    from kvkit import calibration as store
+    from kvkit.models import load, resolve_name
+
+    cal = registry.get(args.knob)
     if args.threads:
         torch.set_num_threads(args.threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -105,8 +115,6 @@ def cmd_calibrate_knob(args) -> int:
 
 def main_calibrate(argv: list[str] | None = None) -> int:
     """``kvkit calibrate ...`` as a function (for scripts and tests)."""
-    from kvkit.cli_grammar import Parser
-
     p = Parser(prog="kvkit")
     add_commands(p.add_subparsers(dest="command", parser_class=Parser))
     args = p.parse_args(["calibrate", *(argv or [])])

@@ -8,7 +8,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvkit.cli_grammar import checked, fraction, integer, positive_float, positive_int
+from kvkit.cli_grammar import (
+    add_model,
+    check_device,
+    checked,
+    fraction,
+    integer,
+    positive_float,
+    positive_int,
+)
 
 
 def _pattern_path(text: str) -> str:
@@ -51,7 +59,7 @@ def add_duo_commands(sub) -> None:
         description="Optimise one gate per KV head per layer on synthetic multi-passkey retrieval (paper: "
         "arXiv:2410.10819); writes the continuous gates as a pattern for kvkit.patch(model, 'duo', pattern=...).",
     )
-    d.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    add_model(d, threads="torch CPU threads")
     d.add_argument("--out", required=True, type=pattern_out,
                    help="output pattern: .json (kvkit) or .tsv (reference format)")
     d.add_argument("--steps", type=positive_int, default=60, help="optimiser steps (paper: 2000)")
@@ -68,10 +76,8 @@ def add_duo_commands(sub) -> None:
     d.add_argument("--lr", type=positive_float, default=0.02, help="learning rate of the gates")
     d.add_argument("--reg", type=fraction, default=0.05, help="weight of mean|alpha|")
     d.add_argument("--seed", type=integer, default=0)
-    d.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     d.add_argument("--time-limit", type=positive_float, default=None,
                    help="stop after the first step that ends past this many seconds (the pattern is still written)")
-    d.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     d.add_argument("--resume", action="store_true",
                    help="keep the state after every step next to --out (<out>.ckpt.pt) and continue from it when it "
                         "exists (same options): with --time-limit, a long schedule over several runs")
@@ -90,14 +96,12 @@ def add_duo_commands(sub) -> None:
         "they change the answers to calibration needles (kvkit.calibrate.duo_refine) and the best fill the "
         "remaining places. One pattern: the --window heads on each side of its cut are the ones decided.",
         "pattern files (.json or .tsv) of the model")
-    r.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
+    add_model(r, threads="torch CPU threads")
     r.add_argument("--sparsity", type=fraction, default=0.5, help="fraction of KV heads that stream")
     r.add_argument("--window", type=positive_int, default=4, help="one pattern: heads each side of its cut to decide")
     r.add_argument("--length", type=positive_int, default=2048, help="calibration needle length in tokens")
     r.add_argument("--samples", type=positive_int, default=16, help="calibration needles (and as many for validation)")
     r.add_argument("--seed", type=integer, default=0, help="needle seed (validation uses seed + 1)")
-    r.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    r.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
 
 def cmd_duo_merge(args) -> int:
@@ -119,17 +123,17 @@ def cmd_duo_refine(args) -> int:
     import shlex
     import sys
 
-    import torch
-
-    from kvkit.calibrate.duo_refine import refine_files
-    from kvkit.cli_grammar import check_device
-    from kvkit.models import load
-
-    if not 0.0 < args.sparsity < 1.0:
+    if not 0.0 < args.sparsity < 1.0:  # the checks that need no model and no torch come first
         raise ValueError(f"--sparsity must be a fraction strictly between 0 and 1, got {args.sparsity}")
     if args.samples < 1 or args.window < 1:
         raise ValueError("--samples and --window must be positive")
     check_device(args.device)
+
+    import torch
+
+    from kvkit.calibrate.duo_refine import refine_files
+    from kvkit.models import load
+
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", file=sys.stderr, flush=True)
@@ -150,13 +154,13 @@ def cmd_calibrate_duo(args) -> int:
     import sys
     from dataclasses import fields
 
+    check_device(args.device)  # before torch and the model load
+
     import torch
 
     from kvkit.calibrate.duo import DuoCalibration, calibrate
-    from kvkit.cli_grammar import check_device
     from kvkit.models import load, resolve_name
 
-    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading model {args.model!r} ...", file=sys.stderr, flush=True)

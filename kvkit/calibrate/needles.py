@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import kvkit
 from kvkit.calibrate.haystack import calibration_text
+from kvkit.calibrate.parsers import VALUE_KINDS  # value kinds of make_samples (--values offers them)
 from kvkit.compat import cache_kw
 from kvkit.workloads.generation import generate
 from kvkit.workloads.prompts import encode
@@ -40,10 +41,6 @@ NEEDLE = "The access code of the {key} vault is {value}."
 NEEDLE_FAR = "The {key} vault was sealed last spring, and the number written on its inner door is {value}."
 QUESTION = "What is the access code of the {key} vault? Answer with the number only."
 QUESTION_CODE = "What is the access code of the {key} vault? Answer with the code only."
-#: value kinds of :func:`make_samples`: "number" (7-digit numbers only)
-#: or "mixed" (half of the samples hold UUID-shaped codes: a 36-character answer, ~20-30 tokens, that a kept
-#: number's first digits do not stand in for)
-VALUE_KINDS = ("mixed", "number")
 ANSWER_PREFIX = "The access code of the {key} vault is"
 INTRO = "Read the following text. It hides access codes of vaults; remember them.\n\n"
 

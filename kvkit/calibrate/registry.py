@@ -5,14 +5,17 @@ same name, which must declare the options it sets (the policy class's ``calibrat
 ``kvkit/calibrate/<policy>.py`` and declares two things:
 
 * ``command(subparsers)``: adds ``kvkit calibrate <name>``'s parser with its options and returns it (options that
-  need checking before the model loads parse with an argparse ``type``);
+  need checking before the model loads parse with an argparse ``type``); the built-in ones live in
+  :mod:`kvkit.calibrate.parsers` (torch-free, listed in its ``COMMANDS``), so the command line is built without
+  importing the calibrators;
 * the decorated ``run(model, tokenizer, args, out, log) -> (options, evidence)``: the calibration on the loaded
   model, ``out`` being the file the section goes to (a calibrator may read the section it replaces there).
 
 :func:`calibrators` imports ``kvkit.calibrate.<policy>`` for every registered policy that declares calibrated
 options and has such a module (registration order = the policy registry's); a calibrator elsewhere registers by
-being imported. The shared command-line options (:func:`common_options`, :func:`needle_values`,
-:func:`sweep_command`) are here too.
+being imported (before ``kvkit calibrate``'s parser is built, for its command to be offered: :func:`registered`).
+The shared command-line options (:func:`common_options`, :func:`needle_values`, :func:`sweep_command`, from
+:mod:`kvkit.calibrate.parsers`) are here too. Importing this module imports no policy and no torch.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvkit.calibrate.needles import VALUE_KINDS
+from kvkit.calibrate.parsers import (  # noqa: F401  (re-exported: the options calibrators share)
+    common_options,
+    needle_values,
+    sweep_command,
+)
 from kvkit.registry import available_policies, policy_class
 
 
@@ -70,6 +77,12 @@ def calibrators() -> dict[str, Calibrator]:
     return dict(_CALIBRATORS)
 
 
+def registered() -> dict[str, Calibrator]:
+    """The calibrators registered so far, by policy name (imports nothing: a built-in one is there once its module
+    is imported)."""
+    return dict(_CALIBRATORS)
+
+
 def get(name: str) -> Calibrator:
     found = calibrators()
     if name not in found:
@@ -77,36 +90,7 @@ def get(name: str) -> Calibrator:
     return found[name]
 
 
-# ---- the options every calibrator's command shares ------------------------------------------------------------
-def common_options(p, length: int, samples: int) -> None:
-    """--model, --out, --length, --samples, --seed, --device, --threads (``length`` / ``samples``: the defaults)."""
-    p.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
-    p.add_argument("--out", default=None,
-                   help="calibration file to add this policy's section to (default: "
-                        "$KVKIT_CALIBRATION_DIR or ~/.cache/kvkit/calibration/<model>.json, found automatically)")
-    p.add_argument("--length", type=int, default=length, help="tokens per calibration sample")
-    p.add_argument("--samples", type=int, default=samples, help="calibration samples")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-
-
-def needle_values(p) -> None:
-    """--values: the needles' values (:data:`kvkit.calibrate.needles.VALUE_KINDS`)."""
-    p.add_argument("--values", default=VALUE_KINDS[0], choices=VALUE_KINDS,
-                   help="needle values: 'mixed' (half of the samples hold UUID-shaped codes, which need every token "
-                        "kept; default) or 'number' (7-digit numbers only, as calibrations before 2026-11-24)")
-
-
-def sweep_command(sub, name: str, help: str, description: str):
-    """A needle-sweep calibration at a budget fraction of the context (2048 tokens, 8 samples by default)."""
-    p = sub.add_parser(name, help=help, description=description)
-    common_options(p, 2048, 8)
-    p.add_argument("--budget-fraction", type=float, default=0.5, help=f"{name} budget as a fraction of --length")
-    needle_values(p)
-    return p
-
-
+# ---- what a needle-sweep calibration takes from its options ---------------------------------------------------
 def sweep_args(args) -> dict:
     """The keyword arguments a needle-sweep calibration takes from :func:`sweep_command`'s options."""
     return dict(length=args.length, samples=args.samples, budget_fraction=args.budget_fraction, seed=args.seed,

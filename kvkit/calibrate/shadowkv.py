@@ -13,7 +13,8 @@ import time
 import torch
 
 from kvkit.calibrate.needles import essay_text
-from kvkit.calibrate.registry import calibrator, common_options
+from kvkit.calibrate.parsers import shadowkv_command
+from kvkit.calibrate.registry import calibrator
 
 
 def _key_modules(model):
@@ -106,16 +107,7 @@ def calibrate_shadowkv(model, tokenizer, length: int = 2048, samples: int = 3, m
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
-def _command(sub):
-    s = sub.add_parser("shadowkv", help="ShadowKV SVD rank from the spectral energy of the pre-RoPE keys",
-                       description="Smallest SVD rank whose rebuilt pre-RoPE keys stay within --max-error "
-                       "(relative Frobenius error) in every layer, on essay text; records the error per rank.")
-    common_options(s, 2048, 3)
-    s.add_argument("--max-error", type=float, default=0.10, help="relative key error bound (0.10 = 99%% energy)")
-    return s
-
-
-@calibrator("shadowkv", command=_command)
+@calibrator("shadowkv", command=shadowkv_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
     return calibrate_shadowkv(model, tokenizer, length=args.length, samples=args.samples, max_error=args.max_error,
                               seed=args.seed, log=log)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 
-from kvkit.calibrate.registry import calibrator, sweep_args, sweep_command
+from kvkit.calibrate.parsers import snapkv_command
+from kvkit.calibrate.registry import calibrator, sweep_args
 from kvkit.calibrate.search import picked, pool_label, pooling_sweep, window_option
 
 #: (kernel, pooling[, pool_window]) candidates: the paper's first, then wider average pooling, then max
@@ -50,15 +51,6 @@ def calibrate_snapkv(model, tokenizer, length: int = 2048, samples: int = 8, bud
     return picked(chosen, ("kernel", "pooling", "pool_window")), evidence
 
 
-def _command(sub):
-    return sweep_command(
-        sub, "snapkv", "SnapKV pooling kernel (and avg/max) from a question-aware needle sweep",
-        "Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text, the question in the prefill (SnapKV's "
-        "setting), half of them with the value a dozen words after its key; SnapKV at --budget-fraction of the "
-        "context with each candidate pooling (kernel 5 avg = the paper's, wider avg, max, and kvkit's trailing window) decodes them; the one "
-        "answering most needles is kept (ties: the answers' teacher-forced log-probability, then the paper's first).")
-
-
-@calibrator("snapkv", command=_command)
+@calibrator("snapkv", command=snapkv_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
     return calibrate_snapkv(model, tokenizer, **sweep_args(args), log=log)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 import time
-from argparse import ArgumentTypeError
 
 import torch
 
 import kvkit
 from kvkit import calibration
 from kvkit.calibrate import needles
-from kvkit.calibrate.registry import calibrator, common_options, needle_values
+from kvkit.calibrate.parsers import tidal_command
+from kvkit.calibrate.registry import calibrator
 from kvkit.calibrate.search import mean_logprob
 from kvkit.compat import cache_kw
 from kvkit.policies.tidal import Tidal, TidalStore, group_score, union_ranks
@@ -321,43 +321,7 @@ def calibrate_tidal_shares(model, tokenizer, layout, length: int = 4096, samples
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
-def parse_layers(text: str) -> tuple:
-    """--select-layers "2,6,10" -> (2, 6, 10): strictly increasing layer indices >= 0 (checked before the model loads)."""
-    try:
-        layers = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ArgumentTypeError(f"expected layer indices separated by commas, e.g. 2,6,10; got {text!r}") from None
-    if not layers or any(x < 0 for x in layers) or any(b <= a for a, b in zip(layers, layers[1:])):
-        raise ArgumentTypeError(f"expected strictly increasing layer indices >= 0, e.g. 2,6,10; got {text!r}")
-    return layers
-
-
-def _command(sub):
-    t = sub.add_parser("tidal", help="TidalDecode selection layers from a needle sweep",
-                       description="Needles (kvkit's own words; 7-digit numbers and UUID-shaped codes) in essay text; every "
-                       "candidate layout of selection layers decodes them from one shared prefill per sample, each "
-                       "at the budget that puts its decode reads at --read-fraction of full attention's; the layout "
-                       "answering most needles is kept (ties: the answers' teacher-forced log-probability, then "
-                       "fewer selection layers).")
-    common_options(t, 4096, 12)
-    t.add_argument("--read-fraction", type=float, default=None,
-                   help="decode reads as a fraction of full attention's; each layout gets the budget that matches "
-                        "(default 0.5)")
-    t.add_argument("--budget-fraction", type=float, default=None,
-                   help="instead: one tidal budget for every layout, as a fraction of --length")
-    t.add_argument("--selection", default="shared", choices=["shared", "kv_head", "q_head"],
-                   help="tidal's selection while calibrating (default shared, tidal's default; q_head needs "
-                        "--no-shares)")
-    t.add_argument("--select-layers", type=parse_layers, default=None,
-                   help="skip the layout sweep: these selection layers (comma-separated, e.g. 2,6,10), only their "
-                        "layer shares are calibrated (an earlier calibration's evidence for the same layers is kept)")
-    t.add_argument("--no-shares", action="store_true",
-                   help="uniform budgets over the reuse layers (the paper): no layer_shares")
-    needle_values(t)
-    return t
-
-
-@calibrator("tidal", command=_command)
+@calibrator("tidal", command=tidal_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
     layout = args.select_layers
     read_fraction = (args.read_fraction if args.read_fraction is not None else

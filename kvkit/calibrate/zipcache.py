@@ -11,7 +11,8 @@ import time
 
 import kvkit
 from kvkit.calibrate import needles
-from kvkit.calibrate.registry import calibrator, common_options, needle_values
+from kvkit.calibrate.parsers import zipcache_command
+from kvkit.calibrate.registry import calibrator
 from kvkit.workloads.generation import generate
 from kvkit.workloads.prompts import encode
 from kvkit.workloads.shared_prefill import record_prefill
@@ -113,16 +114,7 @@ def _first_keeping_all(model, tokenizer, cands, recs, per: dict, preds: dict, lo
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
-def _command(sub):
-    z = sub.add_parser("zipcache", help="ZipCache bit widths: the cheapest that keeps calibration needles",
-                       description="Candidate (high_ratio, high_bits, low_bits, key_bits) settings in order of "
-                       "bytes; the first that answers every needle the full cache answers is kept.")
-    common_options(z, 2048, 8)
-    needle_values(z)
-    return z
-
-
-@calibrator("zipcache", command=_command)
+@calibrator("zipcache", command=zipcache_command)
 def run(model, tokenizer, args, out, log) -> tuple[dict, dict]:
     return calibrate_zipcache(model, tokenizer, length=args.length, samples=args.samples, seed=args.seed,
                               values=args.values, log=log)

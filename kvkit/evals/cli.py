@@ -8,18 +8,17 @@ family) and is imported only when it runs (:func:`_command`), so building the ``
 
 from __future__ import annotations
 
-import importlib
-
 from kvkit.cli_grammar import (
     add_alias,
-    add_device,
     add_max_new_tokens,
+    add_model,
     add_out,
     add_policy_options,
     check_device,
     choice_list,
     int_list,
     integer,
+    lazy_command,
     nonnegative_float,
     nonnegative_int,
     policy_list,
@@ -29,39 +28,35 @@ from kvkit.cli_grammar import (
 )
 
 
+def _check_device(args) -> None:
+    """Refuse a CUDA ``--device`` torch has none of before the command's code (and any model) loads (``--shape``
+    runs check their own device)."""
+    if getattr(args, "device", None) is not None and not getattr(args, "shape", None):
+        check_device(args.device)
+
+
 def _command(module: str, name: str):
-    """The command ``kvkit.evals.commands.<module>.<name>``, imported when it is called."""
-
-    def command(args) -> int:
-        if getattr(args, "device", None) is not None and not getattr(args, "shape", None):
-            check_device(args.device)  # before the command's code (and any model) loads
-        return getattr(importlib.import_module(f"kvkit.evals.commands.{module}"), name)(args)
-
-    command.__name__ = command.__qualname__ = name
-    return command
+    """The command ``kvkit.evals.commands.<module>.<name>``, imported when it is called (after
+    :func:`_check_device`)."""
+    return lazy_command(f"kvkit.evals.commands.{module}", name, before=_check_device)
 
 
 #: the dtypes a run may load the model in
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _model(p) -> None:
-    p.add_argument("--model", default="default", help="default | packaged name | local dir | .gguf file")
-
-
-def _device_dtype(p, dtype="float32") -> None:
-    add_device(p)
+def _dtype(p, dtype="float32") -> None:
     p.add_argument("--dtype", default=dtype, choices=DTYPES, help="the model's dtype")
 
 
 def _common(p, with_out=True):
     """The options of a single-policy run: model, ``--policy NAME[:KEY=VALUE,...]``, ``--budget``,
     ``--compression-ratio``, seed, device, dtype (and output, resume, chat, prefill protocol, generation cap)."""
-    _model(p)
+    add_model(p)
     add_policy_options(p, several=False)
     p.add_argument("--seed", type=integer, default=None,
                    help="seed of the generated samples (default RULER's 42; with --prompts: the file's)")
-    _device_dtype(p)
+    _dtype(p)
     if with_out:
         add_out(p, "output folder (default results/<bench>/<model>-<policy>-<len>)")
         p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
@@ -99,7 +94,7 @@ def _add_ruler(esub) -> None:
 def _add_sweep(esub) -> None:
     """``kvkit eval sweep``: the prompts of a ``--dump-prompts`` file through several policies."""
     sw = esub.add_parser("sweep", help="RULER prompts through several policies sharing one exact prefill per sample")
-    _model(sw)
+    add_model(sw)
     _several(sw, "policy, written to OUT/<its label> like `kvkit eval ruler --out`")
     sw.add_argument("--prompts", required=True, metavar="FILE", help="a `kvkit eval ruler --dump-prompts` file")
     add_out(sw, "folder holding one run folder per --policy", required=True, old=("--out-root",))
@@ -109,7 +104,7 @@ def _add_sweep(esub) -> None:
     add_max_new_tokens(sw, None, "cap the generation length (quick checks only)")
     sw.add_argument("--seed", type=integer, default=None,
                     help="the seed the prompts were made with (default: the file's; another is refused)")
-    _device_dtype(sw)
+    _dtype(sw)
     sw.set_defaults(func=_command("ruler", "cmd_sweep"))
 
 
@@ -133,7 +128,7 @@ NEEDLE_FORMATS, NEEDLE_HAYSTACKS = ("digits", "uuid", "words"), ("essay", "squad
 def _add_needles(esub) -> None:
     """``kvkit eval needles``: fresh needles through policies and peers."""
     nd = esub.add_parser("needles", help="fresh needles no calibration saw: policies and peers, accuracy vs bytes")
-    _model(nd)
+    add_model(nd)
     _several(nd, "kvkit policy or a peer (quantized:nbits=4), written to OUT/<its label>; one must be full")
     add_out(nd, "folder holding one run folder per --policy, needles.md/png and summary.json", required=True,
             old=("--out-root",))
@@ -153,7 +148,7 @@ def _add_needles(esub) -> None:
     nd.add_argument("--seed", type=integer, default=None,
                     help="sample seed (default kvkit.evals.needles.DEFAULT_SEED)")
     nd.add_argument("--resume", action="store_true", help="continue interrupted runs (each run folder separately)")
-    _device_dtype(nd)
+    _dtype(nd)
     nd.set_defaults(func=_command("needles", "cmd_needles"))
 
 
@@ -188,7 +183,7 @@ def _add_compare(esub) -> None:
 def _add_bench(sub) -> None:
     """``kvkit bench``: the bundled-model bench (one-shot / chunked prefill, ``--batch``) and ``--shape``."""
     b = sub.add_parser("bench", help="prefill time, decode tok/s, peak memory, KV bytes: policy vs full")
-    _model(b)
+    add_model(b)
     add_policy_options(b, several=True, what="policy measured against the full cache (the first is the main "
                                               "setting; --shape: the rows, hf-dynamic | hf-static | full | policy)")
     add_alias(b, "--add", "policy", "--policy NAME[:KEY=VALUE,...]", append=True, type=policy_spec,
@@ -196,7 +191,7 @@ def _add_bench(sub) -> None:
     add_alias(b, "--policies", "shape_rows", "--policy ROW[:KEY=VALUE,...]", append=True, nargs="+", type=policy_list,
               metavar="ROW[:KEY=VALUE,...]")
     b.add_argument("--seed", type=integer, default=None, help="seed of the prompts (default 42)")
-    _device_dtype(b, dtype=None)  # float32; --shape: bfloat16 on CUDA
+    _dtype(b, None)  # float32; --shape: bfloat16 on CUDA
     b.add_argument("--lengths", type=int_list("lengths"), default=None, metavar="N[,N...]",
                    help="prompt lengths (default 2048,4096,8192; --shape: 16384)")
     b.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens decoded after the prefill")

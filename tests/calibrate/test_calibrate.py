@@ -21,17 +21,6 @@ class WordTokenizer:
         return [2 + sum(map(ord, w)) % 126 for w in text.split()] or [2]
 
 
-@pytest.fixture
-def caldir(tmp_path, monkeypatch):
-    """An empty calibration folder searched first; the user folder is moved into tmp_path too."""
-    d = tmp_path / "cal"
-    d.mkdir()
-    monkeypatch.setenv("KVKIT_CALIBRATION_DIR", str(d))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    store._CACHE.clear()
-    return d
-
-
 def _write(path, model, policies):
     data = {"format": store.FORMAT, "version": store.VERSION, "model": store.identity(model.config, "tiny"),
             "policies": policies}
@@ -733,9 +722,12 @@ def test_each_calibrated_policy_has_its_calibrator_module():
     the policies' own ``calibrated_options``; the CLI offers one command per calibrator (and duo)."""
     import argparse
 
-    from kvkit.calibrate import cli, duo_cli, registry
+    from kvkit.calibrate import cli, duo_cli, parsers, registry
 
     cals = registry.calibrators()
+    # the torch-free parser table: every calibrator, in the policy registry's order
+    assert list(parsers.COMMANDS) == [name for name in kvkit.available_policies() if name in cals]
+    assert all(cal.command is parsers.COMMANDS[name] for name, cal in cals.items())
     assert set(cals) == set(store.calibrated_options()) == {"shadowkv", "tidal", "zipcache", "cake", "snapkv",
                                                              "chelsea"}
     assert all(cal.run.__module__ == f"kvkit.calibrate.{name}" for name, cal in cals.items())

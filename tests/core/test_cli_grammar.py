@@ -217,6 +217,54 @@ def test_help_listing_and_refusals_import_no_torch(argv):
     assert "Traceback" not in r.stderr
 
 
+CALIBRATE_NO_TORCH = r"""
+import sys
+from kvkit import cli
+
+def refused(argv):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2, (argv, rc)
+    assert "torch" not in sys.modules and "transformers" not in sys.modules, argv
+
+p = cli.build_parser("calibrate")
+for name in ("duo", "cake", "chelsea", "shadowkv", "snapkv", "tidal", "zipcache"):
+    args = p.parse_args(["calibrate", name, *(["--out", "p.json"] if name == "duo" else [])])
+    assert callable(args.func), name
+p.parse_args(["calibrate", "duo-merge", "a.json", "b.json", "--out", "m.json"])
+assert "torch" not in sys.modules and "transformers" not in sys.modules, "building / parsing"
+refused(["calibrate", "snapkv", "--length", "x"])
+refused(["calibrate", "cake", "--kernels", "4"])
+refused(["calibrate", "tidal", "--select-layers", "6,2"])
+refused(["calibrate", "zipcache", "--values", "hex"])
+refused(["calibrate", "shadowkv", "--samples", "0"])
+refused(["calibrate", "shadowkv", "--out", "notes.txt"])
+refused(["calibrate", "duo", "--out", "pattern.txt"])
+refused(["calibrate", "duo-refine", "a.json", "--out", "p.json", "--sparsity", "1"])
+refused(["calibrate", "nosuch"])
+print("NO TORCH")
+"""
+
+
+@pytest.mark.parametrize("argv", [["calibrate", "--help"], ["calibrate", "tidal", "--help"],
+                                  ["calibrate", "duo-refine", "--help"], ["calibrate", "snapkv", "--samples", "x"]])
+def test_calibrate_help_and_refusals_import_no_torch(argv, tmp_path):
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.stderr.strip().splitlines()[-1].startswith("HEAVY [] RC"), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_calibrate_parsers_and_refused_arguments_import_no_torch(tmp_path):
+    """Building ``kvkit calibrate``'s parsers, parsing every subcommand and refusing bad arguments (by the parser, or
+    by the checks a command makes before the model loads) import neither torch nor transformers."""
+    r = subprocess.run([sys.executable, "-c", CALIBRATE_NO_TORCH], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "NO TORCH", r.stderr[-3000:]
+
+
 # ------------------------------------------------------------------ kvkit policies [NAME]
 
 

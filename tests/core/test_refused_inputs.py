@@ -81,17 +81,6 @@ def test_zipcache_float_bit_width_is_refused_by_name(option):
     kvkit.get_policy("zipcache", **{option: int(value)})
 
 
-@pytest.fixture
-def caldir(tmp_path, monkeypatch):
-    d = tmp_path / "cal"
-    d.mkdir()
-    monkeypatch.setenv("KVKIT_CALIBRATION_DIR", str(d))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    calibration._CACHE.clear()
-    yield d
-    calibration._CACHE.clear()
-
-
 def test_calibration_file_with_a_float_bit_width_is_refused_naming_the_file(caldir):
     model = tiny_model("llama")
     path = caldir / "tiny.json"

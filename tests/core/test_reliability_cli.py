@@ -147,10 +147,9 @@ def test_prompt_file_is_a_bounded_regular_file(no_model_load, capsys, tmp_path, 
         assert 0 < sum(got) <= 101, f"read {sum(got)} bytes of a file over the limit of 100"
 
 
-def test_calibration_file_is_read_bounded(tmp_path, monkeypatch):
+def test_calibration_file_is_read_bounded(caldir, monkeypatch):
     model = tiny_model("llama", num_hidden_layers=6)
-    d = _caldir(tmp_path, monkeypatch)
-    path = _write_cal(d / "big.json", model, {"tidal": {"options": {"select_layers": [2, 4]}}})
+    path = _write_cal(caldir / "big.json", model, {"tidal": {"options": {"select_layers": [2, 4]}}})
     monkeypatch.setattr(store, "MAX_FILE_BYTES", 50)
     with pytest.raises(store.CalibrationError, match=rf"kvkit calibration file {path} is larger than the limit of 50"):
         kvkit.patch(model, "tidal", budget=16)
@@ -210,15 +209,6 @@ def test_cli_prints_no_speed_for_one_token(tmp_path, monkeypatch, capsys):
 # ------------------------------------------------------------------ 18. calibration errors name file and field
 
 
-def _caldir(tmp_path, monkeypatch):
-    d = tmp_path / "cal"
-    d.mkdir()
-    monkeypatch.setenv("KVKIT_CALIBRATION_DIR", str(d))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    store._CACHE.clear()
-    return d
-
-
 def _write_cal(path, model, policies, raw: str | None = None):
     data = {"format": store.FORMAT, "version": store.VERSION, "model": store.identity(model.config, "tiny"),
             "policies": policies}
@@ -242,9 +232,9 @@ def test_huge_layer_shares_are_relative_weights_not_an_overflow():
 
 
 @pytest.mark.parametrize("how", ["patch", "KVCache"])
-def test_layer_shares_that_do_not_fit_name_the_file_and_field(tmp_path, monkeypatch, how):
+def test_layer_shares_that_do_not_fit_name_the_file_and_field(caldir, how):
     model = tiny_model("llama", num_hidden_layers=6)
-    path = _write_cal(_caldir(tmp_path, monkeypatch) / "shares.json", model,
+    path = _write_cal(caldir / "shares.json", model,
                       {"tidal": {"options": {"layer_shares": [1.0] * 5}}})  # one share short of the 6 layers
     with pytest.raises(store.CalibrationError,
                        match=rf"calibration file '{path}' is malformed: policies\.tidal\.options\.layer_shares does "
@@ -256,9 +246,9 @@ def test_layer_shares_that_do_not_fit_name_the_file_and_field(tmp_path, monkeypa
     kvkit.unpatch(model)
 
 
-def test_too_large_shadowkv_rank_names_the_file_and_field(tmp_path, monkeypatch):
+def test_too_large_shadowkv_rank_names_the_file_and_field(caldir):
     model = tiny_model("llama")
-    path = _write_cal(_caldir(tmp_path, monkeypatch) / "rank.json", model, {"shadowkv": {"options": {"rank": 4096}}})
+    path = _write_cal(caldir / "rank.json", model, {"shadowkv": {"options": {"rank": 4096}}})
     with pytest.raises(store.CalibrationError,
                        match=rf"'{path}' is malformed: policies\.shadowkv\.options\.rank does not fit this model.*"
                              r"rank=4096 is larger than the key width"):
@@ -266,9 +256,9 @@ def test_too_large_shadowkv_rank_names_the_file_and_field(tmp_path, monkeypatch)
     kvkit.unpatch(model)
 
 
-def test_only_the_bad_field_is_named(tmp_path, monkeypatch):
+def test_only_the_bad_field_is_named(caldir):
     model = tiny_model("llama", num_hidden_layers=6)
-    _write_cal(_caldir(tmp_path, monkeypatch) / "two.json", model,
+    _write_cal(caldir / "two.json", model,
                {"tidal": {"options": {"select_layers": [2, 9], "layer_shares": [1, 1, 1, 1, 1, 1]}}})
     with pytest.raises(store.CalibrationError, match=r"options\.select_layers does not fit.*must be < 6") as e:
         kvkit.patch(model, "tidal", budget=16)
@@ -279,18 +269,18 @@ def test_only_the_bad_field_is_named(tmp_path, monkeypatch):
 @pytest.mark.parametrize("raw,want", [("1e999", r"policies\.tidal\.options\.layer_shares\[2\] is not a finite number"),
                                       ("NaN", "NaN is not a number JSON allows"),
                                       ("-Infinity", "-Infinity is not a number JSON allows")])
-def test_non_finite_numbers_are_refused_by_path(tmp_path, monkeypatch, raw, want):
+def test_non_finite_numbers_are_refused_by_path(caldir, raw, want):
     model = tiny_model("llama", num_hidden_layers=6)
-    path = _write_cal(_caldir(tmp_path, monkeypatch) / "inf.json", model,
+    path = _write_cal(caldir / "inf.json", model,
                       {"tidal": {"options": {"layer_shares": [1, 1, "@RAW@", 1, 1, 1]}}}, raw=raw)
     with pytest.raises(store.CalibrationError, match=rf"'{path}' is malformed: {want}"):
         kvkit.patch(model, "tidal", budget=16)
     kvkit.unpatch(model)
 
 
-def test_a_policy_that_fails_on_its_own_does_not_blame_the_file(tmp_path, monkeypatch):
+def test_a_policy_that_fails_on_its_own_does_not_blame_the_file(caldir):
     model = tiny_model("llama", num_hidden_layers=2)  # tidal needs more than 2 layers, calibrated or not
-    _write_cal(_caldir(tmp_path, monkeypatch) / "ok.json", model, {"tidal": {"options": {"layer_shares": [1, 1]}}})
+    _write_cal(caldir / "ok.json", model, {"tidal": {"options": {"layer_shares": [1, 1]}}})
     with pytest.raises(ValueError, match="tidal needs more than 2 layers") as e:
         kvkit.patch(model, "tidal", budget=16)
     assert "calibration file" not in str(e.value)

@@ -397,12 +397,24 @@ def _script(name):
 def test_compiled_profile_kernel_arithmetic():
     """Kernels, busy time (overlaps merged), the gaps inside steps (the steps - 1 largest gaps, between steps,
     left out) and the span, per step."""
-    ks = _script("profile_compiled").kernel_stats([(0, 10), (5, 12), (14, 20), (100, 110), (112, 120)], steps=2)
+    ks = _script("profile_step").kernel_stats([(0, 10), (5, 12), (14, 20), (100, 110), (112, 120)], steps=2)
     assert ks["kernels"] == 2.5
     assert ks["busy_ms"] == pytest.approx((12 + 6 + 10 + 8) / 1e3 / 2)
     assert ks["gaps_ms"] == pytest.approx((2 + 2) / 1e3 / 2)  # the 80 us between the steps is not a gap
     assert ks["span_ms"] == pytest.approx(120 / 1e3 / 2) and ks["median_gap_us"] == 2
-    assert _script("profile_compiled").kernel_stats([], steps=3)["kernels"] == 0.0
+    assert _script("profile_step").kernel_stats([], steps=3)["kernels"] == 0.0
+
+
+def test_profile_script_defaults_follow_its_mode():
+    """``benchmarks/gpu/profile_step.py`` profiles eager steps of every policy by default, and with ``--compiled`` the
+    static+compile rows of full, streaming and snapkv; ``--compile-backend`` is refused without ``--compiled``."""
+    mod = _script("profile_step")
+    eager, compiled = mod._parse([]), mod._parse(["--compiled", "--compile-backend", "aot_eager"])
+    assert (eager.compiled, eager.warmup, eager.policies) == (False, 3, mod.POLICIES)
+    assert (compiled.compiled, compiled.warmup, compiled.policies) == (True, 2, ["full", "streaming", "snapkv"])
+    assert compiled.compile_backend == "aot_eager" and mod._parse(["--compiled"]).compile_backend == "inductor"
+    with pytest.raises(SystemExit):
+        mod._parse(["--compile-backend", "aot_eager"])
 
 
 @pytest.mark.slow
