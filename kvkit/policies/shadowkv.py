@@ -93,6 +93,7 @@ from kvkit.stores.lowrank import (
 from kvkit.stores.static import static_store
 
 PAPER_RANK, PAPER_WIDTH = 160, 1024  # ShadowKV: rank 160 for Llama-3-8B (8 KV heads x 128)
+PAPER_MIN_PROMPT = 4096  # ShadowKV compresses long contexts; kvkit runs shorter prompts as full
 
 
 @register("shadowkv")
@@ -115,8 +116,10 @@ class ShadowKV(Policy):
         Outlier chunks per KV head kept exact; None: ``round(48 * budget / 2048)`` (paper: 48 at 2048).
     local_chunks : int
         Last chunks of the prompt kept exact (paper: 4 chunks = 32 tokens), plus ``S mod chunk_size``.
-    min_prompt : int
-        Only prompts longer than this are compressed (paper: 4096); shorter ones run as ``full``.
+    min_prompt : int or None
+        Only prompts longer than this are compressed; shorter ones run as ``full``. None (default): 4096 (the
+        paper's long-context setting), or 0 with ``compression_ratio`` (the ratio is a promise on every prompt long
+        enough to hold a chunk beyond the local window; :meth:`prompt_floor`).
     calibrated : bool
         True (default): ``rank=None`` takes the model's calibrated rank if one is found from its config
         (:mod:`kvkit.calibration`). False: the paper's rank ``round(160 / 1024 * Hkv*D)``.
@@ -136,7 +139,7 @@ class ShadowKV(Policy):
     chunk_size: int = 8  # ShadowKV chunk size
     outliers: int | None = None  # ShadowKV: 48 outlier chunks at budget 2048; None scales with budget
     local_chunks: int = 4  # ShadowKV local window: 4 chunks (32 tokens)
-    min_prompt: int = 4096  # ShadowKV applies to long contexts; shorter prompts behave as full
+    min_prompt: int | None = None  # ShadowKV applies to long contexts (4096); None: 4096, or 0 with compression_ratio
     calibrated: bool = True  # kvkit: rank=None uses the model's calibrated rank; False = paper's 160/1024 scaling
     offload: bool = True  # ShadowKV offloads the values to the CPU; False keeps them on the device (kvkit)
     landmark: str = "mean"  # ShadowKV ranks chunks by their mean key; "minmax" by the bound of their keys (kvkit)
@@ -157,7 +160,7 @@ class ShadowKV(Policy):
         check_positive_int("shadowkv", "rank", self.rank, allow_none=True)
         for name in ("outliers", "local_chunks", "min_prompt"):
             v = getattr(self, name)
-            if v is None and name == "outliers":
+            if v is None and name in ("outliers", "min_prompt"):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"shadowkv: {name} must be an integer >= 0, got {v!r}")
@@ -183,6 +186,14 @@ class ShadowKV(Policy):
                 f"use rank <= {width} (or rank=None for {max(1, round(PAPER_RANK / PAPER_WIDTH * width))})"
             )
         return self.rank
+
+    def prompt_floor(self) -> int:
+        """The prompt length a prompt must pass to be compressed: ``min_prompt``; when None, the paper's
+        :data:`PAPER_MIN_PROMPT`, or 0 under ``compression_ratio`` (whose read fraction then holds from short prompts
+        on instead of silently reading all of full's bytes below 4096 tokens)."""
+        if self.min_prompt is not None:
+            return self.min_prompt
+        return 0 if self.compression_ratio is not None else PAPER_MIN_PROMPT
 
     def num_outliers(self) -> int:
         if self.outliers is not None:

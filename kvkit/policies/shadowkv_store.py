@@ -48,7 +48,7 @@ class ShadowKVStore(SlotStore):
         self.budget, self.chunk = policy.budget, policy.chunk_size
         self.rank, self.n_out = rank, policy.num_outliers()
         self.n_out_given = policy.outliers is not None
-        self.local_chunks, self.min_prompt = policy.local_chunks, policy.min_prompt
+        self.local_chunks, self.min_prompt = policy.local_chunks, policy.prompt_floor()
         self.offload, self.landmark = policy.offload, policy.landmark
         self.ratio = policy.compression_ratio
         self._clear()

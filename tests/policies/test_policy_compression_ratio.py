@@ -13,11 +13,10 @@ from kvkit.testing import tiny_config, tiny_model
 
 POLICIES = [p for p in kvkit.available_policies() if p != "full"]
 PROMPT = 512
-#: options the tiny model needs: duo's pattern (one row per layer) and a streaming window below the prompt,
-#: ShadowKV's compression threshold below the prompt
+#: options the tiny model needs: duo's pattern (one row per layer) and a streaming window below the prompt (ShadowKV
+#: needs no threshold below the prompt: under compression_ratio it compresses prompts shorter than its paper's 4096)
 EXTRA = dict(duo=dict(pattern=[[0.9, 0.2], [0.1, 0.7], [0.4, 0.6], [0.8, 0.3], [0.25, 0.35], [0.5, 0.45]] * 2,
-                      sink=4, recent=28),
-             shadowkv=dict(min_prompt=256))
+                      sink=4, recent=28))
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +118,13 @@ def test_a_static_cache_refuses_a_ratio_resolved_from_the_prompt(model):
 def test_every_policy_lists_compression_ratio_and_preset(policy):
     opts = kvkit.policy_options(policy)
     assert opts["compression_ratio"] is None and opts["preset"] == "kvkit"
+
+
+def test_shadowkv_keeps_the_ratio_below_its_paper_prompt_threshold(model):
+    """Without compression_ratio ShadowKV leaves a prompt of at most 4,096 tokens whole (the paper's long-context
+    threshold); with it, the ratio holds on such a prompt too, and a min_prompt given still wins."""
+    ids = torch.randint(1, 128, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    full = read_bytes(model, "full", ids)
+    assert read_bytes(model, "shadowkv", ids) >= full  # a short prompt runs as full by default
+    assert abs(read_bytes(model, "shadowkv", ids, compression_ratio=0.5) / full - 0.5) <= 0.025
+    assert read_bytes(model, "shadowkv", ids, compression_ratio=0.5, min_prompt=4096) >= full
