@@ -131,8 +131,10 @@ class Cake(ProtectHeads, Policy):
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
         :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head: the cascade shares ``budget x
         evicted heads`` head-slots among the layers by preference, and a layer's preference is computed over its
-        evicted heads. None (default): 0.2 where a pattern
-        ships for the model, else 0 (warned once). 0: the paper.
+        evicted heads. None (default), where a pattern ships for the model: with ``compression_ratio`` the share
+        that leaves each evicted head a sixth of the context (0.4 at 0.5, 0.1 at 0.75;
+        :func:`~kvkit.policies.protect_heads.default_protect`), with a ``budget`` 0.2; else 0 (warned once). 0: the
+        paper.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -146,7 +148,7 @@ class Cake(ProtectHeads, Policy):
     tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
     calibrated: bool = True  # kvkit: the model's calibrated taus when none given; False = the paper's table
-    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
+    protect_heads: float | None = None  # kvkit: default_protect(ratio) if a pattern ships (0 = paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True

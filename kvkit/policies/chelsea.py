@@ -140,8 +140,10 @@ class Chelsea(ProtectHeads, Policy):
     protect_heads : float
         Fraction of the KV heads kept whole, unmerged: the ones the model's DuoAttention pattern ranks highest
         (kvkit, :mod:`kvkit.policies.protect_heads`; not the same as ``protect``, which keeps tokens of a chunk
-        exact); the other heads merge as above. None (default): 0.2 where a pattern ships for the model, else 0
-        (warned once). 0: the paper, every head merged.
+        exact); the other heads merge as above. None (default), where a pattern ships for the model: with
+        ``compression_ratio`` the share that leaves each evicted head a sixth of the context (0.4 at 0.5, 0.1 at
+        0.75; :func:`~kvkit.policies.protect_heads.default_protect`), with a ``budget`` 0.2; else 0 (warned once).
+        0: the paper, every head merged.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -160,7 +162,7 @@ class Chelsea(ProtectHeads, Policy):
     recon_chunk: int = 512  # kvkit: reconstruction chunk (KVzip's chunked repeat)
     protect_scope: str = "chunk"  # kvkit: "chunk" (P per chunk) or "context" (P x chunks per KV head, KVzip-like)
     calibrated: bool = True  # kvkit: the model's calibrated chunk_size / protect_*; False = the fallbacks
-    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
+    protect_heads: float | None = None  # kvkit: default_protect(ratio) if a pattern ships (0 = paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     CHUNK: ClassVar[int] = 64  # fallback chunk_size

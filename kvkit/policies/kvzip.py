@@ -103,10 +103,12 @@ class KVzip(ProtectHeads, Policy):
         the repeat (causal).
     protect_heads : float
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
-        :mod:`kvkit.policies.protect_heads`: the fix for the question-agnostic needle losses, whose answer heads are not
-        the heads that copy the context); ``budget`` is then per evicted head, and the reconstruction scores only
-        those. None (default): 0.2 where a pattern ships for the model, else 0 (warned once). 0: the paper, every
-        head evicted.
+        :mod:`kvkit.policies.protect_heads`: the fix for the question-agnostic needle losses, whose answer heads are
+        not the heads that copy the context); ``budget`` is then per evicted head, and the reconstruction scores
+        only those. None (default), where a pattern ships for the model: with ``compression_ratio`` the share that
+        leaves each evicted head a sixth of the context (0.4 at 0.5, 0.1 at 0.75;
+        :func:`~kvkit.policies.protect_heads.default_protect`), with a ``budget`` 0.2; else 0 (warned once). 0: the
+        paper, every head evicted.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -120,7 +122,7 @@ class KVzip(ProtectHeads, Policy):
     instruct: bool = False  # the reference's "Repeat the previous context exactly." (needs the tokenizer)
     adaptive: bool = True  # the reference ranks all layers together: per-layer budgets (mean = budget)
     normalize: str = "held"  # "held": softmax over every held slot; "chunk": the reference's local softmax
-    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
+    protect_heads: float | None = None  # kvkit: default_protect(ratio) if a pattern ships (0 = paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True

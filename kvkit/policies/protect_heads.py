@@ -8,14 +8,24 @@ context's last queries, its reconstruction): per-head eviction removes the value
 answer. DuoAttention's calibrated gate (alpha per KV head, ``kvkit calibrate duo``) names the heads that need the
 whole context; those two rank 4th and 6th of the default model's 90 KV heads.
 
-``protect_heads = f`` (a fraction in [0, 1); None, the default: :data:`DEFAULT_PROTECT` where a DuoAttention pattern
-ships for the model or ``protect_pattern`` is given, else 0 with a one-time warning; ``preset="paper"``: 0): the ``round(f x N)`` KV heads (of the ``N`` heads of the model's
+``protect_heads = f`` (a fraction in [0, 1); None, the default: :func:`default_protect` where a DuoAttention pattern
+ships for the model or ``protect_pattern`` is given, else 0 with a one-time warning; ``preset="paper"``: 0): the
+``round(f x N)`` KV heads (of the ``N`` heads of the model's
 full-attention layers) with the highest alpha keep every token (:class:`~kvkit.stores.split.HeadSplitStore`'s
 whole part); the others are the policy's usual store over those heads only (``num_heads``), with its own
 ``budget`` per head. Memory: ``f`` of the full KV plus ``(1 - f) x budget`` per token slot; a policy at a target
 fraction ``t`` of the context ``S`` takes ``budget = (t - f) / (1 - f) x S``. The pattern is the one shipped for the
 model (:data:`~kvkit.policies.duo_patterns.SHIPPED_PATTERNS`) or ``protect_pattern`` (a file or values, as duo's
 ``pattern``).
+
+The default share follows the compression ratio (:func:`default_protect`): with ``compression_ratio = r`` the
+protected share is the one that leaves each evicting head :data:`EVICTED_SHARE` of the context,
+``f = (1 - r - e) / (1 - e)`` with ``e = 1/6`` (0.4 at r = 0.5, 0.1 at r = 0.75, none from r = 5/6 on); with a
+token ``budget`` (no ratio) it is :data:`DEFAULT_PROTECT`. Measured on the fresh-needle sets
+(results/needles/README.md): at r = 0.5 a share of 0.4 keeps more of full's needles than 0.2 or 0.3 for snapkv and
+chelsea (cake: 0.3 and 0.4 within one needle), at r = 0.75 a share of 0.1 more than 0.2 for all three -- at a
+fixed byte total each protected head costs its evicting heads' budget, and below about a sixth of the context the
+evicting heads start losing what the answer needs.
 """
 
 from __future__ import annotations
@@ -26,10 +36,23 @@ from kvkit.policies.duo_patterns import PatternFile, model_identity, shipped_pat
 from kvkit.policies.knobs import protected_share, unreachable, warn_once
 from kvkit.stores.split import HeadSplitStore
 
-#: ``protect_heads`` left at None where a head pattern ships: the share of KV heads kept whole. On the fresh-needle
-#: essay set at about half the bytes it keeps 0.83-1.00 of full's needles where the paper settings keep 0.22-0.52
-#: (results/needles/README.md)
+#: ``protect_heads`` left at None where a head pattern ships and the size is a token ``budget`` (no
+#: ``compression_ratio``): the share of KV heads kept whole
 DEFAULT_PROTECT = 0.2
+
+#: with ``compression_ratio`` and ``protect_heads`` left at None: the share of the context each evicting head keeps
+#: (:func:`default_protect`)
+EVICTED_SHARE = 1 / 6
+
+
+def default_protect(r: float | None) -> float:
+    """The ``protect_heads`` a policy takes by default where a head pattern is available: :data:`DEFAULT_PROTECT`
+    without a ratio; with ``compression_ratio = r``, the share ``f`` whose protected heads (whole) and evicting heads
+    (:data:`EVICTED_SHARE` of the context each) read ``1 - r`` together, ``f + (1 - f) e = 1 - r``; 0 where
+    ``1 - r <= e``."""
+    if r is None:
+        return DEFAULT_PROTECT
+    return max(0.0, (1.0 - r - EVICTED_SHARE) / (1.0 - EVICTED_SHARE))
 
 
 def check_protect(policy) -> None:
@@ -39,9 +62,6 @@ def check_protect(policy) -> None:
     who, fraction, pattern = policy.name, policy.protect_heads, policy.protect_pattern
     r = policy.compression_ratio
     if fraction is None:
-        if r is not None and r >= 1 - DEFAULT_PROTECT and pattern is not None:
-            raise unreachable(who, r, 0.0, 1 - DEFAULT_PROTECT, f"protect_heads keeps {DEFAULT_PROTECT:g} of the KV "
-                              "heads whole; give protect_heads=0 for more")
         if pattern is not None:
             object.__setattr__(policy, "protect_pattern", _frozen(who, pattern))
         return
@@ -67,15 +87,16 @@ def _frozen(who, pattern):
 
 
 def protect_fraction(policy, config) -> float:
-    """The ``protect_heads`` in effect for a model: the option; with None, :data:`DEFAULT_PROTECT` when a pattern is
-    given or ships for the model, else 0, warning once (what it falls back to, how to calibrate)."""
+    """The ``protect_heads`` in effect for a model: the option; with None, :func:`default_protect` of the policy's
+    ``compression_ratio`` when a pattern is given or ships for the model, else 0, warning once (what it falls back
+    to, how to calibrate)."""
     if policy.protect_heads is not None:
         return float(policy.protect_heads)
     if policy.protect_pattern is not None:
-        return DEFAULT_PROTECT
+        return default_protect(policy.compression_ratio)
     path = shipped_pattern(config) if config is not None else None
     if path is not None and path.is_file():
-        return DEFAULT_PROTECT
+        return default_protect(policy.compression_ratio)
     ident = model_identity(config) if config is not None else {}
     name = getattr(config, "_name_or_path", "") or ""
     what = repr(name) if name else f"this {ident.get('model_type', '')} model".replace("  ", " ")

@@ -64,8 +64,10 @@ class SnapKV(ProtectHeads, Policy):
         one is found from its config. False: the paper's kernel 5, average pooling, centered.
     protect_heads : float or None
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
-        :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head. None (default): 0.2 where a pattern
-        ships for the model, else 0 (warned once). 0: the paper, every head evicted.
+        :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head. None (default), where a pattern
+        ships for the model: with ``compression_ratio`` the share that leaves each evicted head a sixth of the
+        context (0.4 at 0.5, 0.1 at 0.75; :func:`~kvkit.policies.protect_heads.default_protect`), with a ``budget``
+        0.2; else 0 (warned once). 0: the paper, every head evicted.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -78,7 +80,7 @@ class SnapKV(ProtectHeads, Policy):
     sink: int = 0  # not in the paper
     tail: int = 32  # kvkit: bulk decode eviction
     calibrated: bool = True  # kvkit: the model's calibrated kernel / pooling; False = the paper's (5, avg)
-    protect_heads: float | None = None  # kvkit: 0.2 where a head pattern ships: keeps the needles (0 = the paper)
+    protect_heads: float | None = None  # kvkit: default_protect(ratio) if a pattern ships (0 = paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True

@@ -9,7 +9,7 @@ from transformers import AutoConfig
 
 import kvkit
 from kvkit.policies import knobs
-from kvkit.policies.protect_heads import DEFAULT_PROTECT
+from kvkit.policies.protect_heads import DEFAULT_PROTECT, EVICTED_SHARE, default_protect
 from kvkit.registry import describe, policy_class
 from kvkit.testing import greedy, random_ids, tiny_config, tiny_model
 
@@ -26,6 +26,25 @@ def smollm2_config():
 def test_retrieval_heads_are_protected_by_default_where_a_pattern_ships(policy):
     mask = kvkit.get_policy(policy).protection(smollm2_config())
     assert mask is not None and int(mask.sum()) == round(DEFAULT_PROTECT * 90)
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("r, heads", [(0.25, 63), (0.5, 36), (0.75, 9), (0.9, 0)])
+def test_the_default_protected_share_follows_the_compression_ratio(policy, r, heads):
+    """With compression_ratio r the default protects the share f with f + (1 - f) / 6 = 1 - r (of the bundled
+    model's 90 KV heads: 0.7 -> 63, 0.4 -> 36, 0.1 -> 9, none from r = 5/6 on), so the evicting heads keep a
+    sixth of the context whatever the ratio."""
+    mask = kvkit.get_policy(policy, compression_ratio=r).protection(smollm2_config())
+    assert (0 if mask is None else int(mask.sum())) == heads
+    f = default_protect(r)
+    assert f == pytest.approx(heads / 90) and (f == 0 or f + (1 - f) * EVICTED_SHARE == pytest.approx(1 - r))
+
+
+def test_the_default_protected_share_reaches_every_ratio_the_policy_does():
+    """No ratio is refused because of the default protection: it shrinks to none as the ratio grows."""
+    for r in (0.8, 5 / 6, 0.95):
+        assert kvkit.get_policy("snapkv", compression_ratio=r).validate(smollm2_config()) is None
+    assert default_protect(None) == DEFAULT_PROTECT
 
 
 @pytest.mark.parametrize("policy", EVICTING)
