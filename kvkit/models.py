@@ -202,6 +202,9 @@ def load_gguf_source(source: GGUFSource, dtype=torch.float32, device="cpu", attn
         if conv.exists():
             shutil.rmtree(conv)
         os.replace(tmp, conv)
+        # the config names the folder its tokenizer loads from, as a later load from the cache does (kvzip's
+        # instruct=True and the chat-template helpers load the tokenizer from the config's path)
+        model.config._name_or_path = str(conv)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # caching is an optimisation; loading still succeeded
     return model.to(dtype=dtype, device=device).eval(), tok

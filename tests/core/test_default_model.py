@@ -40,3 +40,18 @@ def test_streaming_256_saves_5x(default_model, needle_2k):
     n_full = ids.shape[1] + 1  # prompt + the first generated token fed back
     assert full.kv_bytes == 30 * n_full * 2 * 3 * 64 * 4
     assert stream.kv_bytes <= 30 * (256 + 32) * (2 * 3 * 64 * 4 + 4)
+
+
+def test_a_freshly_converted_model_names_the_folder_its_tokenizer_loads_from(tmp_path, monkeypatch):
+    """The first load converts the GGUF into the cache; the config then names that folder (as every later load
+    does), so what loads the tokenizer from the config's path (kvzip's instruct=True) works in that process too."""
+    from transformers import AutoTokenizer
+
+    from kvkit.models import load
+
+    monkeypatch.setenv("KVKIT_CACHE", str(tmp_path))
+    model, tok = load("default")
+    path = model.config._name_or_path
+    assert str(tmp_path) in path
+    again = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    assert again.encode("Repeat the previous context.") == tok.encode("Repeat the previous context.")
