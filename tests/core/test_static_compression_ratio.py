@@ -87,6 +87,7 @@ def test_static_cache_with_a_ratio_decodes_and_reads_as_the_growing_cache(policy
     assert stat_reads == grow_reads, f"{policy}: static reads {stat_reads}, growing {grow_reads}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["snapkv", "streaming", "duo"])
 def test_left_padded_batch_declares_its_padded_length(policy, model):
     ids, mask, _ = left_padded_batch([PROMPT, PROMPT - 9], seed=2)
@@ -114,6 +115,7 @@ def test_static_store_knobs_are_resolved_when_built(model):
     assert all(layer.parts for layer in duo.layers)  # heads split before the first forward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["snapkv", "duo"])
 def test_compiled_static_step_with_a_ratio_equals_eager(policy, model, fresh_dynamo):
     ids = random_ids(PROMPT, seed=5)
@@ -194,3 +196,54 @@ def test_generate_on_a_faked_cuda_model_with_a_ratio_decodes_over_a_static_cache
     cache = output_cache(out)
     assert cache.is_compileable and cache.prompt_length == PROMPT
     assert torch.equal(out.sequences, ref)
+
+
+def test_patch_static_with_a_ratio_is_accepted_and_each_cache_asks_for_its_prompt(model):
+    r, opts = RATIO["snapkv"]
+    with kvkit.patched(model, "snapkv", compression_ratio=r, static=True, **opts):
+        with pytest.raises(ValueError, match="pass prompt_length="):
+            kvkit.KVCache(model)  # the caller chose static: no silent growing cache
+        assert kvkit.KVCache(model, prompt_length=PROMPT).is_compileable
+        with torch.no_grad():  # a forward without a cache: the hook builds one for this forward's length
+            out = model(input_ids=random_ids(PROMPT), use_cache=True)
+        assert output_cache(out).is_compileable
+
+
+def test_cache_of_your_own_on_the_cuda_default_without_a_prompt_length_is_the_growing_one(monkeypatch, model):
+    monkeypatch.setattr(defaults, "model_device", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(defaults, "_said", {"static"})
+    r, opts = RATIO["snapkv"]
+    with kvkit.patched(model, "snapkv", compression_ratio=r, **opts):
+        assert not kvkit.KVCache(model).is_compileable  # the static default was kvkit's choice, not the caller's
+        assert kvkit.KVCache(model, prompt_length=PROMPT).is_compileable
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "tidal"])
+def test_chunked_prefill_into_a_static_cache_resolves_the_ratio_for_its_first_chunk(policy, model):
+    ids = random_ids(PROMPT, seed=11)
+    r, opts = RATIO[policy]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = {}
+        for static in (False, True):
+            with kvkit.patched(model, policy, compression_ratio=r, static=static, **opts):
+                cache, last = kvkit.prefill(model, ids, chunk_size=32)
+                got[static] = (last, cache.num_slots(), cache.is_compileable)
+    assert got[True][2] and not got[False][2]
+    torch.testing.assert_close(got[True][0], got[False][0])
+    assert got[True][1] == got[False][1]
+
+
+def test_shared_prefill_replays_into_a_static_cache_with_a_ratio(model):
+    from kvkit.workloads.shared_prefill import record_prefill, replay_prefill
+
+    ids = random_ids(PROMPT, seed=13)
+    r, opts = RATIO["streaming"]
+    with kvkit.patched(model, "full"):
+        rec = record_prefill(model, ids)
+    slots = {}
+    for static in (False, True):
+        with kvkit.patched(model, "streaming", compression_ratio=r, static=static, **opts):
+            cache = replay_prefill(model, rec)
+            slots[static] = (cache.num_slots(), cache.is_compileable)
+    assert slots[True][1] and slots[True][0] == slots[False][0]
