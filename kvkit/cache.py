@@ -43,6 +43,22 @@ def check_static(static, max_length) -> bool:
     return static
 
 
+def _needs_prompt_length(policy) -> bool:
+    """``policy`` resolves a ``compression_ratio`` knob from the prompt length (a static cache needs ``prompt_length``)."""
+    return policy.compression_ratio is not None and type(policy).ratio_needs_length
+
+
+def _element_size(model) -> int | None:
+    """Bytes per element of the model's floating-point parameters (the K/V its attention produces); None: none."""
+    params = getattr(model, "parameters", None)
+    if params is None:
+        return None
+    for p in params():
+        if p.is_floating_point():
+            return p.element_size()
+    return None
+
+
 class KVCache(Cache):
     """A transformers ``Cache`` whose layers are the stores of a kvkit policy.
 
@@ -55,29 +71,50 @@ class KVCache(Cache):
     :meth:`ensure_capacity`; ``generate`` on a patched model sizes it to the prompt + ``max_new_tokens``).
     ``is_compileable`` (transformers' property: every layer compileable) is what ``generate`` reads to compile the
     decode step; :attr:`compile_refusal` says why not.
+
+    ``prompt_length``: the length of the cache's first forward (the prefill; for a left-padded batch the padded
+    length the forward sees). A static cache whose policy resolves a ``compression_ratio`` knob from the prompt
+    length (a token budget, duo's head split, ...) needs it: its stores resolve the knob for it when built, exactly as
+    a growing cache does at a prefill of that length (:mod:`kvkit.policies.knobs`), and a first forward of another
+    length is refused (ValueError) rather than read with a knob resolved for another prompt. Without it such a cache
+    is refused when built. Elsewhere (a growing cache, no ratio, zipcache's length-free ratio) it has no effect.
+    kvkit's own ``generate``, ``kvkit.prefill``, the shared-prefill replay and the evals pass it.
     """
 
     #: some tensor was made under ``torch.inference_mode()`` (:meth:`leave_inference_mode`)
     inference_tensors = False
     #: rows of the batch the cache holds, set by its first forward (:meth:`match_batch`); None: not known
     batch_rows: int | None = None
+    #: the first forward must have this many tokens (a static cache whose ratio was resolved for it); else None
+    prompt_length: int | None = None
 
     def __init__(self, model, policy=None, *, static: bool | None = None, max_length: int | None = None,
-                 **options):
+                 prompt_length: int | None = None, **options):
         state = patch_state(model)
+        inherited = False
         if policy is None:
             policy = state.policy if state is not None and not options else "full"
             if static is None and state is not None and not options:
                 static, max_length = state.static, max_length if max_length is not None else state.max_length
+                inherited = state.static_default
+        if inherited and static and prompt_length is None and _needs_prompt_length(state.policy):
+            static, max_length = False, None  # kvkit's CUDA default, not the caller's: the growing cache, as before
         static = check_static(static, max_length)
+        if prompt_length is not None and (isinstance(prompt_length, bool) or not isinstance(prompt_length, int)
+                                          or prompt_length <= 0):
+            raise ValueError(f"prompt_length must be a positive integer (tokens of the first forward), got "
+                             f"{prompt_length!r}")
         self.policy = get_policy(policy, **options)
+        self.prompt_length = prompt_length if static and self._ratio_needs_length() else None
         self._model_config = getattr(model, "config", None)
         rope = make_rope_fn(model) if hasattr(model, "named_modules") else None
         self.infos = layer_infos(model, rope)
         self.shared = self.policy.new_shared(self.infos)
+        element_size = _element_size(model)
         for info in self.infos:
             info.shared = self.shared
             info.static, info.max_length = static, max_length
+            info.prompt_length, info.element_size = prompt_length, element_size
         layers = []
         for info in self.infos:
             if info.layer_type in ("sliding_attention", "chunked_attention") and info.sliding_window:
@@ -125,6 +162,7 @@ class KVCache(Cache):
             )
         self.leave_inference_mode()
         if layer_idx == 0 and not torch.compiler.is_compiling():
+            self.check_prompt_length(key_states.shape[-2])
             self.match_batch(key_states.shape[0])
         layer = self.layers[layer_idx]
         if layer.needs_kvkit_attention:
@@ -136,6 +174,21 @@ class KVCache(Cache):
                     f"kvkit.patch(model, {self.policy.name!r}) first (after kvkit.unpatch, start from a new cache)"
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _ratio_needs_length(self) -> bool:
+        return _needs_prompt_length(self.policy)
+
+    def check_prompt_length(self, T: int) -> None:
+        """Before the first forward (``T`` tokens): a static cache whose ``compression_ratio`` knob was resolved for
+        ``prompt_length`` tokens refuses another length (ValueError); no-op otherwise (and once tokens were seen)."""
+        n = self.prompt_length
+        if n is None or T == n or self.scoring_pass or self.get_seq_length() != 0:
+            return
+        raise ValueError(f"this static {self.policy.name!r} cache resolved compression_ratio="
+                         f"{self.policy.compression_ratio} for a first forward of prompt_length={n} tokens, but the "
+                         f"first forward has {T}: its buffers and budgets belong to another prompt. Build the cache "
+                         f"with prompt_length={T} (the padded length of the first forward), or give the policy's "
+                         f"{self.policy.ratio_knobs[0]}=... instead of compression_ratio")
 
     # ---- rollback API (kvkit.speculative, transformers' assisted decoding) ------------------------------
     def crop(self, tokens_to_remove: int) -> None:

@@ -83,7 +83,7 @@ def run_policy(model, tokenizer, input_ids, policy, max_new_tokens: int = 16, lo
     kvkit.patch(model, policy, **options)
     try:
         ids = input_ids.to(model.device)
-        cache = kvkit.KVCache(model)
+        cache = kvkit.KVCache(model, prompt_length=ids.shape[1])  # a static cache resolves a ratio for it
         built = build_seconds()
         if log is not None:
             log(f"  prefill: {ids.shape[1]} tokens")

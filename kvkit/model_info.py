@@ -33,6 +33,12 @@ class LayerInfo:
     static: bool = False
     #: the least capacity, in tokens, of a static store's uncompressed buffers (None: sized at the prefill)
     max_length: int | None = None
+    #: the length of the cache's first forward (``KVCache(..., prompt_length=n)``): a static store resolves its
+    #: ``compression_ratio`` knobs for it when built (:func:`kvkit.policies.knobs.static_prompt`); None: not declared
+    prompt_length: int | None = None
+    #: the element size of the K/V the cache will hold (the model's parameters'), for knobs resolved before any
+    #: K/V exists (a static store's, from ``prompt_length``); None: not known
+    element_size: int | None = None
 
     @property
     def groups(self) -> int:

@@ -29,7 +29,8 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if input_ids.shape[-1] == 0:
         raise ValueError("empty prompt: input_ids has no tokens")
-    cache = cache if cache is not None else KVCache(model)
+    # a new cache's first forward is the first chunk: a static one resolves a compression_ratio for its length
+    cache = cache if cache is not None else KVCache(model, prompt_length=min(input_ids.shape[1], chunk_size))
     start = cache.get_seq_length()
     T = input_ids.shape[1]
     # refuse before the first chunk runs, not at the chunk that crosses the limit

@@ -31,6 +31,9 @@ class PatchState:
     own_generate: bool = False  # patch() set the context-checking model.generate (unpatch removes it)
     own_compiled_call: bool = False  # patch() set model.get_compiled_call (compiled steps through _compiled_step)
     static: bool = False  # the caches it builds are static (``KVCache(..., static=True)``)
+    #: ``static`` was kvkit's default (a CUDA model, :func:`kvkit.patch.defaults.choose_static`), not the caller's:
+    #: a ``KVCache(model)`` that cannot be static without a ``prompt_length`` is then the growing cache
+    static_default: bool = False
     max_length: int | None = None  # their least capacity
 
 

@@ -48,7 +48,7 @@ from kvkit.cache import KVCache, check_static
 from kvkit.compat import TRANSFORMERS_SUPPORTED  # noqa: F401  (kvkit.patch.TRANSFORMERS_SUPPORTED: the gate's bounds)
 from kvkit.model_info import context_limit
 from kvkit.patch.checks import check_context, check_foreign_cache
-from kvkit.patch.defaults import choose_static
+from kvkit.patch.defaults import PROBE_PROMPT, choose_static
 from kvkit.patch.generation import generate_checked
 from kvkit.patch.hooks import (
     STORE_KWARG,  # noqa: F401  (kvkit.patch.STORE_KWARG: the keyword that carries a layer's store)
@@ -95,14 +95,16 @@ def patch(model, policy="full", *, allow_beyond_context: bool = False, static: b
     check_transformers()
     pol = get_policy(policy, **options)
     check_model(model, pol)
+    given = static
     static = choose_static(model, pol, static, max_length)
-    if static:
-        KVCache(model, pol, static=True, max_length=max_length)  # refuses a policy without static stores
+    if static:  # refuses a policy without static stores (each cache is built for its own prompt: a probe length)
+        KVCache(model, pol, static=True, max_length=max_length, prompt_length=PROBE_PROMPT)
     if is_patched(model):
         unpatch(model)
     _register()
     state = PatchState(policy=pol, old_impl=model.config._attn_implementation,
-                       allow_beyond_context=allow_beyond_context, static=static, max_length=max_length)
+                       allow_beyond_context=allow_beyond_context, static=static, max_length=max_length,
+                       static_default=given is None and static is True)
     model.set_attn_implementation(ATTN_NAME)
     ref = ModelRef(model)  # weak, and a deep copy of the model re-targets it at the copy
     hook = functools.partial(model_pre_hook, ref)
@@ -152,8 +154,8 @@ def patched(model, policy="full", **options):
     finally:
         unpatch(model)
         if before is not None:  # the previous patch, reinstalled as it was
-            patch(model, before.policy, allow_beyond_context=before.allow_beyond_context, static=before.static,
-                  max_length=before.max_length)
+            patch(model, before.policy, allow_beyond_context=before.allow_beyond_context,
+                  static=None if before.static_default else before.static, max_length=before.max_length)
 
 
 def patched_policy(model) -> Policy | None:

@@ -13,7 +13,9 @@ host's kernel launches. So ``static=None`` (``kvkit.patch``'s default) means:
   tests), not spread over CPU / disk offload by ``hf_device_map``, the policy has static stores
   (``static_capable``) with the options they need (``static_options``: shadowkv keeps its values offloaded
   unless ``offload=False``) and a static ``KVCache`` of it builds for this model and is compileable (a model
-  with sliding-window layers is not); else the growing cache, as on the CPU.
+  with sliding-window layers is not; the probe is built for :data:`PROBE_PROMPT` tokens, so a ``compression_ratio``
+  resolved from the prompt length keeps the static path: each request's cache resolves it for its own prompt);
+  else the growing cache, as on the CPU.
 
 The first time the default picks the static path in a process it says so once (a :class:`StaticDefaultWarning`),
 with the way out: ``kvkit.patch(model, policy, static=False)``.
@@ -29,6 +31,9 @@ from kvkit.cache import KVCache
 
 #: said once per process (:func:`choose_static`)
 _said: set[str] = set()
+#: the prompt length :func:`static_fits`' probe cache is built for: a policy resolving ``compression_ratio`` from the
+#: prompt length needs one (each request's cache is then built for its own prompt: ``generate`` passes it)
+PROBE_PROMPT = 1024
 
 
 class StaticDefaultWarning(UserWarning):
@@ -60,7 +65,7 @@ def static_fits(model, policy) -> str | None:
     if need:  # e.g. shadowkv's offloaded values: a CUDA graph cannot read host memory
         return f"{policy.name!r}'s static cache needs " + ", ".join(f"{k}={v!r}" for k, v in need.items())
     try:
-        cache = KVCache(model, policy, static=True)
+        cache = KVCache(model, policy, static=True, prompt_length=PROBE_PROMPT)
     except Exception as e:  # noqa: BLE001 -- any refusal means: keep the growing cache
         return f"{type(e).__name__}: {e}"
     return cache.compile_refusal if not cache.is_compileable else None

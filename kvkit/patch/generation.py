@@ -149,13 +149,15 @@ def _drop_cache_implementation(req: _Request, model) -> None:
 def _policy_cache(req: _Request, model, state: PatchState) -> KVCache | None:
     """The patched policy's ``KVCache`` for a request that passed no cache, set in ``req.extra`` (and the request's
     ``cache_implementation`` dropped); static ones (:func:`_wants_static`) are sized for the prompt + the tokens to
-    generate (else ``max_length``). None for a transformers cache implementation under ``full`` (transformers'
+    generate (else ``max_length``) and told the first forward's length (``prompt_length``: a ``compression_ratio``
+    is resolved for it). None for a transformers cache implementation under ``full`` (transformers'
     own then)."""
     impl = req.value("cache_implementation", model)
     static = _wants_static(impl, state)
     if impl not in _DEFAULT_CACHES and impl != "static":  # under full, another implementation is transformers' own
         return None
-    cache = KVCache(model, state.policy, static=static, max_length=state.max_length if state.static else None)
+    cache = KVCache(model, state.policy, static=static, max_length=state.max_length if state.static else None,
+                    prompt_length=_first_forward_length(req, model))
     if static:
         room = req.max_new if isinstance(req.max_new, int) and req.max_new > 0 else (
             req.max_len if isinstance(req.max_len, int) else 0)
@@ -163,6 +165,15 @@ def _policy_cache(req: _Request, model, state: PatchState) -> KVCache | None:
     set_cache(req.extra, cache)
     _drop_cache_implementation(req, model)
     return cache
+
+
+def _first_forward_length(req: _Request, model) -> int | None:
+    """The tokens of ``generate``'s first forward: the prompt (padded), or its first chunk under transformers'
+    ``prefill_chunk_size``; None without a prompt. A static cache resolves a ``compression_ratio`` for it."""
+    if not req.n:
+        return None
+    chunk = req.value("prefill_chunk_size", model)
+    return min(req.n, chunk) if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0 else req.n
 
 
 def generate_checked(model_ref, generate, *args, **kwargs):

@@ -84,8 +84,8 @@ def model_pre_hook(model_ref, module, args, kwargs):
         use_cache = getattr(model.config, "use_cache", True)
     if use_cache is False:
         return None
-    if pkv is None:
-        set_cache(kwargs, KVCache(model))
+    if pkv is None:  # this forward is the new cache's first: a static one resolves a ratio for its length
+        set_cache(kwargs, KVCache(model, prompt_length=forward_new_tokens(args, kwargs) or None))
         return args, kwargs
     if isinstance(pkv, KVCache):
         prompt = pkv.__dict__.pop("_kvkit_prompt", None)  # only the first forward into it

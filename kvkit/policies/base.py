@@ -57,6 +57,9 @@ class Policy:
     #: the native options ``compression_ratio`` sets (giving one of them away from its default with it is refused);
     #: empty: the policy compresses nothing
     ratio_knobs: ClassVar[tuple[str, ...]] = ()
+    #: ``compression_ratio``'s knobs depend on the context length (a static cache then needs ``prompt_length``:
+    #: :func:`kvkit.policies.knobs.static_prompt`); False: on the model alone (zipcache's bit widths)
+    ratio_needs_length: ClassVar[bool] = True
     #: ``preset="paper"``: the options that differ from kvkit's defaults, at the paper's values
     paper: ClassVar[dict] = {}
 

@@ -52,7 +52,7 @@ from kvkit.policies.cake_store import (  # noqa: F401  (re-exported: kvkit.polic
     allocate,
     cascade_history,
 )
-from kvkit.policies.knobs import budget_for, protected_share, refuse_static
+from kvkit.policies.knobs import budget_for, build_slot_cost, protected_share, static_prompt
 from kvkit.policies.protect_heads import ProtectHeads, check_protect, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
@@ -198,7 +198,7 @@ class Cake(ProtectHeads, Policy):
         return CakeCascade(protected=mask)
 
     def new_layer(self, info: LayerInfo):
-        refuse_static(self, info)
+        prompt = static_prompt(self, info)  # a static store: the budget for the declared prompt, now
         p = resolve(self, info.config)
         cls = static_store(CakeStore) if info.static else CakeStore
         taus = p.taus(info.config)
@@ -206,4 +206,11 @@ class Cake(ProtectHeads, Policy):
         if self.compression_ratio is not None:  # the mean kept per layer (window included) from the context length
             share = protected_share(info.shared.protected, info.config)
             at = lambda S, cost: budget_for(self.compression_ratio, S, share, floor=self.window + 1, cost=cost)  # noqa: E731
-        return split_or_plain(info, lambda n: cls(info, p, *taus, num_heads=n, budget_at=at), info.shared.protected)
+
+        def store(n):
+            s = cls(info, p, *taus, num_heads=n, budget_at=at)
+            if prompt is not None:
+                s.budget = at(prompt, build_slot_cost(info))
+            return s
+
+        return split_or_plain(info, store, info.shared.protected)

@@ -73,7 +73,7 @@ from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_
 from kvkit.policies.chelsea_store import (  # noqa: F401  (re-exported: kvkit.policies.chelsea.<name> as before)
     ChelseaStore,
 )
-from kvkit.policies.knobs import protected_share, refuse_static
+from kvkit.policies.knobs import build_slot_cost, protected_share, static_prompt
 from kvkit.policies.protect_heads import ProtectHeads, check_protect, evicting_parts, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
@@ -279,10 +279,10 @@ class Chelsea(ProtectHeads, Policy):
             self.protect is None and self.calibrated or bool(self.protect))
 
     def new_layer(self, info: LayerInfo):
-        refuse_static(self, info)
+        prompt = static_prompt(self, info)  # a static store: the ratio for the declared prompt, now
         cls = static_store(ChelseaStore) if info.static else ChelseaStore
         share = protected_share(info.shared, info.config)
-        p = self.settings(info.config, share=share)
+        p = self.settings(info.config, prompt, share, build_slot_cost(info, extra_bytes=8))
         at = None
         if self.compression_ratio is not None:  # the ratio for the context length, at each prefill
             at = lambda S, cost: self.settings(info.config, S, share, cost)  # noqa: E731

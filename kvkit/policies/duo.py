@@ -52,6 +52,7 @@ from kvkit.policies.duo_patterns import (
     save_pattern,
     shipped_pattern,
 )
+from kvkit.policies.knobs import static_prompt
 from kvkit.policies.streaming import StreamingStore
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
@@ -237,7 +238,8 @@ class Duo(Policy):
 
     def new_shared(self, infos):
         """Once per KVCache: the pattern read and binarised, ``[L, H]`` bool (True = retrieval head); with
-        ``compression_ratio`` a :class:`RatioSplit` that binarises it at the first forward (the prompt's length)."""
+        ``compression_ratio`` a :class:`RatioSplit` that binarises it at the first forward (the prompt's length; a
+        static cache's stores at build, for its declared ``prompt_length``)."""
         types = _layer_types(infos[0].config)
         if self.compression_ratio is not None:
             self.load_alpha(infos[0].config)  # a missing or mismatched pattern fails now, not at the first forward
@@ -246,9 +248,9 @@ class Duo(Policy):
 
     def new_layer(self, info: LayerInfo):
         if isinstance(info.shared, RatioSplit):
-            if info.static:
-                raise ValueError("duo: compression_ratio sets the sparsity from the prompt length, which a static "
-                                 "cache does not know when its buffers are sized; give sparsity=... for a static cache")
+            prompt = static_prompt(self, info)  # a static store: split now, for the declared prompt's length
+            if prompt is not None:
+                return DuoStore(info, info.shared.retrieval(info.layer_idx, prompt), self.sink, self.recent, self.tail)
             return DuoStore(info, None, self.sink, self.recent, self.tail)
         retrieval = info.shared[info.layer_idx].tolist()
         return DuoStore(info, retrieval, self.sink, self.recent, self.tail)

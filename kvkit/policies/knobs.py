@@ -6,11 +6,22 @@ it to its native knobs (:meth:`~kvkit.policies.base.Policy.ratio_knobs` names th
 
 * a token budget (``streaming``, ``snapkv``, ``cake``, ``kvzip``, ``tidal``'s selection, ``shadowkv``'s sparse
   budget) and a merge ratio that has exact tokens beside it (``chelsea``) are resolved from the context length when
-  the prompt arrives (every multi-token forward re-resolves it from the tokens seen so far; single-token decode
-  steps keep it), so they need the prompt length and are refused in a static cache;
+  the prompt arrives (the first forward's length, padding included; kvzip's reconstruction re-resolves it at every
+  multi-token forward from the tokens seen so far; single-token decode steps keep it);
 * ``duo``'s sparsity (the share of streaming heads) also depends on the context length (a streaming head keeps
   ``sink + recent`` tokens): its heads are split at the first forward;
-* ``zipcache``'s bit widths and high-precision share depend on the model's element size only.
+* ``zipcache``'s bit widths and high-precision share depend on the model's element size only
+  (``Policy.ratio_needs_length`` False).
+
+A static cache (``KVCache(..., static=True)``) sizes its buffers before the prompt arrives, so a policy whose mapping
+depends on the length needs it declared: ``KVCache(..., static=True, prompt_length=n)`` (:func:`static_prompt`;
+kvkit's ``generate``, ``kvkit.prefill``, the shared-prefill replay and the evals pass it). Its stores resolve the
+knob for ``n`` tokens when built, by the formula the growing cache applies at its prefill (a cost per slot from the
+model's element size, ``LayerInfo.element_size``), and the prefill resolves it again from the K/V it holds, as the
+growing cache does: a first forward of ``n`` tokens gives the same knob, the same kept slots and the same
+``read_nbytes``. The cache refuses a first forward of another length (``KVCache.update``: ValueError), and a static
+cache with such a ratio and no ``prompt_length`` is refused when built (ValueError: pass ``prompt_length`` or the
+native knob).
 
 Giving ``compression_ratio`` together with a native knob set away from its default is refused (ValueError: one or
 the other); a ratio the policy cannot reach is refused with the range it can reach.
@@ -107,9 +118,24 @@ def warn_once(key, message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def refuse_static(policy, info) -> None:
-    """A budget resolved from the prompt length cannot size a static cache's buffers, which exist before it."""
-    if info.static and policy.compression_ratio is not None:
-        raise ValueError(f"{policy.name}: compression_ratio resolves its {' / '.join(policy.ratio_knobs)} from the "
-                         f"prompt length, which a static cache does not know when its buffers are sized; give "
-                         f"{policy.ratio_knobs[0]}=... for a static cache")
+def static_prompt(policy, info) -> int | None:
+    """The prompt length a static store resolves ``policy``'s ratio-derived knob for when built: ``info.prompt_length``
+    for a static store under a ``compression_ratio`` whose mapping depends on the length
+    (``Policy.ratio_needs_length``), None otherwise (a growing store resolves it at its prefill). Raises ValueError
+    when that length was not declared: a static cache's buffers exist before its prompt."""
+    if not info.static or policy.compression_ratio is None or not type(policy).ratio_needs_length:
+        return None
+    if info.prompt_length is None:
+        knobs = " / ".join(policy.ratio_knobs)
+        raise ValueError(f"{policy.name}: compression_ratio resolves its {knobs} from the prompt length, which a static "
+                         f"cache needs before its buffers are sized: pass prompt_length=<tokens of the first forward, "
+                         f"padding included> (KVCache(..., static=True, prompt_length=n)), or give "
+                         f"{policy.ratio_knobs[0]}=... instead of compression_ratio")
+    return info.prompt_length
+
+
+def build_slot_cost(info, extra_bytes: int = 4, heads_sharing: int = 1) -> float:
+    """:func:`slot_cost` before any K/V exists (a static store resolving its knob when built): ``head_dim`` from
+    ``info``, the element size of the model's parameters (``info.element_size``; 2 when unknown)."""
+    e = info.element_size or 2
+    return 1.0 + extra_bytes / heads_sharing / (2 * info.head_dim * e)

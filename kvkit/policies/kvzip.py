@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 
 from kvkit.policies.base import Policy, check_positive_int
-from kvkit.policies.knobs import budget_for, protected_share, refuse_static, slot_cost
+from kvkit.policies.knobs import budget_for, build_slot_cost, protected_share, slot_cost, static_prompt
 from kvkit.policies.protect_heads import ProtectHeads, check_protect, evicting_parts, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
@@ -160,15 +160,25 @@ class KVzip(ProtectHeads, Policy):
     def budget_for_context(self, cache, seen: int, cost: float = 1.0) -> int:
         """The per-head budget: ``budget``, or with ``compression_ratio`` the one that reads ``1 - r`` of a
         ``seen``-token context (the protected heads counted)."""
+        return self._budget(cache.shared.protected, cache.infos[0].config, seen, cost)
+
+    def _budget(self, protected, config, seen: int, cost: float) -> int:
         if self.compression_ratio is None:
             return self.budget
-        share = protected_share(cache.shared.protected, cache.infos[0].config)
+        share = protected_share(protected, config)
         return budget_for(self.compression_ratio, seen, share, floor=self.window + self.sink + 1, cost=cost)
 
     def new_layer(self, info: LayerInfo):
-        refuse_static(self, info)
+        prompt = static_prompt(self, info)  # a static store: the budget for the declared prompt, now
         cls = static_store(KVzipStore) if info.static else KVzipStore
-        return split_or_plain(info, lambda n: cls(info, self, num_heads=n), info.shared.protected)
+
+        def store(n):
+            s = cls(info, self, num_heads=n)
+            if prompt is not None:  # the reconstruction after the prefill resolves it again, as a growing one does
+                s.budget = self._budget(info.shared.protected, info.config, prompt, build_slot_cost(info))
+            return s
+
+        return split_or_plain(info, store, info.shared.protected)
 
     # ---- the reconstruction pass (kvkit's forward hook on the patched base model) --------------------------
     @torch.no_grad()

@@ -66,6 +66,8 @@ the factors, landmarks, outliers and values are fixed at the compression. A comp
 elsewhere), the outliers and slots through the decode seam, merged by log-sum-exp; no host read. The values must be
 on the device: on CUDA a static cache needs ``offload=False`` (a CUDA graph cannot gather from host memory; the
 cache says so at its first forward). Eager steps over a static store take the same paths as the ordinary store.
+Under ``compression_ratio`` a static store is built with the budget for its cache's ``prompt_length`` (no padding
+assumed); the compression resolves it again from the prompt it holds, as the ordinary store does.
 
 The compression and decode steps are plain functions in :mod:`kvkit.stores.lowrank`; this module holds the options,
 the state of a layer (:class:`ShadowKVStore`) and the glue between them.
@@ -78,7 +80,7 @@ from typing import ClassVar
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_positive_int
-from kvkit.policies.knobs import refuse_static, unreachable
+from kvkit.policies.knobs import static_prompt, unreachable
 from kvkit.policies.shadowkv_store import (  # noqa: F401  (re-exported: kvkit.policies.shadowkv.<name> as before)
     PAPER_BUDGET,
     PAPER_OUTLIERS,
@@ -216,7 +218,11 @@ class ShadowKV(Policy):
         return RopeTables()
 
     def new_layer(self, info: LayerInfo):
-        refuse_static(self, info)
+        prompt = static_prompt(self, info)
         rank = resolve(self, info.config).rank_for(info.num_kv_heads * info.head_dim)
         cls = static_store(ShadowKVStore) if info.static else ShadowKVStore
-        return cls(info, self, rank)
+        store = cls(info, self, rank)
+        if prompt is not None:  # a static store: the budget for the declared prompt (no padding), now; the
+            # compression resolves it again from what it holds, as a growing store's does
+            store.budget, store.n_out = store.budget_for(prompt, 0, info.element_size or 2)
+        return store

@@ -53,14 +53,14 @@ class ShadowKVStore(SlotStore):
         self.ratio = policy.compression_ratio
         self._clear()
 
-    def budget_for(self, S: int, first: int) -> tuple[int, int]:
+    def budget_for(self, S: int, first: int, element_size: int | None = None) -> tuple[int, int]:
         """``(budget, outliers)`` for ``compression_ratio`` over a prompt of ``S`` held tokens (the first real one at
         ``first``): the multiple of ``chunk_size`` whose decode reads (:meth:`read_nbytes`' terms: landmarks, their
         ids, ``S*V^T``, the outlier chunks, the exact local window + the new token, and per selected token a row of
         ``U`` and a value row; outliers scaling with the budget as the paper's 48 at 2048) are nearest ``1 - r`` of
-        what full reads."""
+        what full reads (``element_size``: the K/V's, default the held keys')."""
         D = self.info.head_dim
-        e, c, r = self.keys.element_size(), self.chunk, self.rank
+        e, c, r = element_size or self.keys.element_size(), self.chunk, self.rank
         C = max((S - first) // c - self.local_chunks, 0)
         local = S - first - C * c + 1
         lmw = 2 * D if self.landmark == "minmax" else D

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_odd_kernel, check_positive_int
-from kvkit.policies.knobs import budget_for, protected_share, refuse_static, slot_cost
+from kvkit.policies.knobs import budget_for, build_slot_cost, protected_share, slot_cost, static_prompt
 from kvkit.policies.protect_heads import ProtectHeads, check_protect, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
@@ -128,11 +128,18 @@ class SnapKV(ProtectHeads, Policy):
         return lambda S, cost: budget_for(self.compression_ratio, S, share, floor=self.window + self.sink + 1, cost=cost)
 
     def new_layer(self, info: LayerInfo):
-        refuse_static(self, info)
+        prompt = static_prompt(self, info)  # a static store: the budget for the declared prompt, now
         cls = static_store(SnapKVStore) if info.static else SnapKVStore
         settings = self.settings(info.config)
         at = self.budget_at(info)
-        return split_or_plain(info, lambda n: cls(info, self, *settings, num_heads=n, budget_at=at), info.shared)
+
+        def store(n):
+            s = cls(info, self, *settings, num_heads=n, budget_at=at)
+            if prompt is not None:
+                s.budget = at(prompt, build_slot_cost(info))
+            return s
+
+        return split_or_plain(info, store, info.shared)
 
 
 class SnapKVStore(ScoredStore):

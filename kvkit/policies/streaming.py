@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from kvkit.policies.base import Policy, check_positive_int
-from kvkit.policies.knobs import budget_for, refuse_static, slot_cost
+from kvkit.policies.knobs import budget_for, build_slot_cost, slot_cost, static_prompt
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.scored import ScoredStore
@@ -69,11 +69,13 @@ class Streaming(Policy):
             )
 
     def new_layer(self, info: LayerInfo):
-        refuse_static(self, info)
+        prompt = static_prompt(self, info)  # a static store: the budget for the declared prompt, now
         cls = static_store(StreamingStore) if info.static else StreamingStore
         store = cls(info, self.budget, self.sink, self.tail)
         if self.compression_ratio is not None:
             store.budget_at = lambda S, cost: budget_for(self.compression_ratio, S, floor=self.sink + 1, cost=cost)
+        if prompt is not None:
+            store.set_budget(store.budget_at(prompt, build_slot_cost(info, heads_sharing=info.num_kv_heads)))
         return store
 
 
@@ -88,9 +90,12 @@ class StreamingStore(ScoredStore):
 
     def on_prefill(self, query, module) -> None:
         if self.budget_at is not None:
-            self.budget = self.budget_at(self.seen, slot_cost(self.keys, heads_sharing=self.keys.shape[1]))
-            self.window = self.budget - self.sink
+            self.set_budget(self.budget_at(self.seen, slot_cost(self.keys, heads_sharing=self.keys.shape[1])))
         super().on_prefill(query, module)
+
+    def set_budget(self, budget: int) -> None:
+        """Keep ``budget`` slots: the sinks and a recent window of ``budget - sink``."""
+        self.budget, self.window = budget, budget - self.sink
 
     def should_compress(self) -> bool:
         held = self.keys.shape[-2]

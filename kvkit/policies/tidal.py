@@ -72,7 +72,7 @@ from typing import ClassVar
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_choice, check_positive_int
-from kvkit.policies.knobs import refuse_static, unreachable
+from kvkit.policies.knobs import static_prompt, unreachable
 from kvkit.policies.tidal_store import (  # noqa: F401  (re-exported: kvkit.policies.tidal.<name> as before)
     MAX_SPARSE_CHUNK,
     TidalSelection,
@@ -261,6 +261,9 @@ class Tidal(Policy):
         return TidalSelection()
 
     def new_layer(self, info: LayerInfo):
-        refuse_static(self, info)
+        prompt = static_prompt(self, info)
         cls = static_store(TidalStore) if info.static else TidalStore
-        return cls(info, resolve(self, info.config))
+        store = cls(info, resolve(self, info.config))
+        if prompt is not None:  # a static store: the budget for the declared prompt, now (its prefill, as a growing
+            store.configure_for(prompt)  # store's, resolves it again for the tokens seen)
+        return store

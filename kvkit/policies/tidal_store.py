@@ -117,10 +117,14 @@ class TidalStore(SlotStore):
         self.shared_budgets = policy.layer_shares is not None  # per-layer cuts of one selection (score order)
 
     def on_prefill(self, query, module) -> None:
-        """``compression_ratio``: the budget for this context length (every multi-token forward re-resolves it)."""
+        """``compression_ratio``: the budget for this context length (the prefill's)."""
+        self.configure_for(self.seen)
+
+    def configure_for(self, context: int) -> None:
+        """``compression_ratio``: the budget for a ``context``-token cache (no-op without one)."""
         p = self.policy
         if p.compression_ratio is not None:
-            b = p.budget_for(self.info.num_layers, self.info.groups, self.seen)
+            b = p.budget_for(self.info.num_layers, self.info.groups, context)
             self._configure(dataclasses.replace(p, budget=b, compression_ratio=None))
 
     def reset(self) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from kvkit.calibration import resolve
 from kvkit.policies.base import Policy, check_fraction, check_positive_int
-from kvkit.policies.knobs import refuse_static, unreachable
+from kvkit.policies.knobs import unreachable
 from kvkit.registry import register
 from kvkit.stores import LayerInfo, QuantizedSegmentStore
 from kvkit.stores import tensor_bytes as _tensor_bytes
@@ -112,6 +112,7 @@ class ZipCache(Policy):
     static_capable: ClassVar[bool] = True
     calibrated_options: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
     ratio_knobs: ClassVar[tuple[str, ...]] = ("high_ratio", "high_bits", "low_bits", "key_bits")
+    ratio_needs_length: ClassVar[bool] = False  # bit widths from the element size: a static cache needs no prompt
     #: the paper: one key statistic per channel per part, the model's 16-bit statistics, the 60% 4-bit / 40% 2-bit split
     paper: ClassVar[dict] = dict(key_group=None, stats="auto", calibrated=False)
     covering_options: ClassVar[dict | None] = None
@@ -177,8 +178,7 @@ class ZipCache(Policy):
                                    low_bits=low, key_bits=None, calibrated=False)
 
     def new_layer(self, info: LayerInfo):
-        refuse_static(self, info)
-        cls = static_store(ZipCacheStore) if info.static else ZipCacheStore
+        cls = static_store(ZipCacheStore) if info.static else ZipCacheStore  # the ratio needs no prompt length
         return cls(info, resolve(self, info.config))
 
 

@@ -96,7 +96,7 @@ def check_prompt(model, ids: torch.Tensor, new_tokens: int, settings, prompt: in
     if patched_here:
         kvkit.patch(model, "full")
     try:
-        base = kvkit.KVCache(model)
+        base = kvkit.KVCache(model, prompt_length=min(ids.shape[1] - 1, 4096))
         kvkit.prefill(model, ids[:, :-1], chunk_size=4096, cache=base)
         plain, margins = plain_greedy(model, copy.deepcopy(base), ids, new_tokens)
         results = []

@@ -158,7 +158,8 @@ def _batch(model, tok, args):
 def _prefill_once(model, ids, mask, args):
     """The shared prefill: a cache of the patched model (a batch cache at ``--batch`` > 1) holding ``ids[:, :-1]``
     (masked by ``mask``), prefilled in chunks; every setting continues from a copy of it."""
-    base = batch_cache(model) if args.batch > 1 else kvkit.KVCache(model)
+    first = min(ids.shape[1] - 1, 4096 // args.batch)  # the prefill's first chunk (a static cache's prompt_length)
+    base = batch_cache(model) if args.batch > 1 else kvkit.KVCache(model, prompt_length=first)
     t0 = time.perf_counter()
     kvkit.prefill(model, ids[:, :-1], None if mask is None else mask[:, :-1], chunk_size=4096 // args.batch, cache=base)
     _sync(args.device)

@@ -97,7 +97,7 @@ def target_cache(model, cache, batch: int, prompt_len: int) -> tuple[KVCache, in
         if held >= prompt_len:
             raise ValueError(f"past_key_values already holds {held} tokens; input_ids must extend it")
     elif cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
-        cache, held = KVCache(model), 0  # the patched policy's
+        cache, held = KVCache(model, prompt_length=prompt_len), 0  # the patched policy's, for a prefill of the prompt
         if batch > 1 and not any(isinstance(layer, SlotStore) for layer in cache.layers):
             cache = batch_cache(model)
     else:

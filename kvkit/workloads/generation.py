@@ -69,8 +69,8 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, context_end: in
             if ctx is not None:
                 model(input_ids=ids[:, : ctx.shape[1]], **cache_kw(cache), use_cache=True)
             kwargs.update(cache_kw(cache))
-        elif patched:
-            cache = kvkit.KVCache(model)
+        elif patched:  # its first forward: the context (prefilled here), else the whole prompt (generate's)
+            cache = kvkit.KVCache(model, prompt_length=(ctx if ctx is not None else ids).shape[1])
             if ctx is not None and replay is not None:
                 if replay.tokens != ctx.shape[1]:
                     raise ValueError(f"replay: the recording holds {replay.tokens} context tokens, this prompt's "

@@ -152,7 +152,9 @@ def replay_prefill(model, rec: PrefillRecording, cache: KVCache | None = None, *
         raise ValueError(f"policy {pol.name!r} does not prefill with exact attention ({why}); its prefill cannot be "
                          f"replayed (replayable: {', '.join(replayable_policies())}); run its own prefill instead")
     extra = {"output_unused": True} if skip_prompt_attention else {}
-    cache = cache if cache is not None else KVCache(model)
+    if cache is None:  # the recorded prefill is the new cache's first forward (a static one's prompt_length)
+        n = rec.calls[min(rec.calls)].key.shape[-2] if rec.calls else None
+        cache = KVCache(model, prompt_length=n)
     if cache.get_seq_length() != 0:
         raise ValueError("replay_prefill needs an empty cache")
     for idx in sorted(rec.calls):

@@ -109,9 +109,10 @@ def test_unreachable_ratios_are_refused_with_the_reachable_range(model):
         kvkit.get_policy("shadowkv", compression_ratio=0.97).validate(cfg)
 
 
-def test_a_static_cache_refuses_a_ratio_resolved_from_the_prompt(model):
-    with pytest.raises(ValueError, match="static cache"):
+def test_a_static_cache_asks_for_the_prompt_length_a_ratio_is_resolved_for(model):
+    with pytest.raises(ValueError, match="static cache needs.*pass prompt_length="):
         kvkit.KVCache(model, "snapkv", compression_ratio=0.5, static=True, max_length=64)
+    assert kvkit.KVCache(model, "snapkv", compression_ratio=0.5, static=True, max_length=64, prompt_length=48)
 
 
 @pytest.mark.parametrize("policy", kvkit.available_policies())

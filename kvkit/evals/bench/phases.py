@@ -53,14 +53,16 @@ def bench_one(model, ids, policy: str, options: dict, decode_tokens: int, warmup
     try:
         with torch.no_grad():
             if warmup:  # kernels / allocator warm-up on a short prompt
-                c = kvkit.KVCache(model)
+                c = kvkit.KVCache(model, prompt_length=ids[:, -64:].shape[1])
                 model(input_ids=ids[:, -64:], **cache_kw(c), use_cache=True)
                 del c
             mask = kw = None
             if attention_mask is not None:
                 mask = attention_mask.to(device)
                 kw = dict(attention_mask=mask, position_ids=positions(mask))
-            cache = kvkit.KVCache(model)
+            # a static cache resolves a compression_ratio for its first forward: the prompt, or its first chunk
+            first = min(ids.shape[1], prefill_chunk) if prefill_chunk else ids.shape[1]
+            cache = kvkit.KVCache(model, prompt_length=first)
             with PeakMemory(device) as mp:
                 sync(device)
                 t0 = time.perf_counter()

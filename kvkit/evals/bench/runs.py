@@ -56,7 +56,7 @@ def prefill_run(model, name, opts, ids, mask, rec=None, batch=None) -> DecodeRun
                 cache, last = replay_rows(model, rec, rows, b0)
                 replayed = True
             else:
-                cache = kvkit.KVCache(model)
+                cache = kvkit.KVCache(model, prompt_length=ids_b.shape[1])
                 last = model(input_ids=ids_b, attention_mask=mask_b, position_ids=positions(mask_b),
                              **cache_kw(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
                 replayed = False

@@ -100,7 +100,7 @@ def count_step_ops(model, policy: str = "full", options: dict | None = None, pro
     with _kernels(kernels):
         kvkit.patch(model, policy, static=True, **(options or {}))
         try:
-            cache = kvkit.KVCache(model)
+            cache = kvkit.KVCache(model, prompt_length=prompt)
             out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             # a plain function: dynamo does not take a callable object as a backend here
