@@ -152,6 +152,18 @@ class ShadowKVStore(SlotStore):
         return gathered + _tensor_bytes(self.landmarks, self.lm_ids, self.SV, self.out_k, self.out_v, self.out_pos,
                                         self.keys, self.values, self.pos)
 
+    def slots_bound(self) -> int | None:
+        """The most slots held once the prompt is compressed (a static store's capacity): the exact local window, at
+        most ``(local_chunks + 1) * chunk - 1`` tokens (the chunks' remainder included), plus the tokens generated up to
+        ``max_length``. Known when the cache declares the first forward's length (``prompt_length``, which
+        ``generate`` and ``kvkit.prefill`` pass) and that prompt is compressed (longer than ``min_prompt``); None
+        otherwise (capacity ``max_length``, as any unbounded store). A longer prompt than declared (a chunked
+        prefill) only leaves more room than needed; an eager forward that outgrows it re-allocates."""
+        n, m = self.info.prompt_length, self.info.max_length
+        if n is None or not m or n <= self.min_prompt:
+            return None
+        return (self.local_chunks + 1) * self.chunk - 1 + max(m - n, 0)
+
     def num_slots(self) -> int:
         n = super().num_slots()
         if self.compressed:

@@ -140,3 +140,46 @@ def test_static_store_on_cuda_refuses_offloaded_values():
 def test_offload_must_be_a_bool():
     with pytest.raises(ValueError, match="(?i)offload must be true or false"):
         kvkit.get_policy("shadowkv", offload="yes")
+
+
+def test_a_static_store_of_a_declared_prompt_holds_only_the_local_window_and_the_room_to_generate():
+    """Given the first forward's length (``prompt_length``, as ``generate`` and ``kvkit.prefill`` pass it), a
+    static store's slots after the compression are the local window plus the tokens left to ``max_length``, not a
+    ``max_length`` buffer: a compiled step then reads no more than the cache holds and less than ``full`` holds; the
+    compiled steps still decode the eager tokens without a recompile. Without the length: room for the whole prompt
+    and more (at least ``max_length`` slots)."""
+    from kvkit.evals.gpu.compiled import compiled_read_bytes
+
+    model = tiny_model("llama")
+    n, room = 400, 16
+    ids = random_ids(n, seed=6)
+    kvkit.patch(model, "shadowkv", static=True, max_length=n + room, **OPTS)
+    try:
+        with torch.no_grad():
+            ref = kvkit.KVCache(model, static=False)
+            last = model(input_ids=ids, **cache_kw(ref), use_cache=True).logits[:, -1]
+        ref_toks, ref_logits = _steps(model, ref, last, 10, model)
+        caps = {}
+        for declared in (None, n):
+            with torch.no_grad():
+                cache = kvkit.KVCache(model, prompt_length=declared)
+                last = model(input_ids=ids, **cache_kw(cache), use_cache=True).logits[:, -1]
+            stores = _stores(cache)
+            assert all(s.compressed for s in stores)
+            caps[declared] = {s.cap() for s in stores}
+            if declared is None:
+                continue
+            local = (stores[0].local_chunks + 1) * stores[0].chunk - 1
+            assert all(s.held() <= local for s in stores)
+            held = sum(layer.nbytes() + layer.offloaded_nbytes() for layer in cache.layers)
+            assert compiled_read_bytes(cache) <= held
+            with torch.no_grad():
+                full = kvkit.KVCache(model, "full")
+                model(input_ids=ids, **cache_kw(full), use_cache=True)
+            assert held < full.nbytes()
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                toks, logits = _steps(model, cache, last, 10, _compiled(model, "aot_eager"))
+            _assert_same(toks, logits, ref_toks, ref_logits)
+        assert min(caps[None]) >= n + room and caps[n] == {local + room}
+    finally:
+        kvkit.unpatch(model)
