@@ -242,8 +242,60 @@ def label_axis(shown: list[dict], lo: float, hi: float) -> tuple[list[tuple], fl
     return spots, x0, max(x1, x0 + decades)  # (x1 beyond it only if the passes ran out: then every label still fits)
 
 
+#: more runs than this are drawn as a dot chart (:func:`dot_chart_png`): labelled points at a few shared byte
+#: fractions (the same compression ratio for many policies) cannot be told apart in the scatter
+SCATTER_MOST = 16
+
+
+def dot_chart_png(records: list[dict], title: str) -> bytes:
+    """One row per run, grouped by policy (``full`` first), ordered by the bytes a step reads within a policy: a
+    marker at ``x full`` (needles answered / full's on the same samples), its colour and the number at the right the
+    bytes a decode step reads / full's (held where no read count was recorded). For roots of many runs at a few byte
+    fractions, where the scatter's labels would crowd (matplotlib, Agg)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in records if r["x_full"] is not None]
+    frac = lambda r: r["read_fraction"] if r.get("read_fraction") is not None else r["kv_fraction"]  # noqa: E731
+    shown.sort(key=lambda r: (r["policy"] != "full", r["policy"], -frac(r), r.get("label", r["run"])))
+    n = len(shown)
+    fig, ax = plt.subplots(figsize=(9.5, 1.2 + 0.24 * n), layout="constrained")
+    cmap = matplotlib.colormaps["viridis"]
+    ys = list(range(n))[::-1]  # the first run on top
+    for y, r in zip(ys, shown):
+        ax.plot([0, r["x_full"]], [y, y], color="0.85", lw=0.8, zorder=1)
+        ax.scatter(r["x_full"], y, s=36, color=cmap(min(frac(r), 1.0)), edgecolor="0.2", lw=0.4, zorder=2)
+        ax.text(1.13, y, f"{frac(r):.2f}", va="center", ha="right", fontsize=7.5)
+    prev = None
+    for y, r in zip(ys, shown):  # a thin rule between policies
+        if prev is not None and r["policy"] != prev:
+            ax.axhline(y + 0.5, color="0.6", lw=0.5)
+        prev = r["policy"]
+    ax.set_yticks(ys)
+    ax.set_yticklabels([r.get("label", r["run"]) for r in shown], fontsize=7.5)
+    ax.set_ylim(-0.7, n - 0.3)
+    ax.set_xlim(0, 1.15)
+    ax.set_xticks([0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0])
+    ax.axvline(1.0, color="black", lw=0.6, ls=":")
+    ax.text(1.13, n - 0.35, "reads\nx full", va="bottom", ha="right", fontsize=7.5)
+    ax.set_xlabel("needles answered / full's (same samples)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title, fontsize=10, loc="left")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def figure_png(records: list[dict], title: str) -> bytes:
-    """Accuracy x full vs KV bytes x full, one point per run, labelled (matplotlib, Agg)."""
+    """Accuracy x full vs KV bytes x full, one point per run, labelled (matplotlib, Agg); more than
+    :data:`SCATTER_MOST` runs: :func:`dot_chart_png`."""
+    if sum(r["x_full"] is not None for r in records) > SCATTER_MOST:
+        return dot_chart_png(records, title)
     import io
 
     import matplotlib

@@ -256,6 +256,28 @@ def test_figure_axis_is_the_span_its_labels_were_sized_for():
     assert x1 - x0 > (hi - lo) * 1.25  # widened for the long label at the right edge
 
 
+def test_a_root_of_many_runs_is_drawn_one_row_per_run():
+    """More runs than the scatter can label (many policies at the same few byte fractions) are drawn as a dot
+    chart: one row each, so the figure grows with the runs; a few runs keep the labelled scatter."""
+    import io
+
+    from PIL import Image
+
+    from kvkit.evals.needles_report import SCATTER_MOST, figure_png
+
+    def rec(i):
+        policy = ("full", "snapkv", "cake", "duo")[i % 4]
+        return dict(run=f"{policy}-{i}", policy=policy, label=f"{policy}, compression_ratio={i / 40:g}",
+                    kv_fraction=1 - i / 40, read_fraction=1 - i / 40, x_full=1 - i / 50)
+
+    def size(n):
+        return Image.open(io.BytesIO(figure_png([rec(i) for i in range(n)], "t"))).size
+
+    assert size(3) == size(SCATTER_MOST)  # the scatter: one size whatever the runs
+    many, more = size(SCATTER_MOST + 1), size(2 * SCATTER_MOST)
+    assert many != size(SCATTER_MOST) and many[0] == more[0] and more[1] > many[1]  # then a row per run
+
+
 @pytest.mark.skipif(not HAS_QUANTO, reason="needs optimum-quanto (the eval extra)")
 def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
     from kvkit.cli import main
