@@ -73,7 +73,7 @@ from kvkit.policies.base import Policy, check_choice, check_fraction, check_odd_
 from kvkit.policies.chelsea_store import (  # noqa: F401  (re-exported: kvkit.policies.chelsea.<name> as before)
     ChelseaStore,
 )
-from kvkit.policies.knobs import build_slot_cost, protected_share, static_prompt
+from kvkit.policies.knobs import build_slot_cost, floor_warning, protected_share, static_prompt
 from kvkit.policies.protect_heads import ProtectHeads, check_protect, evicting_parts, split_or_plain
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
@@ -260,8 +260,15 @@ class Chelsea(ProtectHeads, Policy):
             return min(1.0, max(kept, 1.0 / chunk))
         M = max(0, (context - self.sink - self.window) // chunk) * chunk
         if M == 0:
+            floor_warning(self.name, self.compression_ratio, 1.0, f"a {context}-token context is all sinks, window "
+                          f"and a partial {chunk}-token chunk, which stay exact")
             return 1.0
         K = round((kept * context / cost - (context - M)) * chunk / M)
+        if K < 1:
+            reads = share + (1 - share) * cost * (context - M + M / chunk) / context
+            floor_warning(self.name, self.compression_ratio, min(reads, 1.0),
+                          f"a {context}-token context needs fewer than the one slot per {chunk}-token chunk each "
+                          f"evicting head always keeps (besides its sinks and window)")
         return min(chunk, max(K, 1)) / chunk
 
     def uses_calibration(self) -> bool:

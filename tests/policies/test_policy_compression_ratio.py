@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvkit
-from kvkit.testing import tiny_config, tiny_model
+from kvkit.testing import random_ids, tiny_config, tiny_model
 
 POLICIES = [p for p in kvkit.available_policies() if p != "full"]
 PROMPT = 512
@@ -107,6 +107,31 @@ def test_unreachable_ratios_are_refused_with_the_reachable_range(model):
         kvkit.get_policy("tidal", compression_ratio=0.75).validate(cfg)  # 4 of 12 layers read everything
     with pytest.raises(ValueError, match=r"shadowkv.*reaches compression ratios"):
         kvkit.get_policy("shadowkv", compression_ratio=0.97).validate(cfg)
+
+
+@pytest.mark.parametrize("policy,r", [("snapkv", 0.9), ("cake", 0.9), ("kvzip", 0.9), ("streaming", 0.99),
+                                       ("chelsea", 0.9)])
+def test_a_ratio_below_the_tokens_a_policy_always_keeps_says_so_once(policy, r, model, monkeypatch):
+    """A context too short for the ratio (the policy always keeps its sinks, window, one slot per chunk) is not
+    silently read at more bytes: the policy warns, once, with the reads it keeps; a context long enough is quiet."""
+    from kvkit.policies import knobs
+
+    monkeypatch.setattr(knobs, "_WARNED", set())
+    opts = {} if policy == "streaming" else dict(protect_heads=0)
+
+    def warned(n):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with kvkit.patched(model, policy, compression_ratio=r, **opts), torch.no_grad():
+                cache = kvkit.KVCache(model)
+                model(input_ids=random_ids(n, seed=5), past_key_values=cache, use_cache=True)
+        return [str(x.message) for x in w if "out of reach here" in str(x.message)]
+
+    first = warned(80)
+    assert len(first) == 1 and f"{policy}: compression_ratio={r:g}" in first[0] and "of full's KV bytes" in first[0]
+    assert warned(80) == []  # once per policy and ratio
+    monkeypatch.setattr(knobs, "_WARNED", set())
+    assert warned(2000) == []
 
 
 def test_a_static_cache_asks_for_the_prompt_length_a_ratio_is_resolved_for(model):
