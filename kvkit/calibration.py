@@ -314,6 +314,11 @@ def check_fits(policy, resolved, opts: dict, path, config) -> None:
             bad.append(k)
     fields = ", ".join(f"policies.{policy.name}.options.{k}" for k in (bad or opts))
     msg = (str(err).splitlines() or [""])[0] or type(err).__name__
+    if getattr(resolved, "compression_ratio", None) is not None and _fits(
+            dataclasses.replace(resolved, compression_ratio=None), config) is None:
+        # the file fits the model; the ratio is what its calibrated setting cannot reach: say that, not "malformed"
+        raise ValueError(f"{msg}, with the setting calibrated for this model ({fields} in {str(path)!r}); give "
+                         "another ratio, or those options yourself (preset='paper': the paper's)") from None
     raise _bad(path, f"{fields} {'does' if len(bad or opts) == 1 else 'do'} not fit this model "
                      f"({_text_config(config).model_type}, {_text_config(config).num_hidden_layers} layers): {msg}")
 

@@ -134,6 +134,20 @@ def test_a_ratio_below_the_tokens_a_policy_always_keeps_says_so_once(policy, r, 
     assert warned(2000) == []
 
 
+def test_a_ratio_the_calibrated_setting_cannot_reach_is_refused_as_such_not_as_a_malformed_file():
+    """Qwen2.5-Coder-0.5B's shipped tidal layers read every token in 8 of its 24 layers, so r = 0.75 is out of reach
+    with them: the refusal says so, with the reachable range and the calibrated field, and does not call the
+    shipped file malformed; the paper's layout reaches it."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(num_hidden_layers=24, num_key_value_heads=2, num_attention_heads=14, hidden_size=896,
+                      vocab_size=151936, intermediate_size=4864)
+    with pytest.raises(ValueError, match=r"out of reach.*\[0\.000, 0\.667\].*select_layers") as e:
+        kvkit.get_policy("tidal", compression_ratio=0.75).validate(cfg)
+    assert "malformed" not in str(e.value)
+    kvkit.get_policy("tidal", compression_ratio=0.75, preset="paper").validate(cfg)
+
+
 def test_a_static_cache_asks_for_the_prompt_length_a_ratio_is_resolved_for(model):
     with pytest.raises(ValueError, match="static cache needs.*pass prompt_length="):
         kvkit.KVCache(model, "snapkv", compression_ratio=0.5, static=True, max_length=64)
