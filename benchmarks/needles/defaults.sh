@@ -1,0 +1,47 @@
+#!/bin/bash
+# Fresh needles at each policy's defaults given only compression_ratio, beside the settings they were chosen over
+# (protect_heads shares) and the paper presets: the roots results/needles/defaults-{essay,squad,qwen}.
+#
+#   bash benchmarks/needles/defaults.sh essay|squad|qwen [extra kvkit eval needles arguments]
+#
+# --resume: runs whose folder is complete are skipped, so the command adds what a root lacks and rewrites its
+# needles.md / needles.png over every run folder in it. 2 CPU cores, 1 thread per process: about 5 s per run and
+# sample (one shared prefill per sample), kvzip 50-90 s per sample (its reconstruction forwards).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+KVKIT=${KVKIT:-.venv/bin/kvkit}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+R=compression_ratio
+P=(--policy full)
+add() { for spec in "$@"; do P+=(--policy "$spec"); done; }
+which=${1:?usage: defaults.sh essay|squad|qwen}; shift
+case "$which" in
+  essay|squad)
+    for p in snapkv cake chelsea; do
+      add "$p:$R=0.5" "$p:$R=0.75" "$p:$R=0.25" "$p:$R=0.5,preset=paper" \
+          "$p:$R=0.5,protect_heads=0.2" "$p:$R=0.5,protect_heads=0.3" "$p:$R=0.5,protect_heads=0.4" \
+          "$p:$R=0.75,protect_heads=0.1" "$p:$R=0.75,protect_heads=0.2"
+    done
+    add "kvzip:$R=0.5" "kvzip:$R=0.75" "tidal:$R=0.5" "tidal:$R=0.5,preset=paper" "tidal:$R=0.75,preset=paper" \
+        "duo:$R=0.5" "duo:$R=0.75" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
+        "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
+    if [ "$which" = essay ]; then
+      ARGS=(--out results/needles/defaults-essay --lengths 4096 --samples 33)
+    else
+      for p in snapkv cake chelsea; do add "$p:$R=0.75,protect_heads=0" "$p:$R=0.75,protect_heads=0.05"; done
+      add "shadowkv:$R=0.5,landmark=minmax" "shadowkv:$R=0.75,landmark=minmax"
+      ARGS=(--out results/needles/defaults-squad --haystack squad --seed 7919 --formats digits,uuid --lengths 4096
+            --samples 16)
+    fi ;;
+  qwen)
+    # at r = 0.5 the default protected share is 0.4: given explicitly beside 0.2
+    for p in snapkv cake chelsea kvzip; do
+      add "$p:$R=0.5,protect_heads=0.2" "$p:$R=0.5,protect_heads=0.4" "$p:$R=0.5,preset=paper" "$p:$R=0.75"
+    done
+    for p in snapkv cake chelsea; do add "$p:$R=0.75,protect_heads=0" "$p:$R=0.75,protect_heads=0.2"; done
+    add "duo:$R=0.5" "duo:$R=0.75" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
+        "tidal:$R=0.5" "tidal:$R=0.5,preset=paper" "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
+    ARGS=(--model qwen-0.5b --out results/needles/defaults-qwen --lengths 2048 --formats digits,uuid --samples 16) ;;
+  *) echo "defaults.sh: unknown root '$which' (essay, squad or qwen)" >&2; exit 2 ;;
+esac
+exec "$KVKIT" eval needles "${ARGS[@]}" --resume "${P[@]}" "$@"
