@@ -23,7 +23,8 @@ protected share is the one that leaves each evicting head :data:`EVICTED_SHARE` 
 ``f = (1 - r - e) / (1 - e)`` with ``e = 1/6`` (0.4 at r = 0.5, 0.1 at r = 0.75, none from r = 5/6 on); with a
 token ``budget`` (no ratio) it is :data:`DEFAULT_PROTECT`. Measured on the fresh-needle sets
 (results/needles/README.md): at r = 0.5 a share of 0.4 keeps more of full's needles than 0.2 or 0.3 for snapkv and
-chelsea (cake: 0.3 and 0.4 within one needle), at r = 0.75 a share of 0.1 more than 0.2 for all three -- at a
+chelsea (cake: 0.3 one needle above 0.4 on each set), at r = 0.75 a share of 0.1 more than 0, 0.05 or 0.2 for all
+three (Qwen2.5-Coder-0.5B, not used to choose: 0.4 keeps every needle at r = 0.5) -- at a
 fixed byte total each protected head costs its evicting heads' budget, and below about a sixth of the context the
 evicting heads start losing what the answer needs.
 """
