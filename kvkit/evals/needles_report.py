@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from kvkit.evals.files import atomic_write_bytes, atomic_write_text, read_rows
-from kvkit.evals.report import markdown_table
+from kvkit.evals.report import agg_pyplot, markdown_table, png_bytes
 
 
 def load_runs(folders: list[Path]) -> list[tuple[str, dict, list[dict]]]:
@@ -252,29 +252,21 @@ def dot_chart_png(records: list[dict], title: str) -> bytes:
     marker at ``x full`` (needles answered / full's on the same samples), its colour and the number at the right the
     bytes a decode step reads / full's (held where no read count was recorded). For roots of many runs at a few byte
     fractions, where the scatter's labels would crowd (matplotlib, Agg)."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
 
     shown = [r for r in records if r["x_full"] is not None]
     frac = lambda r: r["read_fraction"] if r.get("read_fraction") is not None else r["kv_fraction"]  # noqa: E731
     shown.sort(key=lambda r: (r["policy"] != "full", r["policy"], -frac(r), r.get("label", r["run"])))
     n = len(shown)
-    fig, ax = plt.subplots(figsize=(9.5, 1.2 + 0.24 * n), layout="constrained")
-    cmap = matplotlib.colormaps["viridis"]
+    fig, ax = agg_pyplot().subplots(figsize=(9.5, 1.2 + 0.24 * n), layout="constrained")
+    cmap = colormaps["viridis"]
     ys = list(range(n))[::-1]  # the first run on top
-    for y, r in zip(ys, shown):
+    for i, (y, r) in enumerate(zip(ys, shown)):
         ax.plot([0, r["x_full"]], [y, y], color="0.85", lw=0.8, zorder=1)
         ax.scatter(r["x_full"], y, s=36, color=cmap(min(frac(r), 1.0)), edgecolor="0.2", lw=0.4, zorder=2)
         ax.text(1.13, y, f"{frac(r):.2f}", va="center", ha="right", fontsize=7.5)
-    prev = None
-    for y, r in zip(ys, shown):  # a thin rule between policies
-        if prev is not None and r["policy"] != prev:
+        if i and r["policy"] != shown[i - 1]["policy"]:  # a thin rule between policies
             ax.axhline(y + 0.5, color="0.6", lw=0.5)
-        prev = r["policy"]
     ax.set_yticks(ys)
     ax.set_yticklabels([r.get("label", r["run"]) for r in shown], fontsize=7.5)
     ax.set_ylim(-0.7, n - 0.3)
@@ -285,10 +277,7 @@ def dot_chart_png(records: list[dict], title: str) -> bytes:
     ax.set_xlabel("needles answered / full's (same samples)")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title, fontsize=10, loc="left")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig, 120)
 
 
 def figure_png(records: list[dict], title: str) -> bytes:
@@ -296,15 +285,9 @@ def figure_png(records: list[dict], title: str) -> bytes:
     :data:`SCATTER_MOST` runs: :func:`dot_chart_png`."""
     if sum(r["x_full"] is not None for r in records) > SCATTER_MOST:
         return dot_chart_png(records, title)
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, ax = agg_pyplot().subplots(figsize=(7.5, 5))
     shown = [r for r in records if r["x_full"] is not None]
     for r in shown:
         peer = r["policy"] == "quantized"
@@ -331,10 +314,7 @@ def figure_png(records: list[dict], title: str) -> bytes:
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=130)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig, 130)
 
 
 def report_title(model: str, length: int, protocol: str, haystack: str) -> str:

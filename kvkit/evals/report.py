@@ -75,18 +75,32 @@ def write_summary(out: Path, summary: dict, header: list[str], rows: list[list],
     atomic_write_text(out / "summary.csv", csv_text(header, rows))
 
 
-def heatmap_png(grid: list[list[float | None]], lengths: list[int], depths: list[float], title: str) -> bytes:
-    """NIAH heatmap: depth on y (0% at top), context length on x, score (0-100) in each cell."""
+def agg_pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display), imported when a figure is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def png_bytes(fig, dpi: int) -> bytes:
+    """``fig`` as PNG bytes at ``dpi``; the figure is closed."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    agg_pyplot().close(fig)
+    return buf.getvalue()
+
+
+def heatmap_png(grid: list[list[float | None]], lengths: list[int], depths: list[float], title: str) -> bytes:
+    """NIAH heatmap: depth on y (0% at top), context length on x, score (0-100) in each cell."""
     import numpy as np
     from matplotlib.colors import LinearSegmentedColormap
 
     cmap = LinearSegmentedColormap.from_list("niah", list(NIAH_COLORS))
     data = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)
-    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.0 + 0.45 * len(depths)))
+    fig, ax = agg_pyplot().subplots(figsize=(1.2 + 1.1 * len(lengths), 1.0 + 0.45 * len(depths)))
     im = ax.imshow(data, cmap=cmap, vmin=0, vmax=100, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
@@ -99,10 +113,7 @@ def heatmap_png(grid: list[list[float | None]], lengths: list[int], depths: list
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="score")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig, 110)
 
 
 def write_heatmap(path: Path, *args, **kwargs) -> None:

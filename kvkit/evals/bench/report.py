@@ -7,11 +7,10 @@ A table is ``(header, rows)``: a list of column names and a list of rows of the 
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from kvkit.evals.files import atomic_write_bytes, atomic_write_json, atomic_write_text
-from kvkit.evals.report import csv_text, markdown_table
+from kvkit.evals.report import agg_pyplot, csv_text, markdown_table, png_bytes
 
 
 def _mib(n) -> str:
@@ -112,12 +111,7 @@ def throughput_figure(results: list[dict], title: str = "", threads: int | None 
                 pts.setdefault(r["label"], {})[r["batch"]] = r["tok_s"]
     if not any(len(v) > 1 for v in pts.values()):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = agg_pyplot().subplots(figsize=(7.5, 4.8))
     markers = "osD^v<>pPXh*"
     for i, (label, p) in enumerate(sorted(pts.items(), key=lambda kv: kv[0] != "full")):
         xs = sorted(p)
@@ -129,10 +123,7 @@ def throughput_figure(results: list[dict], title: str = "", threads: int | None 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig, 120)
 
 
 def write_partial(out, result: dict, config: dict) -> None:
