@@ -205,8 +205,8 @@ class Cake(ProtectHeads, Policy):
         at = None
         if self.compression_ratio is not None:  # the mean kept per layer (window included) from the context length
             share = protected_share(info.shared.protected, info.config)
-            at = lambda S, cost: budget_for(self.compression_ratio, S, share, floor=self.window + 1,  # noqa: E731
-                                            cost=cost, who=self.name)
+            at = lambda S, cost: budget_for(self.name, self.compression_ratio, S, share,  # noqa: E731
+                                            floor=self.window + 1, cost=cost)
 
         def store(n):
             s = cls(info, p, *taus, num_heads=n, budget_at=at)

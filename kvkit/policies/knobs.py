@@ -82,19 +82,18 @@ def unreachable(who: str, r: float, low: float, high: float, why: str) -> ValueE
                       f"ratios in [{low:.3f}, {high:.3f}] here")
 
 
-def budget_for(r: float, context: int, protected: float = 0.0, floor: int = 1, cost: float = 1.0,
-               who: str | None = None) -> int:
+def budget_for(who: str, r: float, context: int, protected: float = 0.0, floor: int = 1, cost: float = 1.0) -> int:
     """Per-head token budget that reads ``1 - r`` of a ``context``-token cache: with a ``protected`` fraction of the
     KV heads kept whole, the others keep ``b`` slots of ``cost`` times a token's K/V bytes each (its metadata, e.g. an
     int32 position: :func:`slot_cost`) with ``protected + (1 - protected) * cost * b / context = 1 - r``. At least
     ``floor`` (the tokens the policy always keeps): below it the ratio is out of reach for this context, which
-    ``who`` (the policy's name) says once in a warning (:func:`floor_warning`) rather than failing a generation."""
-    b = ((1.0 - r) - protected) / (1.0 - protected) * context / cost
-    if who is not None and round(b) < floor:
+    policy ``who`` says once in a warning (:func:`floor_warning`) rather than failing a generation."""
+    b = int(round(((1.0 - r) - protected) / (1.0 - protected) * context / cost))
+    if b < floor:
         reads = min(1.0, protected + (1.0 - protected) * cost * floor / max(context, 1))
-        floor_warning(who, r, reads, f"a {context}-token context asks for {max(b, 0):.0f} tokens per evicting head, "
+        floor_warning(who, r, reads, f"a {context}-token context asks for {max(b, 0)} tokens per evicting head, "
                       f"fewer than the {floor} it always keeps")
-    return max(int(round(b)), floor)
+    return max(b, floor)
 
 
 def floor_warning(who: str, r: float, reads: float, why: str) -> None:

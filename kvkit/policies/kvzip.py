@@ -166,8 +166,8 @@ class KVzip(ProtectHeads, Policy):
         if self.compression_ratio is None:
             return self.budget
         share = protected_share(protected, config)
-        return budget_for(self.compression_ratio, seen, share, floor=self.window + self.sink + 1, cost=cost,
-                          who=self.name)
+        return budget_for(self.name, self.compression_ratio, seen, share, floor=self.window + self.sink + 1,
+                          cost=cost)
 
     def new_layer(self, info: LayerInfo):
         prompt = static_prompt(self, info)  # a static store: the budget for the declared prompt, now

@@ -125,8 +125,8 @@ class SnapKV(ProtectHeads, Policy):
         if self.compression_ratio is None:
             return None
         share = protected_share(info.shared, info.config)
-        return lambda S, cost: budget_for(self.compression_ratio, S, share, floor=self.window + self.sink + 1, cost=cost,
-                                      who=self.name)
+        return lambda S, cost: budget_for(self.name, self.compression_ratio, S, share,
+                                          floor=self.window + self.sink + 1, cost=cost)
 
     def new_layer(self, info: LayerInfo):
         prompt = static_prompt(self, info)  # a static store: the budget for the declared prompt, now

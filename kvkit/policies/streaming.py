@@ -73,8 +73,8 @@ class Streaming(Policy):
         cls = static_store(StreamingStore) if info.static else StreamingStore
         store = cls(info, self.budget, self.sink, self.tail)
         if self.compression_ratio is not None:
-            store.budget_at = lambda S, cost: budget_for(self.compression_ratio, S, floor=self.sink + 1, cost=cost,
-                                                          who=self.name)
+            store.budget_at = lambda S, cost: budget_for(self.name, self.compression_ratio, S, floor=self.sink + 1,
+                                                         cost=cost)
         if prompt is not None:
             store.set_budget(store.budget_at(prompt, build_slot_cost(info, heads_sharing=info.num_kv_heads)))
         return store
