@@ -48,7 +48,8 @@ Rank: the paper uses 160 for Llama-3-8B (``Hkv*D = 1024``); ``rank=None`` keeps 
 the relative error of the rebuilt keys falls as the rank grows (``rank = Hkv*D`` is exact) and how fast
 depends on the model's key spectrum, so a small model may need a larger fraction than the paper's;
 one more rank holds ``S`` more U entries per layer and batch row and reads one more per selected token
-and KV head. ``outliers=None`` scales the paper's 48 chunks at budget 2048 with the budget.
+and KV head. Under ``compression_ratio`` (fixed bytes) the default rank is at most ``head_dim``, so a selected
+token's ``U`` row costs no more than its exact key and the bytes go to selecting more tokens (:meth:`ShadowKV.rank_at`). ``outliers=None`` scales the paper's 48 chunks at budget 2048 with the budget.
 
 Batches: rows share one stored length (left padding). Chunks are laid out from each row's first real
 token, so padding never enters a chunk, the SVD (padding rows are zero, which leaves the singular
@@ -111,7 +112,8 @@ class ShadowKV(Policy):
         SVD rank of the pre-RoPE keys (per model: higher = smaller key error, more bytes); None: the model's
         calibrated rank when it has one (``kvkit calibrate shadowkv``: smallest rank whose rebuilt keys stay
         within a relative error bound in every layer; shipped for the bundled models), else
-        ``round(160 / 1024 * Hkv*D)`` (paper: 160 at ``Hkv*D = 1024``).
+        ``round(160 / 1024 * Hkv*D)`` (paper: 160 at ``Hkv*D = 1024``); under ``compression_ratio`` at most
+        ``head_dim`` (:meth:`rank_at`).
     chunk_size : int
         Tokens per chunk / landmark; 8 in the paper.
     outliers : int or None
@@ -189,6 +191,18 @@ class ShadowKV(Policy):
             )
         return self.rank
 
+    def rank_at(self, config, width: int, head_dim: int) -> int:
+        """The rank a layer of keys ``width = Hkv*D`` wide uses: :meth:`rank_for` of the policy with its calibrated
+        options filled in, except that under ``compression_ratio`` with ``rank`` unset and ``calibrated=True`` it is
+        at most ``head_dim``. The ratio fixes the bytes a step reads, and each KV head reads a rank-long row of ``U``
+        per selected token: above ``head_dim`` that row costs more than the exact key it rebuilds, so the selection
+        budget shrinks (a model whose calibrated rank is 120 on 64-wide heads selects 496 of 4,160 tokens at
+        r = 0.5; capped at 64, 704). A given ``rank`` and the paper's preset (``calibrated=False``) are kept."""
+        rank = resolve(self, config).rank_for(width)
+        if self.rank is None and self.calibrated and self.compression_ratio is not None:
+            return min(rank, head_dim)
+        return rank
+
     def prompt_floor(self) -> int:
         """The prompt length a prompt must pass to be compressed: ``min_prompt``; when None, the paper's
         :data:`PAPER_MIN_PROMPT`, or 0 under ``compression_ratio`` (whose read fraction then holds from short prompts
@@ -207,7 +221,7 @@ class ShadowKV(Policy):
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
 
-        resolve(self, config).rank_for(kv * head_dim)
+        self.rank_at(config, kv * head_dim, head_dim)
         r, lm = self.compression_ratio, (2 if self.landmark == "minmax" else 1) / (2 * self.chunk_size)
         if r is not None and r >= 1 - lm:
             raise unreachable("shadowkv", r, 0.0, 1 - lm, f"a decode step reads every chunk's landmark, {lm:.4f} of "
@@ -219,7 +233,7 @@ class ShadowKV(Policy):
 
     def new_layer(self, info: LayerInfo):
         prompt = static_prompt(self, info)
-        rank = resolve(self, info.config).rank_for(info.num_kv_heads * info.head_dim)
+        rank = self.rank_at(info.config, info.num_kv_heads * info.head_dim, info.head_dim)
         cls = static_store(ShadowKVStore) if info.static else ShadowKVStore
         store = cls(info, self, rank)
         if prompt is not None:  # a static store: the budget for the declared prompt (no padding), now; the

@@ -292,3 +292,42 @@ def test_fused_cpu_step_merge_matches_concat(c_kernel, monkeypatch):
                                    return_dict_in_generate=True, pad_token_id=0))
     kvkit.unpatch(model)
     torch.testing.assert_close(torch.stack(outs[0].logits, 1), torch.stack(outs[1].logits, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_under_a_compression_ratio_the_default_rank_costs_a_selected_token_no_more_than_its_exact_key(caldir):
+    """A calibrated rank wider than ``head_dim`` makes each selected token's ``U`` row cost more than the key it
+    rebuilds; at a fixed ratio the default rank is then ``head_dim`` and the saved bytes select more tokens. A
+    given rank, the paper's preset and a token budget keep their rank."""
+    import json
+
+    from kvkit import calibration
+    from kvkit.compat import cache_kw
+
+    model = tiny_model("llama")  # 2 KV heads x head_dim 16: keys 32 wide
+    data = {"format": calibration.FORMAT, "version": calibration.VERSION,
+            "model": calibration.identity(model.config, "tiny"),
+            "policies": {"shadowkv": {"options": {"rank": 24}, "command": "test", "date": "2026-12-06"}}}
+    (caldir / "tiny.json").write_text(json.dumps(data))
+
+    def rank(**kw):
+        return kvkit.KVCache(model, "shadowkv", **kw).layers[0].rank
+
+    assert rank() == 24  # token budget: the calibrated rank
+    assert rank(compression_ratio=0.5) == 16  # capped at head_dim
+    assert rank(compression_ratio=0.5, rank=24) == 24  # the user's rank is kept
+    assert rank(compression_ratio=0.5, calibrated=False) == 5  # the paper's round(160 / 1024 * 32)
+
+    # the same ratio over the same prompt: the capped rank selects more tokens and still reads 1 - r of full's bytes
+    ids = _ids(400)
+    budgets = {}
+    for kw in (dict(), dict(rank=24)):
+        kvkit.patch(model, "shadowkv", compression_ratio=0.5, **kw)
+        _, _, cache = _run(model, ids, steps=2)
+        full = kvkit.KVCache(model, "full")
+        with torch.no_grad():
+            model(ids, **cache_kw(full))
+        store = _stores(cache)[0]
+        budgets[kw.get("rank", store.rank)] = store.budget
+        assert abs(cache.read_nbytes() / full.read_nbytes() - 0.5) < 0.05
+        kvkit.unpatch(model)
+    assert budgets[16] > budgets[24]
