@@ -3,6 +3,7 @@
 # (protect_heads shares) and the paper presets: the roots results/needles/defaults-{essay,squad,qwen}.
 #
 #   bash benchmarks/needles/defaults.sh essay|squad|qwen [extra kvkit eval needles arguments]
+#   bash benchmarks/needles/defaults.sh essay-bf16|squad-bf16|qwen-bf16   # full and zipcache with bf16 weights and K/V
 #
 # --resume: runs whose folder is complete are skipped, so the command adds what a root lacks and rewrites its
 # needles.md / needles.png over every run folder in it. 2 CPU cores, 1 thread per process: about 5 s per run and
@@ -14,7 +15,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-
 R=compression_ratio
 P=(--policy full)
 add() { for spec in "$@"; do P+=(--policy "$spec"); done; }
-which=${1:?usage: defaults.sh essay|squad|qwen}; shift
+which=${1:?usage: defaults.sh essay|squad|qwen|essay-bf16|squad-bf16|qwen-bf16}; shift
 case "$which" in
   essay|squad)
     for p in snapkv cake chelsea; do
@@ -25,11 +26,15 @@ case "$which" in
     add "kvzip:$R=0.5" "kvzip:$R=0.75" "tidal:$R=0.5" "tidal:$R=0.5,preset=paper" "tidal:$R=0.75,preset=paper" \
         "duo:$R=0.5" "duo:$R=0.75" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
         "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
+    # shadowkv's rank at r = 0.5: the calibrated 120 (the default before it was capped at head_dim = 64) beside it
+    add "shadowkv:$R=0.5,rank=120"
     if [ "$which" = essay ]; then
+      add "shadowkv:$R=0.5,landmark=minmax"
       ARGS=(--out results/needles/defaults-essay --lengths 4096 --samples 33)
     else
       for p in snapkv cake chelsea; do add "$p:$R=0.75,protect_heads=0" "$p:$R=0.75,protect_heads=0.05"; done
-      add "shadowkv:$R=0.5,landmark=minmax" "shadowkv:$R=0.75,landmark=minmax"
+      add "shadowkv:$R=0.5,landmark=minmax" "shadowkv:$R=0.75,landmark=minmax" "shadowkv:$R=0.5,rank=48" \
+          "shadowkv:$R=0.5,rank=96"
       ARGS=(--out results/needles/defaults-squad --haystack squad --seed 7919 --formats digits,uuid --lengths 4096
             --samples 16)
     fi ;;
@@ -42,6 +47,17 @@ case "$which" in
     add "duo:$R=0.5" "duo:$R=0.75" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
         "tidal:$R=0.5" "tidal:$R=0.5,preset=paper" "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
     ARGS=(--model qwen-0.5b --out results/needles/defaults-qwen --lengths 2048 --formats digits,uuid --samples 16) ;;
-  *) echo "defaults.sh: unknown root '$which' (essay, squad or qwen)" >&2; exit 2 ;;
+  essay-bf16|squad-bf16|qwen-bf16)
+    # zipcache's bit widths on 16-bit K/V: r = 0.5 is reachable there (8-bit codes), and 0.75 means 4-bit ones
+    add "zipcache:$R=0.5" "zipcache:$R=0.75"
+    case "$which" in
+      essay-bf16) ARGS=(--out results/needles/defaults-essay-bf16 --lengths 4096 --samples 33) ;;
+      squad-bf16) ARGS=(--out results/needles/defaults-squad-bf16 --haystack squad --seed 7919 --formats digits,uuid
+                        --lengths 4096 --samples 16) ;;
+      qwen-bf16) ARGS=(--model qwen-0.5b --out results/needles/defaults-qwen-bf16 --lengths 2048 --formats digits,uuid
+                       --samples 16) ;;
+    esac
+    ARGS+=(--dtype bfloat16) ;;
+  *) echo "defaults.sh: unknown root '$which' (essay, squad, qwen, or one of them with -bf16)" >&2; exit 2 ;;
 esac
 exec "$KVKIT" eval needles "${ARGS[@]}" --resume "${P[@]}" "$@"
