@@ -28,6 +28,7 @@ import warnings
 import torch
 
 import kvkit
+from kvkit.compat import cache_kw
 from kvkit.evals.haystack import essay_words
 from kvkit.models import load_default
 from kvkit.options import parse_options
@@ -46,8 +47,8 @@ def measure(model, policy: str, ids: torch.Tensor, **options) -> tuple[int, int]
     """``(read bytes of one decode step, bytes held)`` of a fresh cache after the prompt and one greedy token."""
     with kvkit.patched(model, policy, **options):
         cache = kvkit.KVCache(model)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
+        model(input_ids=out.logits[:, -1:].argmax(-1), **cache_kw(cache), use_cache=True)
         return int(cache.read_nbytes()), int(cache.nbytes())
 
 

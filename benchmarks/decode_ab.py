@@ -29,6 +29,7 @@ import torch
 
 import kvkit
 import kvkit.models
+from kvkit.compat import cache_kw
 from kvkit.evals.shared_prefill import record_prefill, replay_prefill
 
 
@@ -101,7 +102,7 @@ def main():
         full_cache = kvkit.KVCache(model, "full")
         with torch.no_grad():
             for i in range(0, a.length, 512):
-                out = model(ids[:, i:i + 512], past_key_values=full_cache, use_cache=True, logits_to_keep=1)
+                out = model(ids[:, i:i + 512], **cache_kw(full_cache), use_cache=True, logits_to_keep=1)
         nxt0 = out.logits[:, -1].argmax(-1, keepdim=True)
         print(f"chunked full prefill {a.batch}x{a.length} in {time.perf_counter() - t0:.0f}s", flush=True)
         for label, name, opts in specs:
@@ -118,7 +119,7 @@ def main():
                     st.committed = st.seen
             runs[label] = dict(cache=cache, nxt=nxt0, attrs={}, t=[])
             with torch.no_grad():  # first decode step now: shadowkv compresses here, its exact copy goes
-                o = model(nxt0, past_key_values=cache, use_cache=True)
+                o = model(nxt0, **cache_kw(cache), use_cache=True)
             runs[label]["nxt"] = o.logits[:, -1].argmax(-1, keepdim=True)
             print(f"filled {label} ({name} {opts})", flush=True)
     kvkit.patch(model, "full")
@@ -136,7 +137,7 @@ def main():
         try:
             with torch.no_grad():
                 t0 = time.perf_counter()
-                out = model(r["nxt"], past_key_values=r["cache"], use_cache=True)
+                out = model(r["nxt"], **cache_kw(r["cache"]), use_cache=True)
                 dt = time.perf_counter() - t0
         finally:
             for layer in r["cache"].layers:

@@ -14,6 +14,7 @@ import sys
 import torch
 
 import kvkit
+from kvkit.compat import cache_kw
 from kvkit.demo import needle_prompt
 from kvkit.models import load_default
 
@@ -25,13 +26,13 @@ def run(model, tok, ids, policy, opts):
     kvkit.patch(model, policy, **opts)
     try:
         cache = kvkit.KVCache(model)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
         nbytes = cache.nbytes()
         toks, nxt = [], out.logits[:, -1].argmax(-1, keepdim=True)
         first = out.logits[:, -1]
         for _ in range(STEPS):
             toks.append(int(nxt))
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            out = model(input_ids=nxt, **cache_kw(cache), use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         return nbytes, toks, first
     finally:
@@ -44,10 +45,10 @@ def forced(model, ids, policy, opts, ref_toks):
     kvkit.patch(model, policy, **opts)
     try:
         cache = kvkit.KVCache(model)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
         agree = [int(out.logits[0, -1].argmax()) == ref_toks[0]]
         for i in range(len(ref_toks) - 1):
-            out = model(input_ids=torch.tensor([[ref_toks[i]]]), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[ref_toks[i]]]), **cache_kw(cache), use_cache=True)
             agree.append(int(out.logits[0, -1].argmax()) == ref_toks[i + 1])
         return sum(agree) / len(agree)
     finally:

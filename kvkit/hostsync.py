@@ -9,7 +9,7 @@ device, so the rule "a decode step makes no host synchronisation" is checked in 
 Usage::
 
     with HostSyncCounter() as syncs:
-        model(next_token, past_key_values=cache, use_cache=True)
+        model(next_token, **cache_kw(cache), use_cache=True)  # kvkit.compat.cache_kw
     syncs.count, syncs.where()   # e.g. 0, Counter()
 
 Mechanism: a ``TorchDispatchMode`` sees every aten op (``_local_scalar_dense`` is what ``item`` / ``bool`` / ``int`` /

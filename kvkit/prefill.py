@@ -5,7 +5,7 @@ The first chunk gets exact attention; later chunks attend to what the policy kep
 its budget plus one chunk. Hand the returned cache to ``generate`` to continue::
 
     cache, logits = kvkit.prefill(model, ids[:, :-1], chunk_size=1024)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(ids, **cache_kw(cache), max_new_tokens=64)  # kvkit.compat.cache_kw
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvkit import models
+from kvkit.compat import cache_kw
 from kvkit.policies.duo import Duo
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -106,7 +107,7 @@ def main(argv=None) -> None:
         feeds = [("the question", rest)] + [(repr(tok.decode([a])), torch.tensor([[a]])) for a in answer[: args.steps]]
         CAPTURE["on"] = True
         for t, (fed, x) in enumerate(feeds):
-            past = model(x, past_key_values=past, use_cache=True).past_key_values
+            past = model(x, **cache_kw(past), use_cache=True).past_key_values
             lines = []
             dev = torch.stack([CAPTURE[i][1].view(H, G).amax(-1) for i in range(cfg.num_hidden_layers)])  # [L, H]
             if t == 0:

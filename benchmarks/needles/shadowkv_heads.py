@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvkit import models
+from kvkit.compat import cache_kw
 from kvkit.policies.shadowkv import ShadowKV
 from kvkit.policies.tidal import union_ranks
 from kvkit.stores.lowrank import bound_query, landmarks_and_outliers
@@ -117,10 +118,10 @@ def main(argv=None) -> None:
           f"chunk {args.chunk}, score {args.score}, group {args.group}")
     with torch.no_grad():
         past = model(ctx, use_cache=True).past_key_values
-        past = model(rest, past_key_values=past, use_cache=True).past_key_values
+        past = model(rest, **cache_kw(past), use_cache=True).past_key_values
         CAPTURE["on"] = True
         for t, a in enumerate(answer[: args.steps]):
-            past = model(torch.tensor([[a]]), past_key_values=past, use_cache=True).past_key_values
+            past = model(torch.tensor([[a]]), **cache_kw(past), use_cache=True).past_key_values
             worst = []
             total = 0.0
             for i in range(model.config.num_hidden_layers):

@@ -24,6 +24,7 @@ import torch
 
 from kvkit import models
 from kvkit.calibration import resolve
+from kvkit.compat import cache_kw
 from kvkit.evals import needles
 from kvkit.evals.generation import encode
 from kvkit.policies.tidal import Tidal, group_score, union_ranks
@@ -67,7 +68,7 @@ def main(argv=None) -> None:
     with torch.no_grad():
         past = model(encode(tok, s["prompt"]), use_cache=True).past_key_values
         for t, a in enumerate(answer[: args.steps]):
-            o = model(torch.tensor([[a]]), past_key_values=past, use_cache=True, output_attentions=True)
+            o = model(torch.tensor([[a]]), **cache_kw(past), use_cache=True, output_attentions=True)
             past = o.past_key_values
             att = [x[0, :, 0].float() for x in o.attentions]  # per layer [Hq, n]
             n = att[0].shape[-1]

@@ -13,6 +13,7 @@ import time
 import torch
 
 import kvkit
+from kvkit.compat import cache_kw
 from kvkit.demo import needle_prompt
 from kvkit.model_info import inverse_rope
 from kvkit.models import load_default
@@ -41,7 +42,7 @@ def restore(cache, snap, rank=None, budget=None, outliers=None):
 def decode(model, cache, first_tok, steps):
     tok, toks, logits = first_tok, [], []
     for _ in range(steps):
-        out = model(tok, past_key_values=cache, use_cache=True)
+        out = model(tok, **cache_kw(cache), use_cache=True)
         logits.append(out.logits[:, -1].float())
         tok = logits[-1].argmax(-1, keepdim=True)
         toks.append(tok)

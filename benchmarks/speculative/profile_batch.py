@@ -17,6 +17,7 @@ import time
 import torch
 
 import kvkit
+from kvkit.compat import cache_kw
 from kvkit.models import load
 from kvkit.speculative import batch_cache
 from kvkit.speculative.draft import DraftCache, make_view
@@ -52,14 +53,14 @@ def step(tokens: int, rows=None, draft=None) -> None:
     with torch.no_grad():
         if draft is not None:
             draft.begin_round()
-            logits(model, 1, input_ids=x, past_key_values=draft)
+            logits(model, 1, input_ids=x, **cache_kw(draft))
             return
         if rows is None:  # plain decode step: the model's own head, as plain decoding runs it
-            model(input_ids=x, past_key_values=cache, use_cache=True)
+            model(input_ids=x, **cache_kw(cache), use_cache=True)
         else:
             with cache.verification():
                 logits(model, tokens, input_ids=x, position_ids=rows.positions(tokens),
-                       attention_mask=rows.mask(tokens, windows), past_key_values=cache)
+                       attention_mask=rows.mask(tokens, windows), **cache_kw(cache))
     cache.rollback(tokens)
 
 

@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kvkit
 import kvkit.stores.full
+from kvkit.compat import cache_kw
 from kvkit.models import load
 from kvkit.speculative.draft import DraftCache, make_view
 from kvkit.speculative.forward import logits
@@ -48,9 +49,9 @@ def forward(c, tokens: int, fast: bool, hf: bool = False) -> None:
         with torch.no_grad():
             if fast:
                 with c.verification():
-                    logits(model, tokens, input_ids=x, past_key_values=c)
+                    logits(model, tokens, input_ids=x, **cache_kw(c))
             else:
-                model(input_ids=x, past_key_values=c, use_cache=True, logits_to_keep=tokens)
+                model(input_ids=x, **cache_kw(c), use_cache=True, logits_to_keep=tokens)
     finally:
         kvkit.stores.full.hf_sdpa = kvkit_sdpa
     for layer in c.layers:

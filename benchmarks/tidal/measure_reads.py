@@ -16,6 +16,7 @@ import time
 import torch
 
 import kvkit
+from kvkit.compat import cache_kw
 from kvkit.evals.bench import bench_prompt
 from kvkit.models import load
 from kvkit.policies.tidal import decode_read_bytes
@@ -24,13 +25,13 @@ from kvkit.policies.tidal import decode_read_bytes
 @torch.no_grad()
 def decode(model, ids, steps):
     cache = kvkit.KVCache(model)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     if ids.is_cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        nxt = model(input_ids=nxt, **cache_kw(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
     if ids.is_cuda:
         torch.cuda.synchronize()
     return cache, steps / (time.perf_counter() - t0)
