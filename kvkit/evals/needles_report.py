@@ -317,9 +317,11 @@ def figure_png(records: list[dict], title: str) -> bytes:
     return png_bytes(fig, 130)
 
 
-def report_title(model: str, length: int, protocol: str, haystack: str) -> str:
-    """The report's title and the figure's: ``Fresh needles: default, 4096 tokens of essay, question-agnostic``."""
-    return f"Fresh needles: {model}, {length} tokens of {haystack}, question-{protocol}"
+def report_title(model: str, length: int, protocol: str, haystack: str, dtype: str = "float32") -> str:
+    """The report's title and the figure's: ``Fresh needles: default, 4096 tokens of essay, question-agnostic``;
+    a model run in another dtype than fp32 says so (``Fresh needles: default (bfloat16), ...``)."""
+    which = model if dtype == "float32" else f"{model} ({dtype})"
+    return f"Fresh needles: {which}, {length} tokens of {haystack}, question-{protocol}"
 
 
 def write_report(root: Path, folders: list[Path], title: str) -> str:
@@ -327,7 +329,9 @@ def write_report(root: Path, folders: list[Path], title: str) -> str:
     runs = load_runs(folders)
     header, rows, records = table(runs)
     cfg = runs[0][1]
-    md = (f"# {title}\n\nModel {cfg.get('model')}; protocol {cfg.get('protocol')}; lengths {cfg.get('lengths')}; "
+    dtype = cfg.get("dtype", "float32")
+    model = cfg.get("model") if dtype == "float32" else f"{cfg.get('model')} ({dtype})"
+    md = (f"# {title}\n\nModel {model}; protocol {cfg.get('protocol')}; lengths {cfg.get('lengths')}; "
           f"formats {cfg.get('formats')}; haystack {cfg.get('haystack')}; seed {cfg.get('seed')} (calibrations: "
           "seeds 0-99 of kvkit.calibrate.needles, other needles and text). `x full`: accuracy / full's on the same "
           "samples; `kept`: accuracy on the samples full answers; `reads x full`: bytes a decode step reads at the "

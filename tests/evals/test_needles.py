@@ -180,6 +180,26 @@ def test_needle_table_flags_a_run_that_did_not_compress(tmp_path):
         (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
     md = write_report(tmp_path, [tmp_path / n for n in ("full", "sk", "td")], "t")
     assert "**Did not compress**: sk held and read all of full's KV" in md and "td" not in md.split("compress**")[1]
+    assert md.startswith("# t\n\nModel m; protocol")  # fp32 (no dtype recorded): the model's name alone
+
+
+def test_a_root_run_in_another_dtype_says_so_in_its_title_and_table(tmp_path):
+    """A root whose model ran in bf16 names the dtype in the figure's and the table's title and in the table's
+    first line, so its numbers are not read as the fp32 roots' beside it."""
+    from kvkit.evals.needles_report import report_title
+
+    assert report_title("default", 4096, "agnostic", "essay") == (
+        "Fresh needles: default, 4096 tokens of essay, question-agnostic")
+    title = report_title("default", 4096, "agnostic", "essay", "bfloat16")
+    assert title == "Fresh needles: default (bfloat16), 4096 tokens of essay, question-agnostic"
+    for name, policy in (("full", "full"), ("zc", "zipcache")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(policy=policy, options={}, model="m", protocol="agnostic",
+                                                       dtype="bfloat16")))
+        (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows([1, 2], [1, 1], [100, 50])))
+    md = write_report(tmp_path, [tmp_path / "full", tmp_path / "zc"], title)
+    assert md.startswith(f"# {title}\n\nModel m (bfloat16); protocol")
 
 
 def test_figure_labels_share_a_point_and_never_overlap():

@@ -87,7 +87,7 @@ def cmd_needles(args) -> int:
     # the table covers every needle run folder under --out (earlier invocations' runs too)
     folders = sorted(d for d in root.iterdir() if (d / "config.json").is_file()
                      and json.loads((d / "config.json").read_text()).get("benchmark") == "needles")
-    md = write_report(root, folders, report_title(args.model, max(lengths), args.protocol, args.haystack))
+    md = write_report(root, folders, report_title(args.model, max(lengths), args.protocol, args.haystack, args.dtype))
     write_root_summary(root, folders)
     print(md)
     return 0
