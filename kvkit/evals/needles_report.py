@@ -317,11 +317,15 @@ def figure_png(records: list[dict], title: str) -> bytes:
     return png_bytes(fig, 130)
 
 
+def model_label(model, dtype: str = "float32") -> str:
+    """The model as a report names it: its name, with the dtype when it ran in another than fp32."""
+    return f"{model}" if dtype == "float32" else f"{model} ({dtype})"
+
+
 def report_title(model: str, length: int, protocol: str, haystack: str, dtype: str = "float32") -> str:
     """The report's title and the figure's: ``Fresh needles: default, 4096 tokens of essay, question-agnostic``;
     a model run in another dtype than fp32 says so (``Fresh needles: default (bfloat16), ...``)."""
-    which = model if dtype == "float32" else f"{model} ({dtype})"
-    return f"Fresh needles: {which}, {length} tokens of {haystack}, question-{protocol}"
+    return f"Fresh needles: {model_label(model, dtype)}, {length} tokens of {haystack}, question-{protocol}"
 
 
 def write_report(root: Path, folders: list[Path], title: str) -> str:
@@ -329,9 +333,7 @@ def write_report(root: Path, folders: list[Path], title: str) -> str:
     runs = load_runs(folders)
     header, rows, records = table(runs)
     cfg = runs[0][1]
-    dtype = cfg.get("dtype", "float32")
-    model = cfg.get("model") if dtype == "float32" else f"{cfg.get('model')} ({dtype})"
-    md = (f"# {title}\n\nModel {model}; protocol {cfg.get('protocol')}; lengths {cfg.get('lengths')}; "
+    md = (f"# {title}\n\nModel {model_label(cfg.get('model'), cfg.get('dtype', 'float32'))}; protocol {cfg.get('protocol')}; lengths {cfg.get('lengths')}; "
           f"formats {cfg.get('formats')}; haystack {cfg.get('haystack')}; seed {cfg.get('seed')} (calibrations: "
           "seeds 0-99 of kvkit.calibrate.needles, other needles and text). `x full`: accuracy / full's on the same "
           "samples; `kept`: accuracy on the samples full answers; `reads x full`: bytes a decode step reads at the "

@@ -49,7 +49,8 @@ the relative error of the rebuilt keys falls as the rank grows (``rank = Hkv*D``
 depends on the model's key spectrum, so a small model may need a larger fraction than the paper's;
 one more rank holds ``S`` more U entries per layer and batch row and reads one more per selected token
 and KV head. Under ``compression_ratio`` (fixed bytes) the default rank is at most ``head_dim``, so a selected
-token's ``U`` row costs no more than its exact key and the bytes go to selecting more tokens (:meth:`ShadowKV.rank_at`). ``outliers=None`` scales the paper's 48 chunks at budget 2048 with the budget.
+token's ``U`` row costs no more than its exact key and the bytes go to selecting more tokens
+(:meth:`ShadowKV.rank_at`). ``outliers=None`` scales the paper's 48 chunks at budget 2048 with the budget.
 
 Batches: rows share one stored length (left padding). Chunks are laid out from each row's first real
 token, so padding never enters a chunk, the SVD (padding rows are zero, which leaves the singular
