@@ -8,7 +8,13 @@ short by a crash is dropped on ``--resume`` and ``--resume`` skips finished samp
 (the last row of an id wins: :func:`kvkit.evals.files.read_rows`). On ``--resume`` every row-changing setting of the config must equal the
 folder's (:func:`config_diff`: all keys but where it ran, which subset of the samples, the command line and the
 kvkit version), and a finished row whose sample content changed (:func:`sample_digest`: prompt, split, generation
-length, references, metric) is refused. :class:`RunLock`: a ``flock`` on ``<folder>/.lock`` for the whole run,
+length, references, metric) is refused.
+
+Provenance: every row carries the ``commit`` that wrote it. A resumed folder keeps the ``command`` and
+``kvkit_version`` of the run that made it in ``config.json``; a resume that adds rows appends its own (``resumed``:
+command, commit, kvkit version), and one that adds none leaves them as they were. :meth:`RunDir.provenance` gives a
+summary the commit of its rows, so a summary rewritten by a resume still names the commit that made its samples.
+:class:`RunLock`: a ``flock`` on ``<folder>/.lock`` for the whole run,
 shared by writers of the same settings that pass ``--resume``, refused (naming the holder's process) otherwise.
 """
 
@@ -23,6 +29,7 @@ from pathlib import Path
 
 from kvkit.cli_grammar import check_out_folder
 from kvkit.evals.files import atomic_write_json, atomic_write_jsonl, read_rows
+from kvkit.evals.report import commit as current_commit
 
 #: config keys that do not change a row: where it ran (device), which subset of the samples this process runs
 #: (samples, tasks), the command line and the kvkit version. Every other key (model, dtype, seed, policy, options,
@@ -31,6 +38,9 @@ from kvkit.evals.files import atomic_write_json, atomic_write_jsonl, read_rows
 _FREE_KEYS = {"device", "samples", "command", "tasks", "kvkit_version", "resume"}
 #: keys an older run folder may lack: a folder without one still resumes (nothing to compare it with)
 _RECORDED_LATER = {"calibration", "option_files"}
+#: config keys that say who made a folder's rows: a resume keeps the folder's (and records its own under
+#: ``resumed`` once it adds a row)
+_MAKER_KEYS = ("command", "kvkit_version", "resumed")
 
 
 def config_diff(old: dict, new: dict) -> dict:
@@ -164,8 +174,8 @@ def _held_message(folder: Path, info: dict, diff: dict | None, join: bool) -> st
 
 @dataclass
 class RunDir:
-    """An ``--out`` folder: ``config.json`` first, then ``samples.jsonl`` rewritten atomically after
-    every sample, so a crash leaves only whole files and ``--resume`` skips finished samples.
+    """An ``--out`` folder: ``config.json`` first, then one line appended to ``samples.jsonl`` per finished sample
+    (:meth:`add`), so a crash loses at most the sample under way and ``--resume`` skips finished samples.
 
     The folder is locked (:class:`RunLock`) from here until :meth:`close` (``with RunDir(...) as run:``), so a
     second run cannot write into it meanwhile; on ``--resume`` every row-changing setting of ``config`` must
@@ -182,6 +192,8 @@ class RunDir:
         check_out_folder(self.path)
         self._lock = None
         self._pos = 0  # bytes of samples.jsonl this run has read or written
+        self._unstamped_commit = None  # rows written before rows named their commit: their folder summary's
+        self._maker = None  # this run's own command / commit / version, recorded under "resumed" at its first row
         self._lock = RunLock(self.path, self.config, join=self.resume)
         try:
             self._open()
@@ -204,6 +216,15 @@ class RunDir:
                 if sum(1 for line in samples.open(encoding="utf-8") if line.strip()) != len(self.rows):
                     atomic_write_jsonl(samples, self.rows)  # a repeated id kept once on disk too (once per resume)
                 self._pos = samples.stat().st_size
+            if self.rows:  # the rows are another run's: config.json keeps its maker, this one is added if it writes
+                self._maker = {k: self.config.get(k) for k in ("command", "kvkit_version")}
+                self.config = {**self.config, **{k: old[k] for k in _MAKER_KEYS if k in old}}
+                summary = self.path / "summary.json"
+                if summary.is_file():
+                    try:
+                        self._unstamped_commit = json.loads(summary.read_text(encoding="utf-8")).get("commit")
+                    except (ValueError, AttributeError):
+                        pass
         elif not self.resume and samples.exists():
             raise ValueError(f"{self.path} already holds results; pass --resume to continue it or choose another --out")
         atomic_write_json(cfg_path, self.config)
@@ -246,6 +267,13 @@ class RunDir:
         the work) are read from there and merged into :attr:`rows`, under the folder's lock; a row of an id already
         held replaces it (in :attr:`rows`, and for readers of the file, the last row of an id wins)."""
         samples = self.path / "samples.jsonl"
+        if "commit" not in row:
+            row = {**row, "commit": current_commit()}
+        if self._maker is not None:  # a resume's first row: config.json names this run beside the folder's maker
+            maker, self._maker = self._maker, None
+            entry = dict(command=maker["command"], commit=current_commit(), kvkit_version=maker["kvkit_version"])
+            self.config = {**self.config, "resumed": [*self.config.get("resumed", []), entry]}
+            atomic_write_json(self.path / "config.json", self.config)
         line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
         with _folder_lock(self.path):
             theirs = self._read_new(samples)
@@ -260,6 +288,20 @@ class RunDir:
                 self.rows = [x for x in self.rows if x["id"] != r["id"]]
             held.add(r["id"])
             self.rows.append(r)
+
+    def provenance(self, rows: list[dict] | None = None) -> dict:
+        """What a summary of ``rows`` (default: every row held) names as their maker: ``commit``, the commit that
+        wrote the last of them (the current one when there are none), and ``row_commits``, how many of them each
+        commit wrote (rows from before rows were stamped count under the commit their folder's summary.json named,
+        ``"unknown"`` when it named none)."""
+        ids = None if rows is None else {r["id"] for r in rows}
+        held = [r for r in self.rows if ids is None or r["id"] in ids]  # in the order they were written
+        counts: dict = {}
+        for r in held:
+            c = r.get("commit", self._unstamped_commit)
+            counts[c or "unknown"] = counts.get(c or "unknown", 0) + 1
+        last = held[-1].get("commit", self._unstamped_commit) if held else current_commit()
+        return {"commit": last, "row_commits": counts}
 
     def _read_new(self, samples: Path) -> list[dict]:
         """The whole rows other writers appended to ``samples`` after byte :attr:`_pos` (all rows again when the

@@ -95,7 +95,7 @@ def cmd_needles(args) -> int:
 
 def write_root_summary(root: Path, folders: list[Path]) -> None:
     """``root/summary.json``: schema, commit, model, protocol and one entry per needle run folder under ``root``
-    (folder, policy spec, compression ratio, KV bytes held and read, scores per needle format, accuracy), read from
+    (folder, the commit that made its rows, policy spec, compression ratio, KV bytes held and read, scores per needle format, accuracy), read from
     each folder's own summary.json (``kvkit eval compare ROOT`` expands to those folders)."""
     from kvkit.evals.report import SCHEMA, commit
 
@@ -106,7 +106,7 @@ def write_root_summary(root: Path, folders: list[Path]) -> None:
             continue
         s = json.loads(f.read_text(encoding="utf-8"))
         cfg = cfg or s
-        entries.append(dict(folder=d.name, policy=s.get("policy"), policy_spec=s.get("policy_spec"),
+        entries.append(dict(folder=d.name, commit=s.get("commit"), policy=s.get("policy"), policy_spec=s.get("policy_spec"),
                             options=s.get("options"), compression_ratio=s.get("compression_ratio"),
                             mean_kv_bytes=s.get("mean_kv_bytes"), mean_kv_read=s.get("mean_kv_read"),
                             scores=s.get("scores"), average=s.get("average"), samples_scored=s.get("samples_scored")))

@@ -61,7 +61,7 @@ def _niah_run(args, run, model, tok, samples, policy, options, lengths, depths) 
     cells = [v for line in grid for v in line if v is not None]
     per_len = {str(L): round(sum(r["score"] for r in rows if r["target_length"] == L) * 100 /
                              max(1, sum(r["target_length"] == L for r in rows)), 2) for L in lengths}
-    summary = runs.summary(run.config, rows, dict(scores=per_len, average=round(sum(cells) / len(cells), 2)
+    summary = runs.summary(run, rows, dict(scores=per_len, average=round(sum(cells) / len(cells), 2)
                                                   if cells else None, grid=grid))
     header = ["depth", *[str(L) for L in lengths]]
     table = [[f"{d:g}%", *line] for d, line in zip(depths, grid)]

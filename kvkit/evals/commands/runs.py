@@ -166,15 +166,17 @@ def run_config(args, bench: str, policy: str, options: dict, model=None, **extra
     return cfg
 
 
-def summary(config: dict, rows: list[dict], scores: dict) -> dict:
-    """A run's summary.json (:func:`kvkit.evals.report.write_summary` adds ``schema`` and ``commit``): its config,
-    ``scores`` per task and ``average``, the setting as ``--policy`` writes it, ``compression_ratio`` when given, and
+def summary(run, rows: list[dict], scores: dict) -> dict:
+    """A run's summary.json (:func:`kvkit.evals.report.write_summary` adds ``schema``): the config of ``run`` (a
+    :class:`~kvkit.evals.rundir.RunDir`), the commit that made its rows and how many rows each commit made
+    (:meth:`~kvkit.evals.rundir.RunDir.provenance`), ``scores`` per task and ``average``, the setting as ``--policy`` writes it, ``compression_ratio`` when given, and
     per sample means of prompt tokens, KV bytes held at the end, KV bytes read per decode step (rows that record
     it) and seconds."""
     n = len(rows)
+    config = run.config
     reads = [r["kv_read"] for r in rows if r.get("kv_read") is not None]
     options = config.get("options") or {}
-    return dict(config, **scores, samples_scored=n,
+    return dict(config, **run.provenance(rows), **scores, samples_scored=n,
                 policy_spec=str(PolicySpec(str(config.get("policy")), dict(options))),
                 compression_ratio=options.get("compression_ratio"),
                 mean_prompt_tokens=round(sum(r["prompt_tokens"] for r in rows) / n, 1) if n else None,
@@ -188,7 +190,7 @@ def task_summary(run, rows, names, title: str) -> None:
     scores = task_scores(rows, names)
     table = [[t, scores["scores"].get(t), sum(r["task"] == t for r in rows)] for t in names]
     table.append(["average", scores["average"], len(rows)])
-    write_summary(run.path, summary(run.config, rows, scores), ["task", "score", "samples"], table, title=title)
+    write_summary(run.path, summary(run, rows, scores), ["task", "score", "samples"], table, title=title)
 
 
 def split_run(spec: str) -> tuple[str, PolicySpec]:
