@@ -188,5 +188,24 @@ def decode_step_syncs(model, lengths, steps: int = 12, seed: int = 4) -> list:
     return rows
 
 
+def calibration_file(path, config, policies: dict, name: str = "tiny", raw: str | None = None):
+    """Write a calibration file for the model of ``config`` at ``path`` exactly as given, unchecked (tests write
+    hostile ones): kvkit's format and version, the model's identity under ``name``, ``policies`` as
+    ``{policy: {"options": {...}, ...}}``. ``raw``, when given, replaces the JSON string ``"@RAW@"`` in the text
+    (values JSON cannot carry, such as ``NaN`` or a huge exponent). The calibration store's cache is cleared, so the
+    next patch reads it. Returns ``path``."""
+    import json
+    from pathlib import Path
+
+    from kvkit import calibration
+
+    data = {"format": calibration.FORMAT, "version": calibration.VERSION,
+            "model": calibration.identity(config, name), "policies": policies}
+    text = json.dumps(data)
+    Path(path).write_text(text if raw is None else text.replace('"@RAW@"', raw))
+    calibration._CACHE.clear()
+    return path
+
+
 class ModelLoaded(Exception):
     """Raised instead of loading a model (the ``no_model_load`` test fixture): an input check must come first."""

@@ -9,7 +9,7 @@ import torch
 
 import kvkit
 from kvkit import calibration as store
-from kvkit.testing import greedy, tiny_model
+from kvkit.testing import calibration_file, greedy, tiny_model
 
 
 class WordTokenizer:
@@ -21,13 +21,6 @@ class WordTokenizer:
         return [2 + sum(map(ord, w)) % 126 for w in text.split()] or [2]
 
 
-def _write(path, model, policies):
-    data = {"format": store.FORMAT, "version": store.VERSION, "model": store.identity(model.config, "tiny"),
-            "policies": policies}
-    path.write_text(json.dumps(data))
-    return path
-
-
 def _section(**options):
     return {"options": options, "command": "test", "date": "2026-11-23"}
 
@@ -35,7 +28,7 @@ def _section(**options):
 def _refused(caldir, model, policy, options, cases):
     """Each (section options, message) written as ``policy``'s calibration is refused when the model is patched."""
     for bad, why in cases:
-        _write(caldir / "tiny.json", model, {policy: _section(**bad)})
+        calibration_file(caldir / "tiny.json", model.config, {policy: _section(**bad)})
         store._CACHE.clear()
         with pytest.raises(store.CalibrationError, match=why):
             kvkit.patch(model, policy, **options)
@@ -66,7 +59,7 @@ def test_identity_and_shipped_default_model_file():
 
 def test_calibrated_settings_found_from_config(caldir):
     model = tiny_model("llama", num_hidden_layers=6)
-    _write(caldir / "tiny.json", model, {"tidal": _section(select_layers=[1, 4]), "shadowkv": _section(rank=24),
+    calibration_file(caldir / "tiny.json", model.config, {"tidal": _section(select_layers=[1, 4]), "shadowkv": _section(rank=24),
                                           "zipcache": _section(key_bits=8, high_bits=8, low_bits=4, high_ratio=0.5)})
     cfg = model.config
     pol = kvkit.registry.policy_class("tidal")(budget=8)
@@ -100,26 +93,26 @@ def test_calibrated_cake_taus_found_from_config(caldir):
     from kvkit.policies.cake import CakeStore
 
     model = tiny_model("llama", num_hidden_layers=4)
-    _write(caldir / "tiny.json", model, {"cake": _section(tau1=2.0, tau2=0.5)})
+    calibration_file(caldir / "tiny.json", model.config, {"cake": _section(tau1=2.0, tau2=0.5)})
     cake = kvkit.registry.policy_class("cake")
     assert store.resolve(cake(budget=16, window=4), model.config).taus(model.config) == (2.0, 0.5)
     assert store.resolve(cake(budget=16, window=4, calibrated=False), model.config).taus(model.config) == (1.0, 1.0)
     assert store.resolve(cake(budget=16, window=4, tau1=3.0), model.config).taus(model.config) == (3.0, 1.0)
-    _write(caldir / "tiny.json", model, {"cake": _section(tau1=2.0, tau2=0.5, pool_kernel=9)})
+    calibration_file(caldir / "tiny.json", model.config, {"cake": _section(tau1=2.0, tau2=0.5, pool_kernel=9)})
     store._CACHE.clear()
     kvkit.patch(model, "cake", budget=16, window=4)
     assert {st.kernel for st in kvkit.KVCache(model).layers if isinstance(st, CakeStore)} == {9}
     kvkit.patch(model, "cake", budget=16, window=4, calibrated=False)
     assert {st.kernel for st in kvkit.KVCache(model).layers if isinstance(st, CakeStore)} == {5}
     kvkit.unpatch(model)
-    _write(caldir / "tiny.json", model, {"cake": _section(tau1=2.0, tau2=0.5)})
+    calibration_file(caldir / "tiny.json", model.config, {"cake": _section(tau1=2.0, tau2=0.5)})
     store._CACHE.clear()
     kvkit.patch(model, "cake", budget=16, window=4)
     stores = [layer for layer in kvkit.KVCache(model).layers if isinstance(layer, CakeStore)]
     assert stores and {(st.tau1, st.tau2) for st in stores} == {(2.0, 0.5)}
     greedy(model, _ids(40), 3)
     kvkit.unpatch(model)
-    _write(caldir / "tiny.json", model, {"cake": _section(tau1=-1.0, tau2=0.5)})
+    calibration_file(caldir / "tiny.json", model.config, {"cake": _section(tau1=-1.0, tau2=0.5)})
     store._CACHE.clear()
     with pytest.raises(ValueError, match="tau1"):
         kvkit.patch(model, "cake", budget=16, window=4)
@@ -176,7 +169,7 @@ def test_calibrated_snapkv_pooling_found_from_config(caldir):
     from kvkit.policies.snapkv import SnapKVStore
 
     model = tiny_model("llama", num_hidden_layers=4)
-    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="max")})
+    calibration_file(caldir / "tiny.json", model.config, {"snapkv": _section(kernel=9, pooling="max")})
     snap = kvkit.registry.policy_class("snapkv")
     cfg = model.config
     assert snap(budget=16, window=4).settings(cfg) == (9, "max", "centered")
@@ -188,7 +181,7 @@ def test_calibrated_snapkv_pooling_found_from_config(caldir):
     greedy(model, _ids(40), 3)
     kvkit.unpatch(model)
     # a calibrated trailing window (kvkit's) reaches the stores; the user's pool_window alone disables the file
-    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=31, pooling="avg", pool_window="trailing")})
+    calibration_file(caldir / "tiny.json", model.config, {"snapkv": _section(kernel=31, pooling="avg", pool_window="trailing")})
     store._CACHE.clear()
     assert snap(budget=16, window=4).settings(cfg) == (31, "avg", "trailing")
     assert snap(budget=16, window=4, pool_window="centered").settings(cfg) == (5, "avg", "centered")
@@ -251,7 +244,7 @@ def test_calibrated_chelsea_protection_found_from_config(caldir):
     from kvkit.policies.chelsea import ChelseaStore
 
     model = tiny_model("llama", num_hidden_layers=4)
-    _write(caldir / "tiny.json", model, {"chelsea": _section(chunk_size=16, protect_kernel=5, protect_pooling="avg",
+    calibration_file(caldir / "tiny.json", model.config, {"chelsea": _section(chunk_size=16, protect_kernel=5, protect_pooling="avg",
                                                               protect_window="trailing")})
     chel = kvkit.registry.policy_class("chelsea")
     cfg = model.config
@@ -291,7 +284,7 @@ def test_chelsea_protect_is_checked_against_the_calibrated_chunk(caldir):
     """protect < ratio is checked on the chunk in effect: 0.49 fits a calibrated 128-token chunk (63 of its 64 kept
     slots), not the 64-token fallback (32 of 32), so it is refused only where the fallback applies (at patch time)."""
     model = tiny_model("llama", num_hidden_layers=4)
-    _write(caldir / "tiny.json", model, {"chelsea": _section(chunk_size=128, protect_kernel=5, protect_pooling="avg",
+    calibration_file(caldir / "tiny.json", model.config, {"chelsea": _section(chunk_size=128, protect_kernel=5, protect_pooling="avg",
                                                               protect_window="trailing")})
     chel = kvkit.registry.policy_class("chelsea")
     p = chel(ratio=0.5, protect=0.49)  # the chunk is not known yet: not refused
@@ -348,11 +341,11 @@ def test_malformed_calibration_file_refused(caldir, content, why):
     if content is not None:
         path.write_text(content)
     elif "may set only" in why:
-        _write(path, model, {"tidal": _section(budget=16)})
+        calibration_file(path, model.config, {"tidal": _section(budget=16)})
     elif "refused by the policy" in why:
-        _write(path, model, {"tidal": _section(select_layers=[4, 2])})
+        calibration_file(path, model.config, {"tidal": _section(select_layers=[4, 2])})
     else:
-        _write(path, model, {"shadowkv": {"options": {}}})
+        calibration_file(path, model.config, {"shadowkv": {"options": {}}})
     with pytest.raises(ValueError, match="calibration file .*bad.json.* is malformed") as e:
         kvkit.patch(model, "tidal" if "shadowkv" not in why else "shadowkv", budget=8)
     assert why in str(e.value)
@@ -361,7 +354,7 @@ def test_malformed_calibration_file_refused(caldir, content, why):
 
 def test_calibrated_layers_beyond_the_model_are_refused(caldir):
     model = tiny_model("llama", num_hidden_layers=6)
-    _write(caldir / "tiny.json", model, {"tidal": _section(select_layers=[2, 9])})
+    calibration_file(caldir / "tiny.json", model.config, {"tidal": _section(select_layers=[2, 9])})
     with pytest.raises(ValueError, match="select_layers must be < 6"):
         kvkit.patch(model, "tidal", budget=8)
     kvkit.unpatch(model)
@@ -598,7 +591,7 @@ def test_run_config_records_the_calibration_and_resume_refuses_another(caldir, t
     from kvkit.evals.settings import calibration_used
 
     model = tiny_model("llama", num_hidden_layers=4)
-    _write(caldir / "tiny.json", model, {"snapkv": _section(kernel=9, pooling="max")})
+    calibration_file(caldir / "tiny.json", model.config, {"snapkv": _section(kernel=9, pooling="max")})
     used = calibration_used(model, "snapkv", {"budget": 16, "window": 4})
     assert used == {"options": {"kernel": 9, "pooling": "max"}, "file": "tiny.json"}
     assert calibration_used(model, "snapkv", {"budget": 16, "window": 4, "calibrated": False}) is None
@@ -677,7 +670,7 @@ def test_calibrate_tidal_shares_on_a_tiny_model(caldir):
     assert sh[:3] == [1.0] * 3 and sh[5] == 1.0 and sum(sh[i] for i in (3, 4, 6, 7)) / 4 == pytest.approx(1.0, abs=1e-2)
     assert ev["layout"] == "given (not swept)" and min(ev["shares"]["captured_shared"].values()) >= min(
         ev["shares"]["captured_uniform"].values()) - 1e-9
-    _write(caldir / "tiny.json", model, {"tidal": _section(**opts)})
+    calibration_file(caldir / "tiny.json", model.config, {"tidal": _section(**opts)})
     pol = store.resolve(kvkit.registry.policy_class("tidal")(budget=8), model.config)
     assert pol.select_layers == (2, 5) and pol.layer_shares == tuple(sh)
     # the shares belong to the calibrated layers: a user's own layout takes none of them
@@ -695,11 +688,11 @@ def test_calibrate_tidal_shares_on_a_tiny_model(caldir):
 
 def test_malformed_tidal_shares_refused(caldir):
     model = tiny_model("llama", num_hidden_layers=6)
-    _write(caldir / "bad.json", model, {"tidal": _section(select_layers=[2, 4], layer_shares=[1, 1, 1, -2, 1, 1])})
+    calibration_file(caldir / "bad.json", model.config, {"tidal": _section(select_layers=[2, 4], layer_shares=[1, 1, 1, -2, 1, 1])})
     with pytest.raises(ValueError, match="bad.json.* is malformed.*layer_shares must be a list of positive numbers"):
         kvkit.patch(model, "tidal", budget=8)
     kvkit.unpatch(model)
-    _write(caldir / "bad.json", model, {"tidal": _section(select_layers=[2, 4], layer_shares=[1, 1, 1])})
+    calibration_file(caldir / "bad.json", model.config, {"tidal": _section(select_layers=[2, 4], layer_shares=[1, 1, 1])})
     with pytest.raises(ValueError, match="one share per model layer"):
         kvkit.patch(model, "tidal", budget=8)
     kvkit.unpatch(model)
@@ -793,7 +786,7 @@ def test_tidal_cli_with_given_layers_keeps_the_sweep_that_chose_them(caldir, mon
     monkeypatch.setattr(cal, "calibrate_tidal", lambda model, tok, **kw: (
         {"select_layers": list(kw["layout"]), "layer_shares": [1.0] * 6}, {"layout": "given (not swept)"}))
     path = caldir / "tiny.json"
-    _write(path, model, {"tidal": {**_section(select_layers=[2, 4]), "command": "kvkit calibrate tidal",
+    calibration_file(path, model.config, {"tidal": {**_section(select_layers=[2, 4]), "command": "kvkit calibrate tidal",
                                    "evidence": {"per_layout": {"2,4": {"answered": 3}}}}})
     store._CACHE.clear()
     assert cli.main_calibrate(["tidal", "--select-layers", "2,4", "--out", str(path)]) == 0

@@ -9,7 +9,7 @@ import torch
 
 import kvkit
 from kvkit import calibration
-from kvkit.testing import random_ids, tiny_model, tiny_options
+from kvkit.testing import calibration_file, random_ids, tiny_model, tiny_options
 from kvkit.vllm import config as vllm_config
 
 #: a Qwen2-7B pattern block over an alpha of the tiny llama's shape (3 layers x 2 KV heads)
@@ -83,10 +83,7 @@ def test_zipcache_float_bit_width_is_refused_by_name(option):
 
 def test_calibration_file_with_a_float_bit_width_is_refused_naming_the_file(caldir):
     model = tiny_model("llama")
-    path = caldir / "tiny.json"
-    path.write_text(json.dumps({"format": calibration.FORMAT, "version": calibration.VERSION,
-                                "model": calibration.identity(model.config, "tiny"),
-                                "policies": {"zipcache": {"options": {"high_bits": 4.0, "low_bits": 2}}}}))
+    calibration_file(caldir / "tiny.json", model.config, {"zipcache": {"options": {"high_bits": 4.0, "low_bits": 2}}})
     with pytest.raises(ValueError, match=r"tiny\.json.*high_bits must be .*got 4\.0 \(a float"):
         kvkit.patch(model, "zipcache")
 

@@ -17,7 +17,7 @@ from kvkit import calibration as store
 from kvkit import cli
 from kvkit.demo import run_policy
 from kvkit.kernels import cbuild
-from kvkit.testing import ModelLoaded, random_ids, tiny_model
+from kvkit.testing import ModelLoaded, calibration_file, random_ids, tiny_model
 
 
 def run(*argv):
@@ -149,7 +149,7 @@ def test_prompt_file_is_a_bounded_regular_file(no_model_load, capsys, tmp_path, 
 
 def test_calibration_file_is_read_bounded(caldir, monkeypatch):
     model = tiny_model("llama", num_hidden_layers=6)
-    path = _write_cal(caldir / "big.json", model, {"tidal": {"options": {"select_layers": [2, 4]}}})
+    path = calibration_file(caldir / "big.json", model.config, {"tidal": {"options": {"select_layers": [2, 4]}}})
     monkeypatch.setattr(store, "MAX_FILE_BYTES", 50)
     with pytest.raises(store.CalibrationError, match=rf"kvkit calibration file {path} is larger than the limit of 50"):
         kvkit.patch(model, "tidal", budget=16)
@@ -209,14 +209,6 @@ def test_cli_prints_no_speed_for_one_token(tmp_path, monkeypatch, capsys):
 # ------------------------------------------------------------------ 18. calibration errors name file and field
 
 
-def _write_cal(path, model, policies, raw: str | None = None):
-    data = {"format": store.FORMAT, "version": store.VERSION, "model": store.identity(model.config, "tiny"),
-            "policies": policies}
-    path.write_text(json.dumps(data) if raw is None else json.dumps(data).replace('"@RAW@"', raw))
-    store._CACHE.clear()
-    return path
-
-
 def test_huge_layer_shares_are_relative_weights_not_an_overflow():
     """[1e308] * n summed to inf and the budgets to NaN ('cannot convert float NaN to integer'): the shares are scaled
     by their largest first, so huge equal shares give the uniform budgets."""
@@ -234,7 +226,7 @@ def test_huge_layer_shares_are_relative_weights_not_an_overflow():
 @pytest.mark.parametrize("how", ["patch", "KVCache"])
 def test_layer_shares_that_do_not_fit_name_the_file_and_field(caldir, how):
     model = tiny_model("llama", num_hidden_layers=6)
-    path = _write_cal(caldir / "shares.json", model,
+    path = calibration_file(caldir / "shares.json", model.config,
                       {"tidal": {"options": {"layer_shares": [1.0] * 5}}})  # one share short of the 6 layers
     with pytest.raises(store.CalibrationError,
                        match=rf"calibration file '{path}' is malformed: policies\.tidal\.options\.layer_shares does "
@@ -248,7 +240,7 @@ def test_layer_shares_that_do_not_fit_name_the_file_and_field(caldir, how):
 
 def test_too_large_shadowkv_rank_names_the_file_and_field(caldir):
     model = tiny_model("llama")
-    path = _write_cal(caldir / "rank.json", model, {"shadowkv": {"options": {"rank": 4096}}})
+    path = calibration_file(caldir / "rank.json", model.config, {"shadowkv": {"options": {"rank": 4096}}})
     with pytest.raises(store.CalibrationError,
                        match=rf"'{path}' is malformed: policies\.shadowkv\.options\.rank does not fit this model.*"
                              r"rank=4096 is larger than the key width"):
@@ -258,7 +250,7 @@ def test_too_large_shadowkv_rank_names_the_file_and_field(caldir):
 
 def test_only_the_bad_field_is_named(caldir):
     model = tiny_model("llama", num_hidden_layers=6)
-    _write_cal(caldir / "two.json", model,
+    calibration_file(caldir / "two.json", model.config,
                {"tidal": {"options": {"select_layers": [2, 9], "layer_shares": [1, 1, 1, 1, 1, 1]}}})
     with pytest.raises(store.CalibrationError, match=r"options\.select_layers does not fit.*must be < 6") as e:
         kvkit.patch(model, "tidal", budget=16)
@@ -271,7 +263,7 @@ def test_only_the_bad_field_is_named(caldir):
                                       ("-Infinity", "-Infinity is not a number JSON allows")])
 def test_non_finite_numbers_are_refused_by_path(caldir, raw, want):
     model = tiny_model("llama", num_hidden_layers=6)
-    path = _write_cal(caldir / "inf.json", model,
+    path = calibration_file(caldir / "inf.json", model.config,
                       {"tidal": {"options": {"layer_shares": [1, 1, "@RAW@", 1, 1, 1]}}}, raw=raw)
     with pytest.raises(store.CalibrationError, match=rf"'{path}' is malformed: {want}"):
         kvkit.patch(model, "tidal", budget=16)
@@ -280,7 +272,7 @@ def test_non_finite_numbers_are_refused_by_path(caldir, raw, want):
 
 def test_a_policy_that_fails_on_its_own_does_not_blame_the_file(caldir):
     model = tiny_model("llama", num_hidden_layers=2)  # tidal needs more than 2 layers, calibrated or not
-    _write_cal(caldir / "ok.json", model, {"tidal": {"options": {"layer_shares": [1, 1]}}})
+    calibration_file(caldir / "ok.json", model.config, {"tidal": {"options": {"layer_shares": [1, 1]}}})
     with pytest.raises(ValueError, match="tidal needs more than 2 layers") as e:
         kvkit.patch(model, "tidal", budget=16)
     assert "calibration file" not in str(e.value)

@@ -6,7 +6,7 @@ import torch
 import kvkit
 from kvkit.model_info import apply_rope, inverse_rope
 from kvkit.policies.shadowkv import ShadowKVStore
-from kvkit.testing import greedy, left_padded_batch, tiny_model
+from kvkit.testing import calibration_file, greedy, left_padded_batch, tiny_model
 
 SMALL = dict(min_prompt=32, chunk_size=8)  # tiny prompts get compressed
 WIDTH = 2 * 16  # tiny models: 2 KV heads x head_dim 16
@@ -298,16 +298,11 @@ def test_under_a_compression_ratio_the_default_rank_costs_a_selected_token_no_mo
     """A calibrated rank wider than ``head_dim`` makes each selected token's ``U`` row cost more than the key it
     rebuilds; at a fixed ratio the default rank is then ``head_dim`` and the saved bytes select more tokens. A
     given rank, the paper's preset and a token budget keep their rank."""
-    import json
-
-    from kvkit import calibration
     from kvkit.compat import cache_kw
 
     model = tiny_model("llama")  # 2 KV heads x head_dim 16: keys 32 wide
-    data = {"format": calibration.FORMAT, "version": calibration.VERSION,
-            "model": calibration.identity(model.config, "tiny"),
-            "policies": {"shadowkv": {"options": {"rank": 24}, "command": "test", "date": "2026-12-06"}}}
-    (caldir / "tiny.json").write_text(json.dumps(data))
+    calibration_file(caldir / "tiny.json", model.config,
+                     {"shadowkv": {"options": {"rank": 24}, "command": "test", "date": "2026-12-06"}})
 
     def rank(**kw):
         return kvkit.KVCache(model, "shadowkv", **kw).layers[0].rank
