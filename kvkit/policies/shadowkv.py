@@ -197,8 +197,9 @@ class ShadowKV(Policy):
         options filled in, except that under ``compression_ratio`` with ``rank`` unset and ``calibrated=True`` it is
         at most ``head_dim``. The ratio fixes the bytes a step reads, and each KV head reads a rank-long row of ``U``
         per selected token: above ``head_dim`` that row costs more than the exact key it rebuilds, so the selection
-        budget shrinks (a model whose calibrated rank is 120 on 64-wide heads selects 496 of 4,160 tokens at
-        r = 0.5; capped at 64, 704). A given ``rank`` and the paper's preset (``calibrated=False``) are kept."""
+        budget shrinks (a model whose calibrated rank is 120 on 64-wide heads selects 1,072 of 4,160 tokens per KV
+        head at r = 0.5; capped at 64, 1,488). A given ``rank`` and the paper's preset (``calibrated=False``) are
+        kept."""
         rank = resolve(self, config).rank_for(width)
         if self.rank is None and self.calibrated and self.compression_ratio is not None:
             return min(rank, head_dim)
