@@ -1,9 +1,14 @@
-"""Helpers for tests and examples: tiny random models, left-padded batches, greedy reference decoding."""
+"""Helpers for tests and examples: tiny random models, left-padded batches, greedy reference decoding, calibration files
+written as given."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
+from kvkit import calibration
 from kvkit.compat import cache_kw, output_cache
 from kvkit.hostsync import HostSyncCounter
 
@@ -194,11 +199,6 @@ def calibration_file(path, config, policies: dict, name: str = "tiny", raw: str 
     ``{policy: {"options": {...}, ...}}``. ``raw``, when given, replaces the JSON string ``"@RAW@"`` in the text
     (values JSON cannot carry, such as ``NaN`` or a huge exponent). The calibration store's cache is cleared, so the
     next patch reads it. Returns ``path``."""
-    import json
-    from pathlib import Path
-
-    from kvkit import calibration
-
     data = {"format": calibration.FORMAT, "version": calibration.VERSION,
             "model": calibration.identity(config, name), "policies": policies}
     text = json.dumps(data)
