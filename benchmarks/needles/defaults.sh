@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/needles/defaults.sh essay|squad|qwen [extra kvkit eval needles arguments]
 #   bash benchmarks/needles/defaults.sh essay-bf16|squad-bf16|qwen-bf16   # full and zipcache with bf16 weights and K/V
+#   bash benchmarks/needles/defaults.sh heldout-essay   # the defaults on essay needles of another seed
 #
 # --resume: runs whose folder is complete are skipped, so the command adds what a root lacks and rewrites its
 # needles.md / needles.png over every run folder in it. 2 CPU cores, 1 thread per process: about 5 s per run and
@@ -15,7 +16,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-
 R=compression_ratio
 P=(--policy full)
 add() { for spec in "$@"; do P+=(--policy "$spec"); done; }
-which=${1:?usage: defaults.sh essay|squad|qwen|essay-bf16|squad-bf16|qwen-bf16}; shift
+which=${1:?usage: defaults.sh essay|squad|qwen|essay-bf16|squad-bf16|qwen-bf16|heldout-essay}; shift
 case "$which" in
   essay|squad)
     for p in snapkv cake chelsea; do
@@ -58,6 +59,13 @@ case "$which" in
                        --samples 16) ;;
     esac
     ARGS+=(--dtype bfloat16) ;;
-  *) echo "defaults.sh: unknown root '$which' (essay, squad, qwen, or one of them with -bf16)" >&2; exit 2 ;;
+  heldout-essay)
+    # the defaults where they meet their target (r = 0.5; zipcache 0.75 on fp32) on essay needles of another seed:
+    # needles no default was chosen over
+    for p in snapkv cake chelsea kvzip tidal duo shadowkv; do add "$p:$R=0.5"; done
+    add "zipcache:$R=0.75"
+    ARGS=(--out results/needles/heldout-essay-4k --seed 1009 --lengths 4096 --samples 33) ;;
+  *) echo "defaults.sh: unknown root '$which' (essay, squad, qwen, one of them with -bf16, or heldout-essay)" >&2
+     exit 2 ;;
 esac
 exec "$KVKIT" eval needles "${ARGS[@]}" --resume "${P[@]}" "$@"
