@@ -269,13 +269,15 @@ class RunDir:
         samples = self.path / "samples.jsonl"
         if "commit" not in row:
             row = {**row, "commit": current_commit()}
-        if self._maker is not None:  # a resume's first row: config.json names this run beside the folder's maker
-            maker, self._maker = self._maker, None
-            entry = dict(command=maker["command"], commit=current_commit(), kvkit_version=maker["kvkit_version"])
-            self.config = {**self.config, "resumed": [*self.config.get("resumed", []), entry]}
-            atomic_write_json(self.path / "config.json", self.config)
         line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
         with _folder_lock(self.path):
+            if self._maker is not None:  # a resume's first row: config.json names this run beside the folder's maker
+                maker, self._maker = self._maker, None
+                entry = dict(command=maker["command"], commit=current_commit(), kvkit_version=maker["kvkit_version"])
+                # read back under the lock: another resume sharing the folder may have added its own entry
+                on_disk = json.loads((self.path / "config.json").read_text(encoding="utf-8")).get("resumed", [])
+                self.config = {**self.config, "resumed": [*on_disk, entry]}
+                atomic_write_json(self.path / "config.json", self.config)
             theirs = self._read_new(samples)
             with open(samples, "ab") as f:
                 f.write(line)

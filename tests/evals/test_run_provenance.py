@@ -94,3 +94,22 @@ def test_rows_written_before_rows_were_stamped_count_under_their_summarys_commit
     (folder / "summary.json").unlink()  # and with nothing naming them: unknown, not the current commit
     s = _run(folder, "kvkit eval needles --new", [0, 1], resume=True)
     assert s["commit"] is None and s["row_commits"] == {"unknown": 2}
+
+
+def test_two_resumes_sharing_a_folder_are_both_recorded(tmp_path, at_commit):
+    folder = tmp_path / "run"
+    at_commit("a" * 40)
+    _run(folder, "kvkit eval needles --first", [0], resume=False)
+
+    at_commit("b" * 40)
+    one = rundir.RunDir(folder, _config("kvkit eval sweep --tasks one"), resume=True)
+    two = rundir.RunDir(folder, _config("kvkit eval sweep --tasks two"), resume=True)  # joins the held folder
+    try:
+        one.add(_row(1))
+        two.add(_row(2))
+    finally:
+        one.close()
+        two.close()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["command"] == "kvkit eval needles --first"
+    assert [e["command"] for e in config["resumed"]] == ["kvkit eval sweep --tasks one", "kvkit eval sweep --tasks two"]
