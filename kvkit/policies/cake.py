@@ -131,10 +131,12 @@ class Cake(ProtectHeads, Policy):
         Fraction of the KV heads kept whole, the ones the model's DuoAttention pattern ranks highest (kvkit,
         :mod:`kvkit.policies.protect_heads`); ``budget`` is then per evicted head: the cascade shares ``budget x
         evicted heads`` head-slots among the layers by preference, and a layer's preference is computed over its
-        evicted heads. None (default), where a pattern ships for the model: with ``compression_ratio`` the share
-        that leaves each evicted head a sixth of the context (0.4 at 0.5, 0.1 at 0.75;
-        :func:`~kvkit.policies.protect_heads.default_protect`), with a ``budget`` 0.2; else 0 (warned once). 0: the
-        paper.
+        evicted heads. None (default), where a pattern ships for the model: with ``compression_ratio`` 0.7 at 0.25,
+        0.3 at 0.5, 0.1 at 0.75, linear between them (:attr:`protect_knots`: measured on fresh needles; the other
+        eviction policies take 0.4 at 0.5, the share that leaves each evicted head a sixth of the context, but CAKE's
+        cascade gives some layers less than the mean and keeps more needles with 0.3), outside them the sixth-of-the-
+        context rule (:func:`~kvkit.policies.protect_heads.default_protect`); with a ``budget`` 0.2; else 0 (warned
+        once). 0: the paper.
     protect_pattern : str, path, values or None
         The pattern ``protect_heads`` ranks by (as duo's ``pattern``); None: the one shipped for the model.
     """
@@ -148,7 +150,7 @@ class Cake(ProtectHeads, Policy):
     tau2: float | None = None  # CAKE Table: per-model; None = by model, (1.0, 1.0) if unknown
     tail: int | None = None  # kvkit: bulk decode eviction every `tail` tokens; None = window
     calibrated: bool = True  # kvkit: the model's calibrated taus when none given; False = the paper's table
-    protect_heads: float | None = None  # kvkit: default_protect(ratio) if a pattern ships (0 = paper)
+    protect_heads: float | None = None  # kvkit: protect_knots / default_protect(ratio) if a pattern ships (0 = paper)
     protect_pattern: object = None  # kvkit: the pattern `protect_heads` ranks by; None = the model's shipped one
 
     static_capable: ClassVar[bool] = True
@@ -156,6 +158,8 @@ class Cake(ProtectHeads, Policy):
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("tau1", "tau2", "pool_kernel", "pool_window")
     ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
+    # kvkit: the default protected share at 0.25 / 0.5 / 0.75 (results/needles/README.md, "The protected share")
+    protect_knots: ClassVar[tuple[tuple[float, float], ...]] = ((0.25, 0.7), (0.5, 0.3), (0.75, 0.1))
     paper: ClassVar[dict] = dict(calibrated=False, protect_heads=0.0)
     covering_options: ClassVar[dict | None] = dict(budget=4096)
     speculative_refusal: ClassVar[str | None] = (

@@ -23,13 +23,18 @@ protected share is the one that leaves each evicting head :data:`EVICTED_SHARE` 
 ``f = (1 - r - e) / (1 - e)`` with ``e = 1/6`` (0.4 at r = 0.5, 0.1 at r = 0.75, none from r = 5/6 on); with a
 token ``budget`` (no ratio) it is :data:`DEFAULT_PROTECT`. Measured on the fresh-needle sets
 (results/needles/README.md): at r = 0.5 a share of 0.4 keeps more of full's needles than 0.2 or 0.3 for snapkv and
-chelsea (cake: 0.3 one needle above 0.4 on each set), at r = 0.75 a share of 0.1 more than 0, 0.05 or 0.2 for all
-three (Qwen2.5-Coder-0.5B, not used to choose: 0.4 keeps every needle at r = 0.5) -- at a
+chelsea, at r = 0.75 a share of 0.1 more than 0, 0.05 or 0.2 for all three (Qwen2.5-Coder-0.5B, not used to
+choose: 0.4 keeps every needle at r = 0.5). CAKE, whose cascade spreads the evicting heads' slots unevenly over the
+layers, keeps more at r = 0.5 with 0.3 (one needle more on each set, and on the held-out essays and Qwen, which were
+not used to choose): its :attr:`ProtectHeads.protect_knots` take 0.3 there, the rule's 0.7 and 0.1 at 0.25 and 0.75
+-- at a
 fixed byte total each protected head costs its evicting heads' budget, and below about a sixth of the context the
 evicting heads start losing what the answer needs.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from kvkit.model_info import layer_types as _layer_types
 from kvkit.policies.duo import Duo  # the pattern loader and its checks are duo's
@@ -46,13 +51,20 @@ DEFAULT_PROTECT = 0.2
 EVICTED_SHARE = 1 / 6
 
 
-def default_protect(r: float | None) -> float:
+def default_protect(r: float | None, knots: tuple[tuple[float, float], ...] = ()) -> float:
     """The ``protect_heads`` a policy takes by default where a head pattern is available: :data:`DEFAULT_PROTECT`
     without a ratio; with ``compression_ratio = r``, the share ``f`` whose protected heads (whole) and evicting heads
     (:data:`EVICTED_SHARE` of the context each) read ``1 - r`` together, ``f + (1 - f) e = 1 - r``; 0 where
-    ``1 - r <= e``."""
+    ``1 - r <= e``. ``knots`` (a policy's :attr:`ProtectHeads.protect_knots`): measured ``(r, f)`` pairs, ascending in
+    ``r``; between the first and the last knot ``f`` is linear between neighbouring knots, outside them the rule
+    above."""
     if r is None:
         return DEFAULT_PROTECT
+    if knots and knots[0][0] <= r <= knots[-1][0]:
+        for (r0, f0), (r1, f1) in zip(knots, knots[1:]):
+            if r <= r1:
+                return f0 + (f1 - f0) * (r - r0) / (r1 - r0)
+        return knots[-1][1]  # a single knot, r on it
     return max(0.0, (1.0 - r - EVICTED_SHARE) / (1.0 - EVICTED_SHARE))
 
 
@@ -94,10 +106,10 @@ def protect_fraction(policy, config) -> float:
     if policy.protect_heads is not None:
         return float(policy.protect_heads)
     if policy.protect_pattern is not None:
-        return default_protect(policy.compression_ratio)
+        return default_protect(policy.compression_ratio, getattr(policy, "protect_knots", ()))
     path = shipped_pattern(config) if config is not None else None
     if path is not None and path.is_file():
-        return default_protect(policy.compression_ratio)
+        return default_protect(policy.compression_ratio, getattr(policy, "protect_knots", ()))
     ident = model_identity(config) if config is not None else {}
     name = getattr(config, "_name_or_path", "") or ""
     what = repr(name) if name else f"this {ident.get('model_type', '')} model".replace("  ", " ")
@@ -164,6 +176,10 @@ class ProtectHeads:
     """What the eviction policies with ``protect_heads`` share (snapkv, cake, kvzip, chelsea): the checks, the
     cache's protection mask (``new_shared``, wrapped by :meth:`shared_state`), the model check and the pattern's
     hash. A policy mixes it in before :class:`~kvkit.policies.base.Policy`."""
+
+    #: measured ``(compression_ratio, protect_heads)`` pairs that replace :func:`default_protect`'s rule between the
+    #: first and the last (linear between neighbours); empty: the rule everywhere
+    protect_knots: ClassVar[tuple[tuple[float, float], ...]] = ()
 
     def shared_state(self, mask):
         """The cache's shared state around the ``[L, H]`` protection mask (or None); default: the mask itself."""

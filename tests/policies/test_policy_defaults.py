@@ -28,7 +28,7 @@ def test_retrieval_heads_are_protected_by_default_where_a_pattern_ships(policy):
     assert mask is not None and int(mask.sum()) == round(DEFAULT_PROTECT * 90)
 
 
-@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("policy", [p for p in EVICTING if p != "cake"])
 @pytest.mark.parametrize("r, heads", [(0.25, 63), (0.5, 36), (0.75, 9), (0.9, 0)])
 def test_the_default_protected_share_follows_the_compression_ratio(policy, r, heads):
     """With compression_ratio r the default protects the share f with f + (1 - f) / 6 = 1 - r (of the bundled
@@ -38,6 +38,20 @@ def test_the_default_protected_share_follows_the_compression_ratio(policy, r, he
     assert (0 if mask is None else int(mask.sum())) == heads
     f = default_protect(r)
     assert f == pytest.approx(heads / 90) and (f == 0 or f + (1 - f) * EVICTED_SHARE == pytest.approx(1 - r))
+
+
+@pytest.mark.parametrize("r, heads", [(0.25, 63), (0.4, 41), (0.5, 27), (0.6, 20), (0.75, 9), (0.8, 4), (0.9, 0)])
+def test_cake_protects_its_measured_share_between_its_knots_and_the_rule_outside(r, heads):
+    """CAKE's default share is 0.3 at r = 0.5 (0.7 and 0.1 at 0.25 and 0.75, the rule's values there), linear
+    between those knots (0.4 -> 0.46, 41 of 90 heads; 0.6 -> 0.22, 20), and the sixth-of-the-context rule beyond
+    them (0.8 -> 0.04, 4; none from 5/6); a ratio the knots cover never falls back to the rule."""
+    mask = kvkit.get_policy("cake", compression_ratio=r).protection(smollm2_config())
+    assert (0 if mask is None else int(mask.sum())) == heads
+    knots = policy_class("cake").protect_knots
+    assert default_protect(0.5, knots) == pytest.approx(0.3) and default_protect(0.5) == pytest.approx(0.4)
+    assert default_protect(0.8, knots) == default_protect(0.8) and default_protect(None, knots) == DEFAULT_PROTECT
+    assert default_protect(0.5, ((0.5, 0.25),)) == 0.25  # a single knot holds on its own ratio only
+    assert default_protect(0.6, ((0.5, 0.25),)) == default_protect(0.6)
 
 
 def test_the_default_protected_share_reaches_every_ratio_the_policy_does():
