@@ -45,7 +45,8 @@ case "$which" in
       add "$p:$R=0.5,protect_heads=0.2" "$p:$R=0.5,protect_heads=0.4" "$p:$R=0.5,preset=paper" "$p:$R=0.75"
     done
     for p in snapkv cake chelsea; do add "$p:$R=0.75,protect_heads=0" "$p:$R=0.75,protect_heads=0.2"; done
-    add "duo:$R=0.5" "duo:$R=0.75" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
+    # cake's default at r = 0.5 protects 0.3 of the heads (the others' resolves to 0.4, run above)
+    add "cake:$R=0.5" "duo:$R=0.5" "duo:$R=0.75" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
         "tidal:$R=0.5" "tidal:$R=0.5,preset=paper" "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
     ARGS=(--model qwen-0.5b --out results/needles/defaults-qwen --lengths 2048 --formats digits,uuid --samples 16) ;;
   essay-bf16|squad-bf16|qwen-bf16)
