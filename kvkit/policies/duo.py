@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +53,14 @@ from kvkit.policies.duo_patterns import (
     save_pattern,
     shipped_pattern,
 )
-from kvkit.policies.knobs import static_prompt
+from kvkit.policies.knobs import EVICTED_SHARE, static_prompt
 from kvkit.policies.streaming import StreamingStore
 from kvkit.registry import register
 from kvkit.stores import LayerInfo
 from kvkit.stores.split import HeadSplitStore
 from kvkit.stores.static import static_store
+
+PAPER_RECENT = 256  # DuoAttention's deploy setting: a streaming head's recent window
 
 
 # ---- pattern -> heads ----------------------------------------------------------------------------------
@@ -103,8 +106,9 @@ class Duo(Policy):
         0.75 for MHA models (paper's deploy settings).
     sink : int
         Attention-sink tokens kept by streaming heads (paper deploy: 64).
-    recent : int
-        Recent tokens kept by streaming heads (paper deploy: 256).
+    recent : int or None
+        Recent tokens kept by streaming heads. None (default): the paper's deploy setting, 256; under
+        ``compression_ratio`` at least a sixth of the context less the sinks (:meth:`recent_for`).
     tail : int
         Extra uncompressed tokens a streaming head may hold before a bulk eviction (kvkit, not the paper).
     """
@@ -112,10 +116,11 @@ class Duo(Policy):
     pattern: object = None  # path / values; None = the pattern shipped for the model
     sparsity: float | None = None  # paper: 0.5 for GQA, 0.75 for MHA
     sink: int = 64  # paper deploy setting (training used 128)
-    recent: int = 256  # paper deploy setting
+    recent: int | None = None  # None: paper deploy setting 256; under compression_ratio >= a sixth of the context
     tail: int = 32  # kvkit: bulk eviction every `tail` tokens keeps crop() exact
 
     ratio_knobs: ClassVar[tuple[str, ...]] = ("sparsity",)
+    paper: ClassVar[dict] = dict(recent=PAPER_RECENT)  # the deploy window at every ratio
     static_capable: ClassVar[bool] = True
     description = "DuoAttention: full KV for retrieval heads, sink+recent for streaming heads (2410.10819)"
     saves = "memory+reads"
@@ -123,7 +128,7 @@ class Duo(Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        check_positive_int("duo", "recent", self.recent)
+        check_positive_int("duo", "recent", self.recent, allow_none=True)
         check_positive_int("duo", "tail", self.tail)
         if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
             raise ValueError(f"duo: sink must be an integer >= 0, got {self.sink!r}")
@@ -227,11 +232,25 @@ class Duo(Policy):
     def validate(self, config) -> None:
         self.retrieval_heads(config)
 
+    def recent_for(self, context: int | None) -> int:
+        """The recent window of a streaming head for a ``context``-token prompt: ``recent`` when given; else the
+        paper's :data:`PAPER_RECENT` (256), and under ``compression_ratio`` (with a context) at least
+        ``ceil(context x e) - sink``, ``e`` = :data:`~kvkit.policies.knobs.EVICTED_SHARE` (a sixth): a streaming head
+        keeps a sixth of the context, sinks included, as each evicting head of snapkv / cake / kvzip / chelsea
+        does. The paper's 256 was chosen for contexts of 100K+ tokens; at 4K it is 6% of the context, and with
+        the window at a sixth the sparsity for ``r`` is the share of heads those policies protect,
+        ``f + (1 - f) e = 1 - r`` (measured: results/needles/README.md)."""
+        if self.recent is not None:
+            return self.recent
+        if self.compression_ratio is None or context is None:
+            return PAPER_RECENT
+        return max(PAPER_RECENT, math.ceil(context * EVICTED_SHARE) - self.sink)
+
     def sparsity_for(self, context: int) -> float:
         """``compression_ratio`` r as a sparsity for a ``context``-token cache: a streaming head keeps
-        ``w = min(context, sink + recent)`` tokens, so ``1 - s + s w / context = 1 - r`` gives ``s = r / (1 - w /
-        context)``; at most 1 (a short context cannot lose more than its streaming heads' share)."""
-        w = min(context, self.sink + self.recent)
+        ``w = min(context, sink + recent_for(context))`` tokens, so ``1 - s + s w / context = 1 - r`` gives ``s = r /
+        (1 - w / context)``; at most 1 (a short context cannot lose more than its streaming heads' share)."""
+        w = min(context, self.sink + self.recent_for(context))
         if w >= context:
             return 1.0
         return min(1.0, self.compression_ratio / (1.0 - w / context))
@@ -250,10 +269,11 @@ class Duo(Policy):
         if isinstance(info.shared, RatioSplit):
             prompt = static_prompt(self, info)  # a static store: split now, for the declared prompt's length
             if prompt is not None:
-                return DuoStore(info, info.shared.retrieval(info.layer_idx, prompt), self.sink, self.recent, self.tail)
-            return DuoStore(info, None, self.sink, self.recent, self.tail)
+                return DuoStore(info, info.shared.retrieval(info.layer_idx, prompt), self.sink,
+                                self.recent_for(prompt), self.tail)
+            return DuoStore(info, None, self.sink, None, self.tail)  # split and sized at the first forward
         retrieval = info.shared[info.layer_idx].tolist()
-        return DuoStore(info, retrieval, self.sink, self.recent, self.tail)
+        return DuoStore(info, retrieval, self.sink, self.recent_for(None), self.tail)
 
 
 class RatioSplit:
@@ -277,7 +297,7 @@ class DuoStore(HeadSplitStore):
     bulk-evicted every ``tail`` tokens): a :class:`~kvkit.stores.split.HeadSplitStore`. In a static cache the
     streaming part's capacity is ``sink + recent + tail``."""
 
-    def __init__(self, info: LayerInfo, retrieval: list[bool] | None, sink: int, recent: int, tail: int):
+    def __init__(self, info: LayerInfo, retrieval: list[bool] | None, sink: int, recent: int | None, tail: int):
         self.sink, self.recent, self.tail = sink, recent, tail
         if retrieval is None:  # compression_ratio: the heads are split at the first forward (its length)
             super(HeadSplitStore, self).__init__()
@@ -288,9 +308,11 @@ class DuoStore(HeadSplitStore):
         super().__init__(info, retrieval, lambda n: stream_cls(info, sink + recent, sink, tail, num_heads=n), "duo")
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        if self.deferred:  # the split for this prompt's length, then the parts as any head-split layer
-            retrieval = self.info.shared.retrieval(self.info.layer_idx, key_states.shape[-2])
-            DuoStore.__init__(self, self.info, retrieval, self.sink, self.recent, self.tail)
+        if self.deferred:  # the split and the window for this prompt's length, then the parts as any head-split layer
+            context = key_states.shape[-2]
+            retrieval = self.info.shared.retrieval(self.info.layer_idx, context)
+            recent = self.info.shared.policy.recent_for(context) if self.recent is None else self.recent
+            DuoStore.__init__(self, self.info, retrieval, self.sink, recent, self.tail)
         super().lazy_initialization(key_states, value_states)
 
     # before the first forward a deferred layer holds nothing

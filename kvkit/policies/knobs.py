@@ -40,6 +40,12 @@ from kvkit.model_info import layer_types
 PRESETS = ("kvkit", "paper")
 
 
+#: the share of the context a head that does not keep every token keeps by default under ``compression_ratio``: each
+#: evicting head of the ``protect_heads`` policies (:func:`kvkit.policies.protect_heads.default_protect`), each
+#: streaming head of duo (:meth:`kvkit.policies.duo.Duo.recent_for`); results/needles/README.md
+EVICTED_SHARE = 1 / 6
+
+
 def field_defaults(policy) -> dict:
     out = {}
     for f in dataclasses.fields(policy):

@@ -39,16 +39,13 @@ from typing import ClassVar
 from kvkit.model_info import layer_types as _layer_types
 from kvkit.policies.duo import Duo  # the pattern loader and its checks are duo's
 from kvkit.policies.duo_patterns import PatternFile, model_identity, shipped_pattern
-from kvkit.policies.knobs import protected_share, unreachable, warn_once
+from kvkit.policies.knobs import EVICTED_SHARE, protected_share, unreachable, warn_once
 from kvkit.stores.split import HeadSplitStore
 
 #: ``protect_heads`` left at None where a head pattern ships and the size is a token ``budget`` (no
 #: ``compression_ratio``): the share of KV heads kept whole
 DEFAULT_PROTECT = 0.2
 
-#: with ``compression_ratio`` and ``protect_heads`` left at None: the share of the context each evicting head keeps
-#: (:func:`default_protect`)
-EVICTED_SHARE = 1 / 6
 
 
 def default_protect(r: float | None, knots: tuple[tuple[float, float], ...] = ()) -> float:

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import kvkit
 from kvkit.calibrate.duo import calibrate, streaming_mask
+from kvkit.compat import cache_kw
 from kvkit.patch import is_patched
 from kvkit.policies.duo import Duo, DuoStore, binarize, load_pattern, save_pattern
 from kvkit.testing import greedy, tiny_model
@@ -633,3 +634,36 @@ def test_decode_step_gathers_each_tensor_once_per_layer():
         assert g.n == 4 * reordered  # q, k, v into parts order and the output back
     finally:
         kvkit.unpatch(model)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_under_a_ratio_a_streaming_head_keeps_a_sixth_of_the_context(static):
+    """With ``compression_ratio`` and ``recent`` unset a streaming head keeps ``sink + recent = ceil(n / 6)`` of an
+    ``n``-token prompt (at least the paper's 256 recent tokens), in a growing cache and in a static one built for
+    ``n``; the sparsity follows (``1 - s + s / 6 = 1 - r``) and a step reads ``1 - r`` of full's K/V. A given
+    ``recent`` and ``preset="paper"`` keep theirs."""
+    n, r = 2400, 0.5
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)
+    pattern = torch.rand(3, 8, generator=torch.Generator().manual_seed(0)).tolist()  # 24 KV heads
+    policy = kvkit.get_policy("duo", compression_ratio=r, pattern=pattern)
+    assert policy.recent_for(n) == 400 - 64 and policy.recent_for(1200) == 256 and policy.recent_for(None) == 256
+    assert kvkit.get_policy("duo", compression_ratio=r, pattern=pattern, recent=100).recent_for(n) == 100
+    assert kvkit.get_policy("duo", compression_ratio=r, pattern=pattern, preset="paper").recent_for(n) == 256
+    assert kvkit.get_policy("duo", pattern=pattern).recent_for(n) == 256  # no ratio: the paper's window
+    assert policy.sparsity_for(n) == pytest.approx(r / (1 - 1 / 6))
+    kw = dict(static=True, max_length=n + 4, prompt_length=n) if static else {}
+    cache = kvkit.KVCache(model, "duo", compression_ratio=r, pattern=pattern, **kw)
+    full = kvkit.KVCache(model, "full")
+    with kvkit.patched(model, "duo", compression_ratio=r, pattern=pattern), torch.no_grad():
+        ids = _ids(n, seed=4)
+        out = model(input_ids=ids, **cache_kw(cache), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        model(input_ids=nxt, **cache_kw(cache), use_cache=True)
+    with torch.no_grad():
+        model(input_ids=torch.cat([ids, nxt], 1), **cache_kw(full), use_cache=True)
+    stores = _stores(cache)
+    assert sum(not h for s in stores for h in s.retrieval) == round(0.6 * 24)  # 14 of the 24 KV heads stream
+    for s in stores:
+        for h, slots in enumerate(s.head_slots()):
+            assert slots == n + 1 if s.retrieval[h] else 400 <= slots <= 400 + s.tail
+    assert cache.read_nbytes() / full.read_nbytes() == pytest.approx(1 - r, rel=0.05)
