@@ -25,7 +25,8 @@ case "$which" in
           "$p:$R=0.75,protect_heads=0.1" "$p:$R=0.75,protect_heads=0.2"
     done
     add "kvzip:$R=0.5" "kvzip:$R=0.75" "tidal:$R=0.5" "tidal:$R=0.5,preset=paper" "tidal:$R=0.75,preset=paper" \
-        "duo:$R=0.5" "duo:$R=0.75" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
+        "duo:$R=0.5" "duo:$R=0.75" "duo:$R=0.5,preset=paper" "duo:$R=0.75,preset=paper" \
+        "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
         "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
     # shadowkv's rank at r = 0.5: the calibrated 120 (the default before it was capped at head_dim = 64) beside it
     add "shadowkv:$R=0.5,rank=120"
@@ -46,7 +47,7 @@ case "$which" in
     done
     for p in snapkv cake chelsea; do add "$p:$R=0.75,protect_heads=0" "$p:$R=0.75,protect_heads=0.2"; done
     # cake's default at r = 0.5 protects 0.3 of the heads (the others' resolves to 0.4, run above)
-    add "cake:$R=0.5" "duo:$R=0.5" "duo:$R=0.75" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
+    add "cake:$R=0.5" "duo:$R=0.5" "duo:$R=0.75" "duo:$R=0.5,preset=paper" "duo:$R=0.75,preset=paper" "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
         "tidal:$R=0.5" "tidal:$R=0.5,preset=paper" "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
     ARGS=(--model qwen-0.5b --out results/needles/defaults-qwen --lengths 2048 --formats digits,uuid --samples 16) ;;
   essay-bf16|squad-bf16|qwen-bf16)
