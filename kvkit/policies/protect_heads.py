@@ -23,13 +23,12 @@ protected share is the one that leaves each evicting head :data:`EVICTED_SHARE` 
 ``f = (1 - r - e) / (1 - e)`` with ``e = 1/6`` (0.4 at r = 0.5, 0.1 at r = 0.75, none from r = 5/6 on); with a
 token ``budget`` (no ratio) it is :data:`DEFAULT_PROTECT`. Measured on the fresh-needle sets
 (results/needles/README.md): at r = 0.5 a share of 0.4 keeps more of full's needles than 0.2 or 0.3 for snapkv and
-chelsea, at r = 0.75 a share of 0.1 more than 0, 0.05 or 0.2 for all three (Qwen2.5-Coder-0.5B, not used to
-choose: 0.4 keeps every needle at r = 0.5). CAKE, whose cascade spreads the evicting heads' slots unevenly over the
-layers, keeps more at r = 0.5 with 0.3 (one needle more on each set, and on the held-out essays and Qwen, which were
-not used to choose): its :attr:`ProtectHeads.protect_knots` take 0.3 there, the rule's 0.7 and 0.1 at 0.25 and 0.75
--- at a
-fixed byte total each protected head costs its evicting heads' budget, and below about a sixth of the context the
-evicting heads start losing what the answer needs.
+chelsea, at r = 0.75 a share of 0.1 more than 0, 0.05 or 0.2 for snapkv, cake and chelsea (Qwen2.5-Coder-0.5B, not
+used to choose: 0.4 keeps every needle at r = 0.5) -- at a fixed byte total each protected head costs its evicting
+heads' budget, and below about a sixth of the context the evicting heads start losing what the answer needs. CAKE,
+whose cascade spreads the evicting heads' slots unevenly over the layers, keeps more at r = 0.5 with 0.3 (one needle
+more on each set, and on the held-out essays, which were not used to choose; Qwen: every needle either way): its
+:attr:`ProtectHeads.protect_knots` take 0.3 there and the rule's 0.7 and 0.1 at 0.25 and 0.75.
 """
 
 from __future__ import annotations
