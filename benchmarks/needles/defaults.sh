@@ -28,15 +28,14 @@ case "$which" in
         "duo:$R=0.5" "duo:$R=0.75" "duo:$R=0.5,preset=paper" "duo:$R=0.75,preset=paper" \
         "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
         "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
-    # shadowkv's rank at r = 0.5: the calibrated 120 (the default before it was capped at head_dim = 64) beside it
-    add "shadowkv:$R=0.5,rank=120"
+    # shadowkv at r = 0.5 beside its default: the calibrated rank 120 (the default before it was capped at
+    # head_dim = 64), the paper's chunk of 8 tokens (4 under a ratio by default), kvkit's min-max landmark
+    add "shadowkv:$R=0.5,rank=120" "shadowkv:$R=0.5,chunk_size=8" "shadowkv:$R=0.5,landmark=minmax"
     if [ "$which" = essay ]; then
-      add "shadowkv:$R=0.5,landmark=minmax"
       ARGS=(--out results/needles/defaults-essay --lengths 4096 --samples 33)
     else
       for p in snapkv cake chelsea; do add "$p:$R=0.75,protect_heads=0" "$p:$R=0.75,protect_heads=0.05"; done
-      add "shadowkv:$R=0.5,landmark=minmax" "shadowkv:$R=0.75,landmark=minmax" "shadowkv:$R=0.5,rank=48" \
-          "shadowkv:$R=0.5,rank=96"
+      add "shadowkv:$R=0.75,chunk_size=8" "shadowkv:$R=0.75,landmark=minmax"
       ARGS=(--out results/needles/defaults-squad --haystack squad --seed 7919 --formats digits,uuid --lengths 4096
             --samples 16)
     fi ;;
@@ -65,7 +64,7 @@ case "$which" in
     # the defaults where they meet their target (r = 0.5; zipcache 0.75 on fp32) on essay needles of another seed:
     # needles no default was chosen over
     for p in snapkv cake chelsea kvzip tidal duo shadowkv; do add "$p:$R=0.5"; done
-    add "zipcache:$R=0.75"
+    add "zipcache:$R=0.75" "shadowkv:$R=0.5,chunk_size=8"   # shadowkv with the paper's chunk, its former default
     ARGS=(--out results/needles/heldout-essay-4k --seed 1009 --lengths 4096 --samples 33) ;;
   *) echo "defaults.sh: unknown root '$which' (essay, squad, qwen, one of them with -bf16, or heldout-essay)" >&2
      exit 2 ;;

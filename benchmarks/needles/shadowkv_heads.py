@@ -61,7 +61,7 @@ def chunk_reads(q, keys, S, pol: ShadowKV, score: str, group: str):
     H, n, D = keys.shape
     Hq = q.shape[0]
     G = Hq // H
-    c = pol.chunk_size
+    c = pol.chunk()
     C = S // c - pol.local_chunks
     lm, lm_ids, out, _ = landmarks_and_outliers(keys[None, :, : C * c], torch.tensor([C]), c, pol.num_outliers(),
                                                 "mean" if score == "landmark" else "minmax")

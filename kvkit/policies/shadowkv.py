@@ -1,7 +1,8 @@
 """``shadowkv``: ShadowKV (Sun et al., arXiv:2410.21465) -- low-rank pre-RoPE keys + offloaded values.
 
 At the end of the prefill of a long prompt (more than ``min_prompt`` tokens; shorter prompts run
-exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size`` tokens and keeps
+exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size`` tokens (the paper's 8; 4 under
+``compression_ratio``: :meth:`ShadowKV.chunk`) and keeps
 
 * **keys** as a truncated SVD of the prompt's *pre-RoPE* keys, heads concatenated (``[S, Hkv*D]``,
   fp32 SVD per batch row): ``U[:, :r]`` ``[B, S, r]`` shared by the heads and ``S*V^T`` split per KV
@@ -97,6 +98,8 @@ from kvkit.stores.lowrank import (
 from kvkit.stores.static import static_store
 
 PAPER_RANK, PAPER_WIDTH = 160, 1024  # ShadowKV: rank 160 for Llama-3-8B (8 KV heads x 128)
+PAPER_CHUNK = 8  # ShadowKV: 8 tokens per chunk / landmark
+RATIO_CHUNK = 4  # kvkit: under compression_ratio, 4 tokens per chunk (measured: results/needles/README.md)
 PAPER_MIN_PROMPT = 4096  # ShadowKV compresses long contexts; kvkit runs shorter prompts as full
 
 
@@ -115,8 +118,10 @@ class ShadowKV(Policy):
         within a relative error bound in every layer; shipped for the bundled models), else
         ``round(160 / 1024 * Hkv*D)`` (paper: 160 at ``Hkv*D = 1024``); under ``compression_ratio`` at most
         ``head_dim`` (:meth:`rank_at`).
-    chunk_size : int
-        Tokens per chunk / landmark; 8 in the paper.
+    chunk_size : int or None
+        Tokens per chunk / landmark; 8 in the paper. None (default): 8, or 4 under ``compression_ratio``
+        (:meth:`chunk`): a chunk is ranked by its mean key, and a smaller chunk averages a needle's keys with fewer
+        others (measured: results/needles/README.md); the landmarks then cost ``1 / (2 x 4)`` of full's bytes.
     outliers : int or None
         Outlier chunks per KV head kept exact; None: ``round(48 * budget / 2048)`` (paper: 48 at 2048).
     local_chunks : int
@@ -141,7 +146,7 @@ class ShadowKV(Policy):
 
     budget: int = PAPER_BUDGET  # ShadowKV sparse budget, 2048 tokens
     rank: int | None = None  # ShadowKV rank 160 at Hkv*D = 1024; None scales it to the model
-    chunk_size: int = 8  # ShadowKV chunk size
+    chunk_size: int | None = None  # ShadowKV chunk size 8; None: 8, or 4 under compression_ratio (kvkit, measured)
     outliers: int | None = None  # ShadowKV: 48 outlier chunks at budget 2048; None scales with budget
     local_chunks: int = 4  # ShadowKV local window: 4 chunks (32 tokens)
     min_prompt: int | None = None  # ShadowKV applies to long contexts (4096); None: 4096, or 0 with compression_ratio
@@ -153,7 +158,8 @@ class ShadowKV(Policy):
     saves = "memory+reads"
     calibrated_options: ClassVar[tuple[str, ...]] = ("rank",)
     ratio_knobs: ClassVar[tuple[str, ...]] = ("budget",)
-    paper: ClassVar[dict] = dict(calibrated=False)  # the paper's rank (160 per 1024 key channels)
+    #: the paper's rank (160 per 1024 key channels) and chunk size at every ratio
+    paper: ClassVar[dict] = dict(calibrated=False, chunk_size=PAPER_CHUNK)
     static_capable: ClassVar[bool] = True
     static_options: ClassVar[dict] = dict(offload=False)  # a CUDA graph reads no host memory
     covering_options: ClassVar[dict | None] = dict(min_prompt=100_000)
@@ -161,7 +167,7 @@ class ShadowKV(Policy):
     def __post_init__(self):
         super().__post_init__()
         check_positive_int("shadowkv", "budget", self.budget)
-        check_positive_int("shadowkv", "chunk_size", self.chunk_size)
+        check_positive_int("shadowkv", "chunk_size", self.chunk_size, allow_none=True)
         check_positive_int("shadowkv", "rank", self.rank, allow_none=True)
         for name in ("outliers", "local_chunks", "min_prompt"):
             v = getattr(self, name)
@@ -174,13 +180,22 @@ class ShadowKV(Policy):
                              f"'minmax': the channel-wise max and min of its keys), got {self.landmark!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"shadowkv: offload must be True or False, got {self.offload!r}")
-        if self.budget < self.chunk_size:
+        if self.budget < self.chunk():
             raise ValueError(
-                f"shadowkv: budget ({self.budget}) must be at least chunk_size ({self.chunk_size}) so that one "
+                f"shadowkv: budget ({self.budget}) must be at least chunk_size ({self.chunk()}) so that one "
                 "chunk can be selected"
             )
 
     # ---- derived settings --------------------------------------------------------------------
+    def chunk(self) -> int:
+        """Tokens per chunk in effect: ``chunk_size`` when given; else the paper's :data:`PAPER_CHUNK` (8), or
+        :data:`RATIO_CHUNK` (4) under ``compression_ratio``. At a fixed byte ratio a chunk of 4 spends an eighth of
+        full's bytes on landmarks (a sixteenth at 8) and still keeps more needles, because the mean key of 4 tokens
+        dilutes a needle's key less than that of 8 (measured at r = 0.5 and 0.75: results/needles/README.md)."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return PAPER_CHUNK if self.compression_ratio is None else RATIO_CHUNK
+
     def rank_for(self, width: int) -> int:
         """SVD rank for a layer whose keys are ``width = Hkv*D`` wide (raises if the rank cannot fit)."""
         if self.rank is None:
@@ -224,7 +239,7 @@ class ShadowKV(Policy):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
 
         self.rank_at(config, kv * head_dim, head_dim)
-        r, lm = self.compression_ratio, (2 if self.landmark == "minmax" else 1) / (2 * self.chunk_size)
+        r, lm = self.compression_ratio, (2 if self.landmark == "minmax" else 1) / (2 * self.chunk())
         if r is not None and r >= 1 - lm:
             raise unreachable("shadowkv", r, 0.0, 1 - lm, f"a decode step reads every chunk's landmark, {lm:.4f} of "
                               "full's bytes, besides the chunks it selects")

@@ -45,7 +45,7 @@ class ShadowKVStore(SlotStore):
 
     def __init__(self, info: LayerInfo, policy: Policy, rank: int):
         super().__init__(info)
-        self.budget, self.chunk = policy.budget, policy.chunk_size
+        self.budget, self.chunk = policy.budget, policy.chunk()
         self.rank, self.n_out = rank, policy.num_outliers()
         self.n_out_given = policy.outliers is not None
         self.local_chunks, self.min_prompt = policy.local_chunks, policy.prompt_floor()

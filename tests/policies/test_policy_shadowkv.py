@@ -326,3 +326,39 @@ def test_under_a_compression_ratio_the_default_rank_costs_a_selected_token_no_mo
         assert abs(cache.read_nbytes() / full.read_nbytes() - 0.5) < 0.05
         kvkit.unpatch(model)
     assert budgets[16] > budgets[24]
+
+
+def test_under_a_compression_ratio_a_chunk_is_four_tokens_and_its_landmarks_bound_the_ratio():
+    """With ``chunk_size`` unset a chunk is the paper's 8 tokens, and 4 under ``compression_ratio`` (a smaller chunk's
+    mean key dilutes a needle's key less); a given chunk size and the paper's preset keep theirs. The landmarks
+    of 4-token chunks are an eighth of full's bytes, so a ratio of 0.875 or more is refused with that range, which
+    8-token chunks still reach; the ratio holds on a prompt with the smaller chunks."""
+    from kvkit.compat import cache_kw
+
+    get = kvkit.get_policy
+    assert get("shadowkv").chunk() == 8
+    assert get("shadowkv", compression_ratio=0.5).chunk() == 4
+    assert get("shadowkv", compression_ratio=0.5, chunk_size=16).chunk() == 16
+    assert get("shadowkv", compression_ratio=0.5, preset="paper").chunk() == 8
+    assert get("shadowkv", preset="paper").options()["chunk_size"] == 8
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"shadowkv.*reaches compression ratios in \[0\.000, 0\.875\]"):
+        get("shadowkv", compression_ratio=0.9).validate(model.config)
+    get("shadowkv", compression_ratio=0.9, chunk_size=8).validate(model.config)  # landmarks: a sixteenth
+    with pytest.raises(ValueError, match=r"budget \(2\) must be at least chunk_size \(4\)"):
+        get("shadowkv", budget=2, chunk_size=4)
+
+    ids = _ids(400)
+    kvkit.patch(model, "shadowkv", compression_ratio=0.5)
+    try:
+        _, _, cache = _run(model, ids, steps=2)
+    finally:
+        kvkit.unpatch(model)
+    full = kvkit.KVCache(model, "full")
+    with torch.no_grad():
+        model(ids, **cache_kw(full))
+    store = _stores(cache)[0]
+    assert store.chunk == 4
+    assert store.landmarks.shape[-2] + store.out_k.shape[-2] // 4 == 400 // 4 - store.local_chunks
+    assert abs(cache.read_nbytes() / full.read_nbytes() - 0.5) < 0.05
