@@ -119,9 +119,9 @@ class ShadowKV(Policy):
         ``round(160 / 1024 * Hkv*D)`` (paper: 160 at ``Hkv*D = 1024``); under ``compression_ratio`` at most
         ``head_dim`` (:meth:`rank_at`).
     chunk_size : int or None
-        Tokens per chunk / landmark; 8 in the paper. None (default): 8, or 4 under ``compression_ratio``
-        (:meth:`chunk`): a chunk is ranked by its mean key, and a smaller chunk averages a needle's keys with fewer
-        others (measured: results/needles/README.md); the landmarks then cost ``1 / (2 x 4)`` of full's bytes.
+        Tokens per chunk / landmark; None (default): the paper's 8, or 4 under ``compression_ratio`` (:meth:`chunk`).
+        A chunk is ranked by its mean key, and a smaller chunk averages a needle's keys with fewer others (measured:
+        results/needles/README.md); the landmarks then cost ``1 / (2 x 4)`` of full's bytes.
     outliers : int or None
         Outlier chunks per KV head kept exact; None: ``round(48 * budget / 2048)`` (paper: 48 at 2048).
     local_chunks : int
