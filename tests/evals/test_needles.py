@@ -326,6 +326,20 @@ def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
     assert "run folder names must be unique" in capsys.readouterr().err
 
 
+def test_a_setting_the_model_cannot_run_is_refused_before_any_run_folder_is_written(tiny_dir, tmp_path, capsys):
+    """A ratio out of a policy's reach on this model is refused as ``kvkit.patch`` refuses it, naming the run,
+    before a folder of any run (the runs that could run included) is created; the root stays empty."""
+    from kvkit.cli import main
+
+    out = tmp_path / "nd"
+    rc = main(["eval", "needles", "--model", tiny_dir, "--policy", "full", "--policy",
+               "shadowkv:compression_ratio=0.9", "--out", str(out), "--lengths", "512", "--samples", "2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "run 'shadowkv-compression_ratio0.9'" in err and "reaches compression ratios in [0.000, 0.875]" in err
+    assert not out.exists() or not any(out.iterdir())
+
+
 def _script(name, monkeypatch):
     """A script of benchmarks/needles as a module, its folder on sys.path as when it runs (it imports siblings)."""
     from pathlib import Path

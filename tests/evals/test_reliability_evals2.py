@@ -441,3 +441,12 @@ def test_niah_prompts_score_by_their_metric(tiny_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
     assert run("eval", "niah", "--model", tiny_dir, "--prompts", f, "--out", out) == 0
     assert [r["score"] for r in files.read_jsonl(out / "samples.jsonl")] == [1.0]  # all: 0.5
+
+
+def test_a_single_run_the_model_cannot_run_is_refused_before_its_folder_is_written(tiny_dir, tmp_path, capsys):
+    """``eval niah`` with a ratio out of the policy's reach on the model: refused as ``kvkit.patch`` refuses it,
+    and no run folder (not even its config.json) is left to look like an unfinished run."""
+    out = tmp_path / "niah"
+    assert _niah(tiny_dir, out, "--policy", "shadowkv:compression_ratio=0.9") == 2
+    assert "reaches compression ratios in [0.000, 0.875]" in capsys.readouterr().err
+    assert not out.exists()

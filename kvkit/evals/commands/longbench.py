@@ -25,6 +25,7 @@ def cmd_longbench(args) -> int:
     length = args.length or model_context(model) or 4096
     check_length(model, length)
     samples = longbench.make_samples(tok, args.data_dir, names, length, limit=args.samples, chat=not args.no_chat)
+    runs.check_policies(model, [(None, policy, options)])
     with RunDir(runs.out_dir(args, "longbench", run_label(args.model, policy, options, length)),
                 runs.run_config(args, "longbench", policy, options, model=model, length=length, tasks=names,
                                 chat=not args.no_chat, data_dir=str(args.data_dir), sample_ids="task/line"),

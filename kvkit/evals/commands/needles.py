@@ -50,6 +50,7 @@ def cmd_needles(args) -> int:
     args.seed = needles.DEFAULT_SEED if args.seed is None else args.seed
     runs.check_counts(args)
     model, tok = runs.load(args)
+    runs.check_policies(model, specs)
     check_length(model, max(lengths), "--lengths")
     samples = needles.generate_samples(tok, lengths, args.samples, seed=args.seed, formats=formats,
                                        haystack=args.haystack, depths=args.depths)

@@ -40,6 +40,7 @@ def cmd_niah(args) -> int:
         if args.dump_prompts:
             runs.dump(args.dump_prompts, samples)
             return 0
+    runs.check_policies(model, [(None, policy, options)])
     with RunDir(runs.out_dir(args, "niah", run_label(args.model, policy, options, f"{max(lengths)}")),
                 runs.run_config(args, "niah", policy, options, model=model, length=max(lengths), lengths=lengths,
                                 depths=depths, task=args.task, chat=not args.no_chat), resume=args.resume) as run:

@@ -39,6 +39,7 @@ def cmd_ruler(args) -> int:
         if args.dump_prompts:
             runs.dump(args.dump_prompts, samples)
             return 0
+    runs.check_policies(model, [(None, policy, options)])
     with RunDir(runs.out_dir(args, "ruler", run_label(args.model, policy, options, length)),
                 runs.run_config(args, "ruler", policy, options, model=model, length=length, tasks=names,
                                 chat=not args.no_chat, prompts=str(args.prompts) if args.prompts else None),
@@ -75,6 +76,7 @@ def cmd_sweep(args) -> int:
     """RULER prompts through several policies, one shared (recorded, replayed) context prefill per sample."""
     specs = runs.run_specs(args, "sweep")
     samples, tasks, length, model, tok = ruler_prompts(args)
+    runs.check_policies(model, specs)
     with contextlib.ExitStack() as held:  # every run folder locked until the sweep ends
         folders = []
         for name, policy, options in specs:

@@ -118,6 +118,24 @@ def load(args):
     return load_model(args.model, device=args.device, dtype=args.dtype)
 
 
+def check_policies(model, specs) -> None:
+    """Every kvkit policy of ``specs`` (``(name, policy, options)``; ``name`` None for a single run) checked on the
+    loaded ``model`` as ``kvkit.patch`` checks it (:func:`kvkit.patch.support.check_model`: the architecture, a
+    ratio out of the policy's reach here, a pattern for another model), before any run folder is written: a
+    setting the model cannot run is refused (ValueError naming the run) and leaves no folder behind. Peers have
+    nothing to check here."""
+    from kvkit.patch.support import check_model
+
+    for name, policy, options in specs:
+        built = build_policy(policy, options)
+        if built is None:
+            continue
+        try:
+            check_model(model, built)
+        except ValueError as e:
+            raise ValueError(f"{f'run {name!r}: ' if name else ''}{e}") from None
+
+
 def generate_seed(args) -> int:
     """``--seed`` of a run that generates its samples (RULER's default 42)."""
     return 42 if args.seed is None else args.seed
