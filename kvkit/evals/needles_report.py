@@ -225,6 +225,21 @@ def _crosses(p: tuple, q: tuple) -> bool:
     return a * b < 0 and c * d < 0
 
 
+#: the byte fractions the scatter's log axis may mark
+BYTE_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+
+
+def byte_ticks(least: float, most: float) -> tuple[list[float], float, float]:
+    """The ticks of the scatter's byte axis for points from ``least`` to ``most`` (fractions of full's bytes), and the
+    span in decades ``(lo, hi)`` the axis must hold: the points and every tick within a factor 1.2 of them, so a
+    point just above a tick (0.34) has that tick (0.3) on the axis beside it rather than past its edge."""
+    least, most = max(least, 1e-9), max(most, 1e-9)
+    ticks = [t for t in BYTE_TICKS if least / 1.2 <= t <= 1.2 * most]
+    lo = min([math.log10(least), *(math.log10(t) for t in ticks)])
+    hi = max([math.log10(most), *(math.log10(t) for t in ticks)])
+    return ticks, lo, hi
+
+
 def label_axis(shown: list[dict], lo: float, hi: float) -> tuple[list[tuple], float, float]:
     """The labels (:func:`label_spots`) and the x axis ``(x0, x1)`` in decades that holds every point (``lo`` .. ``hi``)
     and every label, sized for the span it gets: labels are measured in fractions of the axis width, and an axis
@@ -293,8 +308,7 @@ def figure_png(records: list[dict], title: str) -> bytes:
         peer = r["policy"] == "quantized"
         ax.scatter(r["kv_fraction"], r["x_full"], s=45, marker="s" if peer else "o",
                    color="tab:gray" if peer else ("black" if r["policy"] == "full" else "tab:blue"))
-    lo = math.log10(max(min(r["kv_fraction"] for r in records), 1e-9))
-    hi = math.log10(max(max(r["kv_fraction"] for r in records), 1e-9))
+    ticks, lo, hi = byte_ticks(min(r["kv_fraction"] for r in records), max(r["kv_fraction"] for r in records))
     spots, x0, x1 = label_axis(shown, lo, hi)
     for text, (px, py), (tx, ty), left, moved, _ in spots:
         ax.annotate(text, (px, py), xytext=(tx, ty), textcoords="data", fontsize=8, va="bottom",
@@ -304,7 +318,6 @@ def figure_png(records: list[dict], title: str) -> bytes:
     ax.set_xlabel("KV bytes held / full's (log scale)")
     ax.set_xscale("log")
     ax.set_xlim(10 ** x0, 10 ** x1)
-    ticks = [t for t in (0.1, 0.2, 0.3, 0.5, 0.7, 1.0) if 10 ** lo / 1.2 <= t <= 1.2 * 10 ** hi]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))

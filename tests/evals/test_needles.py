@@ -276,6 +276,21 @@ def test_figure_axis_is_the_span_its_labels_were_sized_for():
     assert x1 - x0 > (hi - lo) * 1.25  # widened for the long label at the right edge
 
 
+def test_the_byte_axis_holds_the_tick_just_below_its_least_point():
+    """A root whose least point is 0.34 of full's bytes gets its 0.3 tick on the axis (the axis span reaches it), not
+    a first tick at 0.5 with the point past every mark; ticks far from every point are left off."""
+    from kvkit.evals.needles_report import byte_ticks
+
+    ticks, lo, hi = byte_ticks(0.34, 1.0)
+    assert ticks == [0.3, 0.5, 0.7, 1.0]
+    assert lo == pytest.approx(math.log10(0.3)) and hi == pytest.approx(0.0)
+    ticks, lo, hi = byte_ticks(0.55, 1.0)
+    assert ticks == [0.5, 0.7, 1.0] and lo == pytest.approx(math.log10(0.5))
+    ticks, lo, hi = byte_ticks(0.16, 0.6)
+    assert ticks == [0.2, 0.3, 0.5, 0.7] and lo == pytest.approx(math.log10(0.16))
+    assert hi == pytest.approx(math.log10(0.7))
+
+
 def test_a_root_of_many_runs_is_drawn_one_row_per_run():
     """More runs than the scatter can label (many policies at the same few byte fractions) are drawn as a dot
     chart: one row each, so the figure grows with the runs; a few runs keep the labelled scatter."""
