@@ -28,14 +28,13 @@ case "$which" in
         "duo:$R=0.5" "duo:$R=0.75" "duo:$R=0.5,preset=paper" "duo:$R=0.75,preset=paper" \
         "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
         "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
-    # shadowkv at r = 0.5 beside its default: the calibrated rank 120 (the default before it was capped at
-    # head_dim = 64), the paper's chunk of 8 tokens (4 under a ratio by default), kvkit's min-max landmark
-    add "shadowkv:$R=0.5,rank=120" "shadowkv:$R=0.5,chunk_size=8" "shadowkv:$R=0.5,landmark=minmax"
+    # shadowkv at r = 0.5 beside its default (2-token chunks): the paper's chunk of 8 tokens, kvkit's min-max
+    # landmark (4-token chunks, its landmarks being twice as wide)
+    add "shadowkv:$R=0.5,chunk_size=8" "shadowkv:$R=0.5,landmark=minmax"
     if [ "$which" = essay ]; then
       ARGS=(--out results/needles/defaults-essay --lengths 4096 --samples 33)
     else
       for p in snapkv cake chelsea; do add "$p:$R=0.75,protect_heads=0" "$p:$R=0.75,protect_heads=0.05"; done
-      # (landmark=minmax at r = 0.75 is refused with 4-token chunks: its landmarks alone are a quarter of full's bytes)
       add "shadowkv:$R=0.75,chunk_size=8"
       ARGS=(--out results/needles/defaults-squad --haystack squad --seed 7919 --formats digits,uuid --lengths 4096
             --samples 16)

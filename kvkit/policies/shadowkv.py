@@ -1,8 +1,8 @@
 """``shadowkv``: ShadowKV (Sun et al., arXiv:2410.21465) -- low-rank pre-RoPE keys + offloaded values.
 
 At the end of the prefill of a long prompt (more than ``min_prompt`` tokens; shorter prompts run
-exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size`` tokens (the paper's 8; 4 under
-``compression_ratio``: :meth:`ShadowKV.chunk`) and keeps
+exactly as ``full``), each layer splits the prompt into chunks of ``chunk_size`` tokens (the paper's 8; under
+``compression_ratio`` 2 at r <= 0.5, 4 at 0.75: :meth:`ShadowKV.chunk`) and keeps
 
 * **keys** as a truncated SVD of the prompt's *pre-RoPE* keys, heads concatenated (``[S, Hkv*D]``,
   fp32 SVD per batch row): ``U[:, :r]`` ``[B, S, r]`` shared by the heads and ``S*V^T`` split per KV
@@ -99,7 +99,7 @@ from kvkit.stores.static import static_store
 
 PAPER_RANK, PAPER_WIDTH = 160, 1024  # ShadowKV: rank 160 for Llama-3-8B (8 KV heads x 128)
 PAPER_CHUNK = 8  # ShadowKV: 8 tokens per chunk / landmark
-RATIO_CHUNK = 4  # kvkit: under compression_ratio, 4 tokens per chunk (measured: results/needles/README.md)
+MIN_CHUNK = 2  # kvkit: the smallest chunk compression_ratio picks (a chunk of one token is its own landmark)
 PAPER_MIN_PROMPT = 4096  # ShadowKV compresses long contexts; kvkit runs shorter prompts as full
 
 
@@ -119,9 +119,10 @@ class ShadowKV(Policy):
         ``round(160 / 1024 * Hkv*D)`` (paper: 160 at ``Hkv*D = 1024``); under ``compression_ratio`` at most
         ``head_dim`` (:meth:`rank_at`).
     chunk_size : int or None
-        Tokens per chunk / landmark; None (default): the paper's 8, or 4 under ``compression_ratio`` (:meth:`chunk`).
-        A chunk is ranked by its mean key, and a smaller chunk averages a needle's keys with fewer others (measured:
-        results/needles/README.md); the landmarks then cost ``1 / (2 x 4)`` of full's bytes.
+        Tokens per chunk / landmark; None (default): the paper's 8, or under ``compression_ratio`` the smallest
+        whose landmarks take at most half of the reads (2 at r <= 0.5, 4 at 0.75; :meth:`chunk`). A chunk is ranked by
+        its mean key, and a smaller chunk averages a needle's keys with fewer others (measured:
+        results/needles/README.md).
     outliers : int or None
         Outlier chunks per KV head kept exact; None: ``round(48 * budget / 2048)`` (paper: 48 at 2048).
     local_chunks : int
@@ -146,7 +147,7 @@ class ShadowKV(Policy):
 
     budget: int = PAPER_BUDGET  # ShadowKV sparse budget, 2048 tokens
     rank: int | None = None  # ShadowKV rank 160 at Hkv*D = 1024; None scales it to the model
-    chunk_size: int | None = None  # ShadowKV chunk size 8; None: 8, or 4 under compression_ratio (kvkit, measured)
+    chunk_size: int | None = None  # ShadowKV chunk size 8; None: 8, or its landmarks half the reads under a ratio (kvkit)
     outliers: int | None = None  # ShadowKV: 48 outlier chunks at budget 2048; None scales with budget
     local_chunks: int = 4  # ShadowKV local window: 4 chunks (32 tokens)
     min_prompt: int | None = None  # ShadowKV applies to long contexts (4096); None: 4096, or 0 with compression_ratio
@@ -188,13 +189,23 @@ class ShadowKV(Policy):
 
     # ---- derived settings --------------------------------------------------------------------
     def chunk(self) -> int:
-        """Tokens per chunk in effect: ``chunk_size`` when given; else the paper's :data:`PAPER_CHUNK` (8), or
-        :data:`RATIO_CHUNK` (4) under ``compression_ratio``. At a fixed byte ratio a chunk of 4 spends an eighth of
-        full's bytes on landmarks (a sixteenth at 8) and still keeps more needles, because the mean key of 4 tokens
-        dilutes a needle's key less than that of 8 (measured at r = 0.5 and 0.75: results/needles/README.md)."""
+        """Tokens per chunk in effect: ``chunk_size`` when given; else the paper's :data:`PAPER_CHUNK` (8), and under
+        ``compression_ratio`` r the smallest power of two (at least :data:`MIN_CHUNK`) whose landmarks take at most
+        half of the bytes a step may read: a chunk of ``c`` tokens has landmarks of ``w / (2c)`` of full's bytes
+        (``w`` = 1 for the mean key, 2 for min-max), so ``c >= w / (1 - r)``: 2 tokens at r <= 0.5, 4 at 0.75, 8 at
+        0.875 (min-max: 4 at 0.5, 8 at 0.75). A smaller chunk's mean dilutes a needle's key with fewer others, and
+        the other half of the reads still selects tokens (measured at 2, 4, 8 and 16 tokens:
+        results/needles/README.md); every ratio stays reachable."""
         if self.chunk_size is not None:
             return self.chunk_size
-        return PAPER_CHUNK if self.compression_ratio is None else RATIO_CHUNK
+        if self.compression_ratio is None:
+            return PAPER_CHUNK
+        w = 2 if self.landmark == "minmax" else 1
+        need = w / (1 - self.compression_ratio) - 1e-9  # 1 / (1 - 0.75) is 4, not 4.000001
+        c = MIN_CHUNK
+        while c < need:
+            c *= 2
+        return c
 
     def rank_for(self, width: int) -> int:
         """SVD rank for a layer whose keys are ``width = Hkv*D`` wide (raises if the rank cannot fit)."""

@@ -348,10 +348,10 @@ def test_a_setting_the_model_cannot_run_is_refused_before_any_run_folder_is_writ
 
     out = tmp_path / "nd"
     rc = main(["eval", "needles", "--model", tiny_dir, "--policy", "full", "--policy",
-               "shadowkv:compression_ratio=0.9", "--out", str(out), "--lengths", "512", "--samples", "2"])
+               "shadowkv:compression_ratio=0.9,chunk_size=4", "--out", str(out), "--lengths", "512", "--samples", "2"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "run 'shadowkv-compression_ratio0.9'" in err and "reaches compression ratios in [0.000, 0.875]" in err
+    assert "run 'shadowkv-compression_ratio0.9-chunk_size4'" in err and "reaches compression ratios in [0.000, 0.875]" in err
     assert not out.exists() or not any(out.iterdir())
 
 

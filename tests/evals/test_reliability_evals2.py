@@ -447,6 +447,6 @@ def test_a_single_run_the_model_cannot_run_is_refused_before_its_folder_is_writt
     """``eval niah`` with a ratio out of the policy's reach on the model: refused as ``kvkit.patch`` refuses it,
     and no run folder (not even its config.json) is left to look like an unfinished run."""
     out = tmp_path / "niah"
-    assert _niah(tiny_dir, out, "--policy", "shadowkv:compression_ratio=0.9") == 2
+    assert _niah(tiny_dir, out, "--policy", "shadowkv:compression_ratio=0.9,chunk_size=4") == 2
     assert "reaches compression ratios in [0.000, 0.875]" in capsys.readouterr().err
     assert not out.exists()

@@ -106,7 +106,7 @@ def test_unreachable_ratios_are_refused_with_the_reachable_range(model):
     with pytest.raises(ValueError, match=r"tidal.*reaches compression ratios in \[0\.000, 0\.667\]"):
         kvkit.get_policy("tidal", compression_ratio=0.75).validate(cfg)  # 4 of 12 layers read everything
     with pytest.raises(ValueError, match=r"shadowkv.*reaches compression ratios"):
-        kvkit.get_policy("shadowkv", compression_ratio=0.97).validate(cfg)
+        kvkit.get_policy("shadowkv", compression_ratio=0.97, chunk_size=8).validate(cfg)
 
 
 @pytest.mark.parametrize("policy,r", [("snapkv", 0.9), ("cake", 0.9), ("kvzip", 0.9), ("streaming", 0.99),

@@ -328,24 +328,31 @@ def test_under_a_compression_ratio_the_default_rank_costs_a_selected_token_no_mo
     assert budgets[16] > budgets[24]
 
 
-def test_under_a_compression_ratio_a_chunk_is_four_tokens_and_its_landmarks_bound_the_ratio():
-    """With ``chunk_size`` unset a chunk is the paper's 8 tokens, and 4 under ``compression_ratio`` (a smaller chunk's
-    mean key dilutes a needle's key less); a given chunk size and the paper's preset keep theirs. The landmarks
-    of 4-token chunks are an eighth of full's bytes, so a ratio of 0.875 or more is refused with that range, which
-    8-token chunks still reach; the ratio holds on a prompt with the smaller chunks."""
+def test_under_a_compression_ratio_a_chunk_is_the_smallest_whose_landmarks_take_half_the_reads():
+    """With ``chunk_size`` unset a chunk is the paper's 8 tokens, and under ``compression_ratio`` r the smallest power
+    of two (at least 2) whose landmarks take at most half of the ``1 - r`` a step may read (a smaller chunk's mean
+    key dilutes a needle's key less); min-max landmarks are twice as wide. A given chunk size and the paper's preset
+    keep theirs. With the chunk unset every ratio is reachable; a given chunk whose landmarks alone pass ``1 - r`` is
+    refused with the range it reaches. The ratio holds on a prompt with the resolved chunk."""
     from kvkit.compat import cache_kw
 
     get = kvkit.get_policy
     assert get("shadowkv").chunk() == 8
-    assert get("shadowkv", compression_ratio=0.5).chunk() == 4
+    chunks = {r: get("shadowkv", compression_ratio=r).chunk() for r in (0.25, 0.5, 0.6, 0.75, 0.875, 0.9)}
+    assert chunks == {0.25: 2, 0.5: 2, 0.6: 4, 0.75: 4, 0.875: 8, 0.9: 16}
+    assert [get("shadowkv", compression_ratio=r, landmark="minmax").chunk() for r in (0.5, 0.75)] == [4, 8]
     assert get("shadowkv", compression_ratio=0.5, chunk_size=16).chunk() == 16
     assert get("shadowkv", compression_ratio=0.5, preset="paper").chunk() == 8
     assert get("shadowkv", preset="paper").options()["chunk_size"] == 8
 
     model = tiny_model("llama")
+    for r in (0.75, 0.9):
+        get("shadowkv", compression_ratio=r).validate(model.config)
+        get("shadowkv", compression_ratio=r, landmark="minmax").validate(model.config)
     with pytest.raises(ValueError, match=r"shadowkv.*reaches compression ratios in \[0\.000, 0\.875\]"):
-        get("shadowkv", compression_ratio=0.9).validate(model.config)
-    get("shadowkv", compression_ratio=0.9, chunk_size=8).validate(model.config)  # landmarks: a sixteenth
+        get("shadowkv", compression_ratio=0.9, chunk_size=4).validate(model.config)
+    with pytest.raises(ValueError, match=r"shadowkv.*reaches compression ratios in \[0\.000, 0\.750\]"):
+        get("shadowkv", compression_ratio=0.75, chunk_size=4, landmark="minmax").validate(model.config)
     with pytest.raises(ValueError, match=r"budget \(2\) must be at least chunk_size \(4\)"):
         get("shadowkv", budget=2, chunk_size=4)
 
@@ -359,6 +366,6 @@ def test_under_a_compression_ratio_a_chunk_is_four_tokens_and_its_landmarks_boun
     with torch.no_grad():
         model(ids, **cache_kw(full))
     store = _stores(cache)[0]
-    assert store.chunk == 4
-    assert store.landmarks.shape[-2] + store.out_k.shape[-2] // 4 == 400 // 4 - store.local_chunks
+    assert store.chunk == 2
+    assert store.landmarks.shape[-2] + store.out_k.shape[-2] // 2 == 400 // 2 - store.local_chunks
     assert abs(cache.read_nbytes() / full.read_nbytes() - 0.5) < 0.05
