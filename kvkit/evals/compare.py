@@ -10,11 +10,11 @@ from pathlib import Path
 from kvkit.evals.files import atomic_write_text, read_rows
 from kvkit.evals.report import (
     _ratio,
-    budget_of,
     csv_text,
     fmt_bytes,
     load_summary,
     markdown_table,
+    options_text,
     task_scores,
 )
 
@@ -191,7 +191,7 @@ def compare_matched(dirs: list, out: Path | None = None, baselines: list | None 
         ms, fm = _score(rows, common), _score(base_rows, common)
         ret = round(ms["average"] / fm["average"], 4) if ms["average"] is not None and fm["average"] else None
         kvr = round(ms["kv"] / fm["kv"], 3) if ms["kv"] and fm["kv"] else None
-        opts = ",".join(f"{k}={v}" for k, v in sorted((cfg.get("options") or {}).items())) or "-"
+        opts = options_text(cfg.get("options") or {})
         if cfg.get("full_prompt_prefill"):
             opts += " (question in prefill)"
         counts = ms["per_task"]
@@ -208,7 +208,8 @@ def compare_matched(dirs: list, out: Path | None = None, baselines: list | None 
 
 
 def compare(dirs: list, out: Path | None = None, baselines: list | None = None) -> str:
-    """One policy x budget table over several eval summaries, with retention = score / baseline score beside the KV
+    """One table of runs (a row per policy and its options) over several eval summaries, with retention = score /
+    baseline score beside the KV
     bytes held (and read per decode step) and their fraction of the baseline's.
 
     ``dirs``: run folders or their summary.json; a ``kvkit eval needles --out`` folder stands for its run folders
@@ -221,12 +222,12 @@ def compare(dirs: list, out: Path | None = None, baselines: list | None = None) 
     runs = list(zip(paths, sums))
     picked = _pick_baselines(runs, baselines)
     tasks = list(dict.fromkeys(t for s in sums for t in s["scores"]))
-    header = ["benchmark", "model", "length", "policy", "budget", *tasks, "average", "KV bytes", "KV vs baseline",
+    header = ["benchmark", "model", "length", "policy", "options", *tasks, "average", "KV bytes", "KV vs baseline",
               "KV read/step", "reads vs baseline", "retention"]
     rows, notes = [], []
     order = sorted(range(len(runs)), key=lambda i: (sums[i]["benchmark"], str(sums[i].get("length")),
                                                     sums[i]["policy"] != "full", sums[i]["policy"],
-                                                    budget_of(sums[i].get("options") or {})))
+                                                    options_text(sums[i].get("options") or {})))
     for i in order:
         d, s = runs[i]
         b = picked.get(_settings(s))
@@ -242,7 +243,8 @@ def compare(dirs: list, out: Path | None = None, baselines: list | None = None) 
             j = _nearest(s, runs, picked)
             notes.append(f"- {d}: no retention: no baseline of its settings ({_differs(s, sums[j])} against {paths[j]})")
         kv, rd = s.get("mean_kv_bytes"), s.get("mean_kv_read")
-        rows.append([s["benchmark"], s.get("model"), s.get("length"), s["policy"], budget_of(s.get("options") or {}),
+        rows.append([s["benchmark"], s.get("model"), s.get("length"), s["policy"],
+                     options_text(s.get("options") or {}),
                      *[s["scores"].get(t) for t in tasks], s["average"],
                      fmt_bytes(kv) if kv is not None else None, kv_frac,
                      fmt_bytes(rd) if rd is not None else None, read_frac, ret])

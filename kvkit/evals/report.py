@@ -165,10 +165,10 @@ def _short(v) -> str:
     return t if len(t) <= 60 else t[:57] + "..."
 
 
-def budget_of(options: dict) -> str:
-    for k in ("budget", "budget_tokens", "keep", "compression_ratio", "ratio"):
-        if k in options:
-            return str(options[k])
+def options_text(options: dict) -> str:
+    """A run's policy options as ``key=value`` pairs in key order (``-`` for none): every option shown, so two runs
+    of a policy that differ in any option get different rows, and a number is never shown without its knob (a
+    ``budget`` of tokens, a ``compression_ratio`` removed, chelsea's ``ratio`` kept)."""
     return ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "-"
 
 

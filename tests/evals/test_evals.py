@@ -195,12 +195,17 @@ def test_compare_joins_summaries_with_retention(tmp_path):
 
     a = fake("full", "full", {}, {"vt": 80.0, "cwe": 60.0})
     b = fake("s512", "streaming", {"budget": 512}, {"vt": 40.0, "cwe": 30.0})
-    md = compare([b, a], out=tmp_path / "cmp")
+    # two runs that differ only in a second option, and one whose number is a ratio, not a token budget
+    c = fake("snap", "snapkv", {"compression_ratio": 0.5}, {"vt": 80.0, "cwe": 60.0})
+    d = fake("snap-p", "snapkv", {"compression_ratio": 0.5, "protect_heads": 0.2}, {"vt": 40.0, "cwe": 60.0})
+    md = compare([b, a, d, c], out=tmp_path / "cmp")
     lines = md.splitlines()
-    assert lines[0].startswith("| benchmark | model | length | policy | budget | vt | cwe | average | KV bytes | "
+    assert lines[0].startswith("| benchmark | model | length | policy | options | vt | cwe | average | KV bytes | "
                                "KV vs baseline | KV read/step | reads vs baseline | retention |")
     assert "| full | - | 80.00 | 60.00 | 70.00 | - | - | - | - | 1.00 |" in md  # (no KV bytes in these summaries)
-    assert "| streaming | 512 | 40.00 | 30.00 | 35.00 | - | - | - | - | 0.50 |" in md
+    assert "| streaming | budget=512 | 40.00 | 30.00 | 35.00 | - | - | - | - | 0.50 |" in md
+    assert "| snapkv | compression_ratio=0.5 | 80.00 | 60.00 | 70.00 | - | - | - | - | 1.00 |" in md
+    assert "| snapkv | compression_ratio=0.5,protect_heads=0.2 | 40.00 | 60.00 | 50.00 | - | - | - | - | 0.71 |" in md
     assert (tmp_path / "cmp" / "compare.csv").exists()
     with pytest.raises(ValueError, match="no summary.json"):
         compare([tmp_path / "nothing"])
