@@ -193,7 +193,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--seed", type=integer, default=None, help="seed of the prompts (default 42)")
     _dtype(b, None)  # float32; --shape: bfloat16 on CUDA
     b.add_argument("--lengths", type=int_list("lengths"), default=None, metavar="N[,N...]",
-                   help="prompt lengths (default 2048,4096,8192; --shape: 16384)")
+                   help="prompt lengths (default 2048,4096,8192, each cut to leave room for the decoded tokens in "
+                        "the model's context: 8160 for the bundled model; --shape: 16384)")
     b.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens decoded after the prefill")
     b.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
                    help="also run chunked prefill (kvkit.prefill, N tokens per forward) for the policy and the "

@@ -86,7 +86,9 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
 
 def resolve_policy_options(policy: str, options: dict | None = None, budget: int | None = None) -> dict:
     """Policy options from ``--opt``/``--policy-options`` plus ``--budget`` (which sets the policy's
-    ``budget`` option; a policy without one is an error listing its options)."""
+    ``budget`` option; a policy without one is an error listing its options), checked by building the policy once:
+    its own refusals (a native knob given with ``compression_ratio``, a value out of range, a missing file) come
+    here, before any model loads, as a ValueError naming the policy."""
     valid = policy_options(policy)  # unknown policy: ValueError listing the known ones
     opts = dict(options or {})
     if budget is not None:
@@ -98,6 +100,7 @@ def resolve_policy_options(policy: str, options: dict | None = None, budget: int
     if unknown:
         listed = ", ".join(f"{k}={v!r}" for k, v in valid.items()) or "(none)"
         raise ValueError(f"unknown option(s) {', '.join(unknown)} for policy {policy!r}; valid options: {listed}")
+    policy_class(policy)(**opts)
     return opts
 
 

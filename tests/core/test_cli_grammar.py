@@ -217,6 +217,86 @@ def test_help_listing_and_refusals_import_no_torch(argv):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("argv,msg", [
+    (["run", "--policy", "snapkv:compresion_ratio=0.5"], "unknown option(s) compresion_ratio for policy 'snapkv'"),
+    (["run", "--policy", "duo:sparsity=0.5,compression_ratio=0.5"], "duo: compression_ratio=0.5 sets sparsity"),
+    (["eval", "ruler", "--policy", "snapkv:compression_ratio=1.5"], "snapkv: compression_ratio must be a fraction"),
+    (["eval", "needles", "--policy", "full", "--policy", "chelsea:ratio=0.3", "--compression-ratio", "0.5", "--out",
+      "runs/x"], "chelsea: compression_ratio=0.5 sets ratio itself; give compression_ratio or ratio=0.3"),
+    (["bench", "--policy", "cake:preset=papr"], "cake: preset must be one of kvkit, paper"),
+    (["speculate", "--policy", "snapkv:compression_ratio=2"], "snapkv: compression_ratio must be a fraction"),
+    (["run", "--policy", "snapkv", "--budget", "512", "--compression-ratio", "0.5"],
+     "snapkv: compression_ratio=0.5 sets budget itself; give compression_ratio or budget=512, not both")])
+def test_a_policy_setting_the_catalog_refuses_is_refused_without_importing_torch(argv, msg):
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
+    assert r.stderr.strip().splitlines()[-1] == "HEAVY [] RC 2", r.stderr[-2000:]
+    assert f"kvkit: error: {msg}" in r.stderr and "Traceback" not in r.stderr
+
+
+def _other(v):
+    """A value of an option's type other than its default ``v``."""
+    if v is None:
+        return 4
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v + 1
+    if isinstance(v, float):
+        return round(v / 2 + 0.01, 3)
+    return v + "x"
+
+
+def _settings_to_check():
+    """(policy, options) for every catalogued policy: an unknown option, bad presets and ratios, each ratio knob
+    beside compression_ratio (given, and given at its default / paper value, which is no conflict), and a setting
+    that is fine."""
+    out = []
+    for e in catalog.load():
+        name, defaults = e["name"], {o["name"]: o["default"] for o in e["options"]}
+        out.append((name, {"no_such_option": 1}))
+        if "preset" not in defaults:
+            continue
+        out += [(name, {"preset": "papr"}), (name, {"compression_ratio": 1.5}), (name, {"compression_ratio": 0}),
+                (name, {"compression_ratio": True}), (name, {"compression_ratio": 0.5}),
+                (name, {"compression_ratio": 0.5, "preset": "paper"})]
+        for k in e["ratio_knobs"]:
+            out += [(name, {"compression_ratio": 0.5, k: _other(defaults[k])}),
+                    (name, {"compression_ratio": 0.5, k: defaults[k]}),
+                    (name, {"compression_ratio": 0.5, "preset": "paper", k: _other(defaults[k])})]
+            if k in e["paper_preset"]:
+                out.append((name, {"compression_ratio": 0.5, "preset": "paper", k: e["paper_preset"][k]}))
+    return out
+
+
+def test_the_catalog_refuses_a_setting_as_the_policy_itself_does():
+    """kvkit.cli.main checks every --policy against the catalog before torch loads (catalog.check_options); what it
+    refuses, and its message, must be what building the policy refuses and says."""
+    from kvkit.evals.settings import resolve_policy_options
+    from kvkit.policies.knobs import PRESETS
+
+    assert catalog.PRESETS == PRESETS
+    settings = _settings_to_check()
+    assert len(settings) > 60
+    refused = 0
+    for name, opts in settings:
+        try:
+            resolve_policy_options(name, opts)
+            built = None
+        except ValueError as e:
+            built = str(e)
+        try:
+            catalog.check_options(name, opts)
+            checked = None
+        except ValueError as e:
+            checked = str(e)
+        if checked is not None:  # the catalog refuses only what the policy refuses, in its words
+            refused += 1
+            assert checked == built, (name, opts)
+        elif built is not None:  # what only the policy's code can check: a value of a knob the catalog passes
+            assert "compression_ratio" not in built or "out of reach" in built, (name, opts, built)
+    assert refused > 40
+
+
 CALIBRATE_NO_TORCH = r"""
 import sys
 from kvkit import cli
@@ -292,6 +372,8 @@ def test_policies_name_explains_its_options(capsys):
     out = capsys.readouterr().out
     assert out.startswith("snapkv: SnapKV") and "paper: arXiv:2404.14469" in out
     assert "budget" in out and "default 1024" in out and "why:" in out
+    assert "compression_ratio sets: budget" in out  # the knob the ratio maps to, and what the paper preset sets
+    assert 'preset="paper" sets: calibrated=false, protect_heads=0.0' in out
     assert run("policies", "nosuch") == 2
     assert "known policies" in capsys.readouterr().err
 
@@ -308,5 +390,5 @@ def test_each_policy_of_a_multi_run_eval_gets_a_folder_named_by_its_setting():
     assert [n for n, _, _ in specs] == ["full", "snapkv-budget128", "snapkv-window8-budget128", "quantized-nbits4"]
     assert specs[1][1:] == ("snapkv", {"budget": 128}) and specs[3][2]["nbits"] == 4
     old = cli.build_parser("eval").parse_args(["eval", "needles", "--out", "o", "--run", "base=full", "--run",
-                                               "s=snapkv:budget=64"])
+                                               "s=snapkv:budget=96"])
     assert [(n, p) for n, p, _ in runs.run_specs(old, "needles", _resolve)] == [("base", "full"), ("s", "snapkv")]

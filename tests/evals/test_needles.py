@@ -335,7 +335,7 @@ def test_eval_needles_end_to_end(tiny_dir, tmp_path, capsys):
     assert json.loads((out / "snap" / "summary.json").read_text())["mean_kv_read"] > 0
     capsys.readouterr()
     assert main(["eval", "compare", str(out)]) == 0
-    assert "| snapkv | 128 |" in capsys.readouterr().out
+    assert "| snapkv | budget=128 |" in capsys.readouterr().out
     assert main(["eval", "needles", "--model", tiny_dir, "--run", "a=full", "--run", "a=streaming",
                  "--out-root", str(out)]) == 2
     assert "run folder names must be unique" in capsys.readouterr().err

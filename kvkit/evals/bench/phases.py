@@ -116,7 +116,7 @@ def run(model, tokenizer, policy: str, options: dict, lengths: list[int], decode
         raise ValueError(f"--oneshot must be 'all' or 'full', got {oneshot!r}")
     positive_int(batch, "--batch")
     for L in lengths:
-        check_length(model, L + decode_tokens, "--lengths")
+        check_length(model, L + decode_tokens, f"--lengths {L} + --decode-tokens {decode_tokens} =")
     rows = []
     configs = [("full", {})] + ([] if policy == "full" else [(policy, options)])
     for name, opts in more or []:
