@@ -26,6 +26,7 @@ from kvkit.cli_grammar import (
     add_out,
     add_policy_options,
     check_device,
+    check_policy_args,
     choice_list,
     fraction,
     int_list,
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         leaf.print_help()
         return 2
     try:
+        check_policy_args(args)  # the policy settings against the catalog, before the command imports torch
         return args.func(args) or 0
     except BrokenPipeError:  # `kvkit policies | head`: the reader left
         sys.stdout = open(__import__("os").devnull, "w")

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 
+from kvkit import catalog
 from kvkit.policy_spec import (  # noqa: F401  (re-exported: kvkit.cli_grammar.<name> as before)
     PolicySpec,
     has_option,
@@ -245,6 +246,21 @@ def extra_options(args) -> dict:
     for item in getattr(args, "opt", None) or []:
         out.update(parse_pairs(item, "--opt"))
     return out
+
+
+def check_policy_args(args) -> None:
+    """Every ``--policy`` of a parsed command line, with the options given apart folded in (:func:`policies_of`),
+    checked against the policy catalog without importing torch (:func:`kvkit.catalog.check_options`): run by
+    ``kvkit.cli.main`` before the command's own imports, so an unknown option, a bad ``preset`` or
+    ``compression_ratio`` and a native knob beside ``compression_ratio`` are refused at once. ``bench --shape``'s rows
+    (transformers rows and compile settings beside the policies) are left to their own parser."""
+    if getattr(args, "shape", None) or not getattr(args, "policy", None):
+        return
+    if not all(isinstance(s, PolicySpec) for s in flatten(args.policy if isinstance(args.policy, list)
+                                                           else [args.policy])):
+        return
+    for spec in policies_of(args):
+        catalog.check_options(spec.name, spec.options)
 
 
 def policies_of(args, default: str | None = None) -> list[PolicySpec]:
