@@ -29,8 +29,9 @@ case "$which" in
         "shadowkv:$R=0.5" "shadowkv:$R=0.75" "shadowkv:$R=0.5,preset=paper" \
         "zipcache:$R=0.75" "streaming:$R=0.5" "streaming:$R=0.75"
     # shadowkv at r = 0.5 beside its default (2-token chunks): the paper's chunk of 8 tokens, kvkit's min-max
-    # landmark (4-token chunks, its landmarks being twice as wide)
-    add "shadowkv:$R=0.5,chunk_size=8" "shadowkv:$R=0.5,landmark=minmax"
+    # landmark (4-token chunks, its landmarks being twice as wide),
+    # and the calibrated rank 120 beside the default's rank capped at head_dim (64)
+    add "shadowkv:$R=0.5,chunk_size=8" "shadowkv:$R=0.5,landmark=minmax" "shadowkv:$R=0.5,rank=120"
     if [ "$which" = essay ]; then
       ARGS=(--out results/needles/defaults-essay --lengths 4096 --samples 33)
     else
