@@ -252,14 +252,22 @@ def check_policy_args(args) -> None:
     """Every ``--policy`` of a parsed command line, with the options given apart folded in (:func:`policies_of`),
     checked against the policy catalog without importing torch (:func:`kvkit.catalog.check_options`): run by
     ``kvkit.cli.main`` before the command's own imports, so an unknown option, a bad ``preset`` or
-    ``compression_ratio`` and a native knob beside ``compression_ratio`` are refused at once. ``bench --shape``'s rows
+    ``compression_ratio`` and a native knob beside ``compression_ratio`` are refused at once, and so is a ``--budget``
+    that no given policy has (it would be ignored: with several policies it goes to those that have one). ``bench --shape``'s rows
     (transformers rows and compile settings beside the policies) are left to their own parser."""
     if getattr(args, "shape", None) or not getattr(args, "policy", None):
         return
     if not all(isinstance(s, PolicySpec) for s in flatten(args.policy if isinstance(args.policy, list)
                                                            else [args.policy])):
         return
-    for spec in policies_of(args):
+    specs = policies_of(args)
+    budget = getattr(args, "budget", None)
+    compressing = [s.name for s in specs if s.name != "full"]
+    if budget is not None and compressing and not any(has_option(n, "budget") for n in compressing):
+        raise ValueError(f"--budget {budget}: {', '.join(dict.fromkeys(compressing))} has no `budget` option, so it "
+                         "would be ignored; give --compression-ratio R, or the policy's own knob as "
+                         "--policy NAME:KEY=VALUE (`kvkit policies NAME` lists them)")
+    for spec in specs:
         catalog.check_options(spec.name, spec.options)
 
 

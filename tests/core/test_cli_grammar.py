@@ -226,7 +226,11 @@ def test_help_listing_and_refusals_import_no_torch(argv):
     (["bench", "--policy", "cake:preset=papr"], "cake: preset must be one of kvkit, paper"),
     (["speculate", "--policy", "snapkv:compression_ratio=2"], "snapkv: compression_ratio must be a fraction"),
     (["run", "--policy", "snapkv", "--budget", "512", "--compression-ratio", "0.5"],
-     "snapkv: compression_ratio=0.5 sets budget itself; give compression_ratio or budget=512, not both")])
+     "snapkv: compression_ratio=0.5 sets budget itself; give compression_ratio or budget=512, not both"),
+    # a --budget no given policy has would be ignored (several policies: it goes to those that have one)
+    (["run", "--policy", "chelsea", "--budget", "512"], "--budget 512: chelsea has no `budget` option, so it would "
+                                                          "be ignored; give --compression-ratio R"),
+    (["eval", "ruler", "--policy", "duo", "--budget", "512"], "--budget 512: duo has no `budget` option")])
 def test_a_policy_setting_the_catalog_refuses_is_refused_without_importing_torch(argv, msg):
     r = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
     assert r.stderr.strip().splitlines()[-1] == "HEAVY [] RC 2", r.stderr[-2000:]
