@@ -22,7 +22,7 @@ case "$which" in
     for p in snapkv cake chelsea; do
       add "$p:$R=0.5" "$p:$R=0.75" "$p:$R=0.25" "$p:$R=0.5,preset=paper" \
           "$p:$R=0.5,protect_heads=0.2" "$p:$R=0.5,protect_heads=0.3" "$p:$R=0.5,protect_heads=0.4" \
-          "$p:$R=0.75,protect_heads=0.1" "$p:$R=0.75,protect_heads=0.2"
+          "$p:$R=0.75,protect_heads=0.1" "$p:$R=0.75,protect_heads=0.15" "$p:$R=0.75,protect_heads=0.2"
     done
     add "kvzip:$R=0.5" "kvzip:$R=0.75" "tidal:$R=0.5" "tidal:$R=0.5,preset=paper" "tidal:$R=0.75,preset=paper" \
         "duo:$R=0.5" "duo:$R=0.75" "duo:$R=0.5,preset=paper" "duo:$R=0.75,preset=paper" \
