@@ -253,12 +253,10 @@ def check_policy_args(args) -> None:
     checked against the policy catalog without importing torch (:func:`kvkit.catalog.check_options`): run by
     ``kvkit.cli.main`` before the command's own imports, so an unknown option, a bad ``preset`` or
     ``compression_ratio`` and a native knob beside ``compression_ratio`` are refused at once, and so is a ``--budget``
-    that no given policy has (it would be ignored: with several policies it goes to those that have one). ``bench --shape``'s rows
-    (transformers rows and compile settings beside the policies) are left to their own parser."""
+    that no given policy has (it would be ignored: with several policies it goes to those that have one).
+    ``bench --shape``'s rows (transformers rows and compile settings beside the policies) are left to their own
+    parser."""
     if getattr(args, "shape", None) or not getattr(args, "policy", None):
-        return
-    if not all(isinstance(s, PolicySpec) for s in flatten(args.policy if isinstance(args.policy, list)
-                                                           else [args.policy])):
         return
     specs = policies_of(args)
     budget = getattr(args, "budget", None)

@@ -209,8 +209,7 @@ def compare_matched(dirs: list, out: Path | None = None, baselines: list | None 
 
 def compare(dirs: list, out: Path | None = None, baselines: list | None = None) -> str:
     """One table of runs (a row per policy and its options) over several eval summaries, with retention = score /
-    baseline score beside the KV
-    bytes held (and read per decode step) and their fraction of the baseline's.
+    baseline score beside the KV bytes held (and read per decode step) and their fraction of the baseline's.
 
     ``dirs``: run folders or their summary.json; a ``kvkit eval needles --out`` folder stands for its run folders
     (:func:`expand_dirs`). The baseline of a run is the run of the same settings (:data:`SAMPLE_SETTINGS`:
